@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs what qkv needs to build and test on Debian 12, only what is missing. Needs root
+# (or sudo) the first time; later runs only check.
+set -euo pipefail
+
+packages=(g++ cmake ninja-build ccache libhwy-dev libdnnl-dev libgtest-dev libbenchmark-dev
+          python3 python3-numpy python3-pytest)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}" >&2
+  sudo_cmd=()
+  [ "$(id -u)" -ne 0 ] && sudo_cmd=(sudo)
+  "${sudo_cmd[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}" >/dev/null
+fi

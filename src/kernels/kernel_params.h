@@ -1,0 +1,46 @@
+// AttentionKernelParams: the one struct every attention kernel takes (FlashAttention's
+// Flash_fwd_params idea). ops/attention.cc fills it from validated input, so kernels trust it:
+// sizes are positive, pointers are non-null where required, broadcast dims have stride 0.
+#pragma once
+
+#include <cstdint>
+
+namespace qkv {
+
+struct AttentionKernelParams {
+  // Sizes.
+  std::int64_t batch, seq_q, seq_kv, num_heads_q, num_heads_kv, head_dim, head_dim_v;
+
+  // Operands (f32) and their strides in elements, in logical order.
+  //   q: [B, Lq, Hq, D]   k: [B, Lk, Hkv, D]   v: [B, Lk, Hkv, Dv]   out: [B, Lq, Hq, Dv]
+  const float* q;
+  const float* k;
+  const float* v;
+  float* out;
+  std::int64_t q_stride[4], k_stride[4], v_stride[4], out_stride[4];
+  float* lse;  // nullable; [B, Hq, Lq]
+  std::int64_t lse_stride[3];
+  float* probs;  // nullable; [B, Hq, Lq, Lk]
+  std::int64_t probs_stride[4];
+
+  // Scores.
+  float scale;    // > 0
+  float softcap;  // 0 = off
+
+  // Allowed pairs: j in [i' - window_left, i' + window_right] with i' = i + diagonal_offset,
+  // -1 = unbounded. causal is folded in: window_right = min(window_right, 0) when causal.
+  std::int64_t diagonal_offset;  // Lk - Lq (bottom-right) or 0 (top-left)
+  std::int64_t window_left, window_right;
+  const std::int64_t* key_lengths;  // nullable; [B], each in [0, Lk]
+
+  // Broadcast [B, Hq, Lq, Lk] operands; stride 0 on broadcast dims.
+  const std::uint8_t* mask;  // nullable; nonzero = may attend
+  std::int64_t mask_stride[4];
+  const float* bias;  // nullable
+  std::int64_t bias_stride[4];
+
+  int num_threads;  // resolved, >= 1
+  std::int64_t chunk_size;
+};
+
+}  // namespace qkv

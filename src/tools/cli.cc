@@ -1,0 +1,45 @@
+#include "tools/cli.h"
+
+#include <cerrno>
+#include <cstdlib>
+
+namespace qkv::cli {
+
+std::string Args::value(const std::string& name) {
+  if (done()) throw UsageError(name + ": missing value");
+  return next();
+}
+
+std::int64_t parse_int(const std::string& option, const std::string& text) {
+  errno = 0;
+  char* end = nullptr;
+  const long long value = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || end != text.c_str() + text.size() || errno == ERANGE) {
+    throw UsageError(option + ": expected an integer, got '" + text + "'");
+  }
+  return value;
+}
+
+double parse_double(const std::string& option, const std::string& text) {
+  errno = 0;
+  char* end = nullptr;
+  const double value = std::strtod(text.c_str(), &end);
+  if (text.empty() || end != text.c_str() + text.size() || errno == ERANGE) {
+    throw UsageError(option + ": expected a number, got '" + text + "'");
+  }
+  return value;
+}
+
+std::vector<std::int64_t> parse_int_list(const std::string& option, const std::string& text) {
+  std::vector<std::int64_t> values;
+  std::size_t start = 0;
+  while (true) {
+    const std::size_t comma = text.find(',', start);
+    values.push_back(parse_int(option, text.substr(start, comma - start)));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return values;
+}
+
+}  // namespace qkv::cli

@@ -1,0 +1,50 @@
+// qkv: command-line entry point. Dispatches to one command; turns every error into
+// "qkv: error: ..." on stderr and exit status 2 (DESIGN.md section 4).
+#include <cstdio>
+#include <exception>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "qkv/error.h"
+#include "tools/cli.h"
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage: qkv <command> [options]\n"
+    "\n"
+    "commands:\n"
+    "  attention   scaled dot-product attention on .npy files\n"
+    "  demo        the main job: standard vs chunked vs flash attention, side by side\n"
+    "  bench       GFLOP/s of the attention kernels against this machine's measured peak\n"
+    "\n"
+    "Run 'qkv <command> --help' for a command's options.\n";
+
+int dispatch(const std::string& command, std::vector<std::string> args) {
+  if (command == "attention") return qkv::cli::run_attention(std::move(args));
+  if (command == "demo") return qkv::cli::run_demo(std::move(args));
+  if (command == "bench") return qkv::cli::run_bench(std::move(args));
+  if (command == "--help" || command == "-h" || command == "help") {
+    std::fputs(kUsage, stdout);
+    return 0;
+  }
+  throw qkv::cli::UsageError("unknown command '" + command + "' (try 'qkv --help')");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fputs(kUsage, stderr);
+    return 2;
+  }
+  try {
+    return dispatch(argv[1], std::vector<std::string>(argv + 2, argv + argc));
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "qkv: error: out of memory\n");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "qkv: error: %s\n", e.what());
+  }
+  return 2;
+}
