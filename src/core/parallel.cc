@@ -7,9 +7,7 @@
 
 namespace qkv {
 
-int resolve_num_threads(int requested) {
-  return requested > 0 ? requested : omp_get_max_threads();
-}
+int resolve_num_threads(int requested) { return requested > 0 ? requested : omp_get_max_threads(); }
 
 void parallel_for(std::int64_t num_tasks, int num_threads,
                   const std::function<void(std::int64_t task, int thread)>& body) {

@@ -1,0 +1,322 @@
+// Tile machinery shared by the flash and chunked CPU kernels (Highway, one copy per target).
+//
+// Layout idea: scores are kept TRANSPOSED, st[key][query], with the queries of one block along
+// the SIMD lanes. Then everything that is per query (running max, running sum, rescale factor,
+// allowed key range) is lane-wise, softmax needs no horizontal reductions, and K and V are read
+// in their natural layout through scalar broadcasts, so they are never packed or transposed.
+// Only q is packed, once per query block, as q^T * scale.
+//
+//   qt: [D][kBlockQ]    st: [keys][kBlockQ]    ot: [Dv][kBlockQ]  (out^T, unnormalised)
+//
+// Both products are the same rank-1-update micro-kernel (OuterProductRows):
+//   st[j][:] = sum_d  k[j][d] * qt[d][:]          (R keys at a time)
+//   ot[e][:] = alpha * ot[e][:] + sum_j v[j][e] * st[j][:]   (R value dims at a time)
+
+#if defined(QKV_KERNELS_CPU_ATTENTION_TILES_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef QKV_KERNELS_CPU_ATTENTION_TILES_INL_H_
+#undef QKV_KERNELS_CPU_ATTENTION_TILES_INL_H_
+#else
+#define QKV_KERNELS_CPU_ATTENTION_TILES_INL_H_
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/highway.h"
+#include "kernels/kernel_params.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv {
+namespace HWY_NAMESPACE {
+namespace tiles {
+
+namespace hn = hwy::HWY_NAMESPACE;
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+
+// Tile geometry for this target (x86 targets have a fixed vector length).
+constexpr std::int64_t kLanes = HWY_LANES(float);
+// Query vectors per block: as many accumulators as the register file holds comfortably
+// (AVX-512: 32 registers -> 4 x 4 accumulators; AVX2: 16 -> 4 x 2).
+constexpr int kQueryVecs = kLanes == 8 ? 2 : 4;
+constexpr std::int64_t kBlockQ = kQueryVecs * kLanes;  // queries per block
+constexpr std::int64_t kBlockK = 128;                  // keys per tile
+constexpr int kRows = 4;                               // micro-kernel rows (keys or value dims)
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// c[r][:] = (alpha ? alpha * c[r][:] : accumulate ? c[r][:] : 0) + sum_t b(r, t) * a[t][:]
+// for r in [0, R), t in [0, depth), where b(r, t) = b[r * b_row_stride + t * b_depth_stride].
+//   a: [depth][kBlockQ]   c: [R][kBlockQ]   alpha: [kBlockQ] or null
+template <int R>
+HWY_INLINE void OuterProductRows(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b,
+                                 std::int64_t b_row_stride, std::int64_t b_depth_stride,
+                                 std::int64_t depth, float* HWY_RESTRICT c,
+                                 const float* HWY_RESTRICT alpha, bool accumulate) {
+  const DF df;
+  VF acc[R][kQueryVecs];
+  HWY_UNROLL(4)
+  for (int x = 0; x < kQueryVecs; ++x) {
+    const VF scale = alpha != nullptr ? hn::Load(df, alpha + x * kLanes) : hn::Set(df, 1.0f);
+    HWY_UNROLL(4)
+    for (int r = 0; r < R; ++r) {
+      acc[r][x] =
+          accumulate ? hn::Mul(hn::Load(df, c + r * kBlockQ + x * kLanes), scale) : hn::Zero(df);
+    }
+  }
+  for (std::int64_t t = 0; t < depth; ++t) {
+    VF a_vec[kQueryVecs];
+    HWY_UNROLL(4)
+    for (int x = 0; x < kQueryVecs; ++x) a_vec[x] = hn::Load(df, a + t * kBlockQ + x * kLanes);
+    const float* b_col = b + t * b_depth_stride;
+    HWY_UNROLL(4)
+    for (int r = 0; r < R; ++r) {
+      const VF b_val = hn::Set(df, b_col[r * b_row_stride]);
+      HWY_UNROLL(4)
+      for (int x = 0; x < kQueryVecs; ++x) acc[r][x] = hn::MulAdd(b_val, a_vec[x], acc[r][x]);
+    }
+  }
+  HWY_UNROLL(4)
+  for (int r = 0; r < R; ++r) {
+    HWY_UNROLL(4)
+    for (int x = 0; x < kQueryVecs; ++x) hn::Store(acc[r][x], df, c + r * kBlockQ + x * kLanes);
+  }
+}
+
+// Runs OuterProductRows over `rows` rows: blocks of kRows, then single rows for the tail, so no
+// row past `rows` is ever read (keys past the tile may be padding garbage or out of bounds).
+HWY_INLINE void OuterProduct(const float* a, const float* b, std::int64_t rows,
+                             std::int64_t b_row_stride, std::int64_t b_depth_stride,
+                             std::int64_t depth, float* c, const float* alpha, bool accumulate) {
+  std::int64_t r = 0;
+  for (; r + kRows <= rows; r += kRows) {
+    OuterProductRows<kRows>(a, b + r * b_row_stride, b_row_stride, b_depth_stride, depth,
+                            c + r * kBlockQ, alpha, accumulate);
+  }
+  for (; r < rows; ++r) {
+    OuterProductRows<1>(a, b + r * b_row_stride, b_row_stride, b_depth_stride, depth,
+                        c + r * kBlockQ, alpha, accumulate);
+  }
+}
+
+// Per-thread state of one query block: queries [i0, i0 + num_q) of one (batch, head).
+struct QueryBlock {
+  // Scratch (sized by the caller, see ScratchFloats).
+  float* qt;         // [D][kBlockQ]   q^T * scale; zero in lanes past num_q
+  float* ot;         // [Dv][kBlockQ]  unnormalised out^T
+  float* row_max;    // [kBlockQ]      running max of the scores
+  float* row_sum;    // [kBlockQ]      running sum of exp(score - row_max)
+  float* alpha;      // [kBlockQ]      rescale factor of the current tile
+  std::int64_t* lo;  // [kBlockQ]      allowed keys of each query: [lo, hi); lo = hi = 0 if none
+  std::int64_t* hi;
+  // Position.
+  std::int64_t b, h, kv_head, i0, num_q;
+  // Union of the allowed key ranges: tiles outside [key_begin, key_end) are skipped.
+  std::int64_t key_begin, key_end;
+  const float* k;  // k[b, 0, kv_head, 0]
+  const float* v;  // v[b, 0, kv_head, 0]
+};
+
+// Floats of scratch one QueryBlock needs (excluding lo/hi, which are int64 [kBlockQ] each).
+inline std::int64_t ScratchFloats(const AttentionKernelParams& p) {
+  return (p.head_dim + p.head_dim_v + 3) * kBlockQ;
+}
+
+inline void BindScratch(const AttentionKernelParams& p, float* floats, std::int64_t* ints,
+                        QueryBlock& qb) {
+  qb.qt = floats;
+  qb.ot = qb.qt + p.head_dim * kBlockQ;
+  qb.row_max = qb.ot + p.head_dim_v * kBlockQ;
+  qb.row_sum = qb.row_max + kBlockQ;
+  qb.alpha = qb.row_sum + kBlockQ;
+  qb.lo = ints;
+  qb.hi = ints + kBlockQ;
+}
+
+// Packs q^T * scale, computes each query's allowed key range from causal/window/key_lengths,
+// and resets the running softmax state.
+inline void StartQueryBlock(const AttentionKernelParams& p, std::int64_t b, std::int64_t h,
+                            std::int64_t i0, QueryBlock& qb) {
+  qb.b = b;
+  qb.h = h;
+  qb.kv_head = h / (p.num_heads_q / p.num_heads_kv);
+  qb.i0 = i0;
+  qb.num_q = std::min<std::int64_t>(kBlockQ, p.seq_q - i0);
+  qb.k = p.k + b * p.k_stride[0] + qb.kv_head * p.k_stride[2];
+  qb.v = p.v + b * p.v_stride[0] + qb.kv_head * p.v_stride[2];
+
+  const float* q = p.q + b * p.q_stride[0] + h * p.q_stride[2];
+  for (std::int64_t d = 0; d < p.head_dim; ++d) {
+    float* row = qb.qt + d * kBlockQ;
+    for (std::int64_t i = 0; i < qb.num_q; ++i) {
+      row[i] = q[(i0 + i) * p.q_stride[1] + d * p.q_stride[3]] * p.scale;
+    }
+    for (std::int64_t i = qb.num_q; i < kBlockQ; ++i) row[i] = 0.0f;
+  }
+
+  const std::int64_t key_length = p.key_lengths != nullptr ? p.key_lengths[b] : p.seq_kv;
+  qb.key_begin = p.seq_kv;
+  qb.key_end = 0;
+  for (std::int64_t i = 0; i < kBlockQ; ++i) {
+    std::int64_t lo = 0, hi = 0;
+    if (i < qb.num_q) {
+      const std::int64_t diag = i0 + i + p.diagonal_offset;
+      lo = p.window_left < 0 ? 0 : std::max<std::int64_t>(0, diag - p.window_left);
+      hi = p.window_right < 0 ? key_length
+                              : std::min<std::int64_t>(key_length, diag + p.window_right + 1);
+      if (hi <= lo) lo = hi = 0;
+    }
+    qb.lo[i] = lo;
+    qb.hi[i] = hi;
+    if (hi > lo) {
+      qb.key_begin = std::min(qb.key_begin, lo);
+      qb.key_end = std::max(qb.key_end, hi);
+    }
+    qb.row_max[i] = kNegInf;
+    qb.row_sum[i] = 0.0f;
+  }
+  if (qb.key_end <= qb.key_begin) qb.key_begin = qb.key_end = 0;
+  std::fill(qb.ot, qb.ot + p.head_dim_v * kBlockQ, 0.0f);
+}
+
+// st[j][:] = scores of keys [j0, j0 + num_k) against the block's queries, with softcap, bias
+// and every mask applied: not-allowed pairs are exactly -inf.
+inline void ScoreTile(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
+                      std::int64_t num_k, float* HWY_RESTRICT st) {
+  const DF df;
+  OuterProduct(qb.qt, qb.k + j0 * p.k_stride[1], num_k, p.k_stride[1], p.k_stride[3], p.head_dim,
+               st, nullptr, false);
+
+  if (p.softcap > 0.0f) {
+    // "s = softcap * tanh(s / softcap)"; scale is already folded into q.
+    const VF cap = hn::Set(df, p.softcap), inv_cap = hn::Set(df, 1.0f / p.softcap);
+    for (std::int64_t x = 0; x < num_k * kBlockQ; x += kLanes) {
+      hn::Store(hn::Mul(cap, hn::Tanh(df, hn::Mul(hn::Load(df, st + x), inv_cap))), df, st + x);
+    }
+  }
+  if (p.bias != nullptr) {
+    const float* bias = p.bias + qb.b * p.bias_stride[0] + qb.h * p.bias_stride[1];
+    for (std::int64_t j = 0; j < num_k; ++j) {
+      for (std::int64_t i = 0; i < qb.num_q; ++i) {
+        st[j * kBlockQ + i] += bias[(qb.i0 + i) * p.bias_stride[2] + (j0 + j) * p.bias_stride[3]];
+      }
+    }
+  }
+  if (p.mask != nullptr) {
+    const std::uint8_t* mask = p.mask + qb.b * p.mask_stride[0] + qb.h * p.mask_stride[1];
+    for (std::int64_t j = 0; j < num_k; ++j) {
+      for (std::int64_t i = 0; i < qb.num_q; ++i) {
+        if (mask[(qb.i0 + i) * p.mask_stride[2] + (j0 + j) * p.mask_stride[3]] == 0) {
+          st[j * kBlockQ + i] = kNegInf;
+        }
+      }
+    }
+  }
+
+  // Range masks (causal, window, key lengths). A tile inside every query's range needs none.
+  bool interior = true;
+  for (std::int64_t i = 0; i < qb.num_q; ++i) {
+    interior = interior && qb.lo[i] <= j0 && qb.hi[i] >= j0 + num_k;
+  }
+  if (interior) return;
+  VF lo[kQueryVecs], hi[kQueryVecs];
+  for (int x = 0; x < kQueryVecs; ++x) {
+    // Tile-relative bounds, clamped so they stay exact as floats.
+    HWY_ALIGN float lo_rel[kLanes], hi_rel[kLanes];
+    for (std::int64_t l = 0; l < kLanes; ++l) {
+      const std::int64_t i = x * kLanes + l;
+      lo_rel[l] = static_cast<float>(std::clamp<std::int64_t>(qb.lo[i] - j0, -1, kBlockK + 1));
+      hi_rel[l] = static_cast<float>(std::clamp<std::int64_t>(qb.hi[i] - j0, -1, kBlockK + 1));
+    }
+    lo[x] = hn::Load(df, lo_rel);
+    hi[x] = hn::Load(df, hi_rel);
+  }
+  const VF neg_inf = hn::Set(df, kNegInf);
+  for (std::int64_t j = 0; j < num_k; ++j) {
+    const VF jv = hn::Set(df, static_cast<float>(j));
+    for (int x = 0; x < kQueryVecs; ++x) {
+      float* s = st + j * kBlockQ + x * kLanes;
+      const auto allowed = hn::And(hn::Ge(jv, lo[x]), hn::Lt(jv, hi[x]));
+      hn::Store(hn::IfThenElse(allowed, hn::Load(df, s), neg_inf), df, s);
+    }
+  }
+}
+
+// The max to subtract for a running max m: m itself, or 0 while no key was allowed
+// (we don't want (-inf) - (-inf), which would give NaN).
+HWY_INLINE VF SafeMax(DF df, VF m) {
+  return hn::IfThenElse(hn::Eq(m, hn::Set(df, kNegInf)), hn::Zero(df), m);
+}
+
+// Flash step over one tile: st becomes p = exp(s - m_new) in place; alpha = exp(m_old - m_new);
+// row_sum = row_sum * alpha + sum_j p.
+inline void OnlineSoftmaxTile(QueryBlock& qb, std::int64_t num_k, float* HWY_RESTRICT st) {
+  const DF df;
+  for (int x = 0; x < kQueryVecs; ++x) {
+    const std::int64_t lane0 = x * kLanes;
+    VF tile_max = hn::Set(df, kNegInf);
+    for (std::int64_t j = 0; j < num_k; ++j) {
+      tile_max = hn::Max(tile_max, hn::Load(df, st + j * kBlockQ + lane0));
+    }
+    const VF old_max = hn::Load(df, qb.row_max + lane0);
+    const VF new_max = hn::Max(old_max, tile_max);
+    const VF shift = SafeMax(df, new_max);
+    // exp(-inf - shift) = 0: the first tile rescales an all-zero accumulator.
+    const VF alpha = hn::Exp(df, hn::Sub(old_max, shift));
+    VF sum = hn::Zero(df);
+    for (std::int64_t j = 0; j < num_k; ++j) {
+      float* s = st + j * kBlockQ + lane0;
+      const VF prob = hn::Exp(df, hn::Sub(hn::Load(df, s), shift));
+      hn::Store(prob, df, s);
+      sum = hn::Add(sum, prob);
+    }
+    hn::Store(new_max, df, qb.row_max + lane0);
+    hn::Store(hn::MulAdd(hn::Load(df, qb.row_sum + lane0), alpha, sum), df, qb.row_sum + lane0);
+    hn::Store(alpha, df, qb.alpha + lane0);
+  }
+}
+
+// ot = alpha * ot + v[j0 : j0 + num_k]^T p   (alpha null: no rescale)
+inline void AccumulateValues(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
+                             std::int64_t num_k, const float* st, const float* alpha) {
+  OuterProduct(st, qb.v + j0 * p.v_stride[1], p.head_dim_v, p.v_stride[3], p.v_stride[1], num_k,
+               qb.ot, alpha, true);
+}
+
+// out = ot^T / row_sum (0 for rows with no allowed key), lse = row_max + log(row_sum) (-inf).
+inline void FinishQueryBlock(const AttentionKernelParams& p, const QueryBlock& qb) {
+  const DF df;
+  HWY_ALIGN float inv_sum[kBlockQ];
+  HWY_ALIGN float lse[kBlockQ];
+  for (int x = 0; x < kQueryVecs; ++x) {
+    const std::int64_t lane0 = x * kLanes;
+    const VF sum = hn::Load(df, qb.row_sum + lane0);
+    const auto has_keys = hn::Gt(sum, hn::Zero(df));
+    // Guard the divide and log so lanes without keys never compute 1/0 or log(0).
+    const VF safe_sum = hn::IfThenElse(has_keys, sum, hn::Set(df, 1.0f));
+    hn::Store(hn::IfThenElseZero(has_keys, hn::Div(hn::Set(df, 1.0f), safe_sum)), df,
+              inv_sum + lane0);
+    const VF row_lse = hn::Add(hn::Load(df, qb.row_max + lane0), hn::Log(df, safe_sum));
+    hn::Store(hn::IfThenElse(has_keys, row_lse, hn::Set(df, kNegInf)), df, lse + lane0);
+  }
+  float* out = p.out + qb.b * p.out_stride[0] + qb.h * p.out_stride[2];
+  for (std::int64_t i = 0; i < qb.num_q; ++i) {
+    float* row = out + (qb.i0 + i) * p.out_stride[1];
+    for (std::int64_t e = 0; e < p.head_dim_v; ++e) {
+      row[e * p.out_stride[3]] = qb.ot[e * kBlockQ + i] * inv_sum[i];
+    }
+  }
+  if (p.lse != nullptr) {
+    float* lse_out = p.lse + qb.b * p.lse_stride[0] + qb.h * p.lse_stride[1];
+    for (std::int64_t i = 0; i < qb.num_q; ++i) lse_out[(qb.i0 + i) * p.lse_stride[2]] = lse[i];
+  }
+}
+
+}  // namespace tiles
+}  // namespace HWY_NAMESPACE
+}  // namespace qkv
+HWY_AFTER_NAMESPACE();
+
+#endif  // QKV_KERNELS_CPU_ATTENTION_TILES_INL_H_

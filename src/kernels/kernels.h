@@ -1,0 +1,20 @@
+// Entry points of the attention kernels. Each computes DESIGN.md section 3 exactly (up to f32
+// rounding) for a validated AttentionKernelParams; none of them throws on valid input except
+// std::bad_alloc.
+#pragma once
+
+#include "kernels/kernel_params.h"
+
+namespace qkv {
+
+// kernels/reference/: scalar oracle, f64 accumulation; materialises each (b, h) score matrix.
+void attention_reference(const AttentionKernelParams& params);
+
+// kernels/cpu/: Highway SIMD with runtime dispatch.
+void attention_chunked_cpu(const AttentionKernelParams& params);  // may write probs
+void attention_flash_cpu(const AttentionKernelParams& params);    // never writes probs
+
+// The Highway target the CPU kernels dispatch to now, e.g. "AVX3", "AVX2", "SCALAR".
+const char* attention_cpu_target_name();
+
+}  // namespace qkv

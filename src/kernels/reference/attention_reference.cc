@@ -1,0 +1,112 @@
+// The oracle: DESIGN.md section 3 written out literally, one (batch, head) at a time, with f64
+// accumulation and the whole Lq x Lk score matrix materialised. Nobody optimises this file;
+// every fast kernel is tested against it. Pairs are checked one by one (no range arithmetic),
+// so it shares no masking logic with the fast kernels.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "core/aligned_buffer.h"
+#include "core/parallel.h"
+#include "kernels/kernels.h"
+
+namespace qkv {
+namespace {
+
+bool pair_allowed(const AttentionKernelParams& p, std::int64_t b, std::int64_t h, std::int64_t i,
+                  std::int64_t j) {
+  const std::int64_t diag = i + p.diagonal_offset;
+  if (p.window_left >= 0 && j < diag - p.window_left) return false;
+  if (p.window_right >= 0 && j > diag + p.window_right) return false;
+  if (p.key_lengths != nullptr && j >= p.key_lengths[b]) return false;
+  if (p.mask != nullptr) {
+    const std::int64_t at =
+        b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2] + j * p.mask_stride[3];
+    if (p.mask[at] == 0) return false;
+  }
+  return true;
+}
+
+// One (b, h): scores [Lq, Lk] in f64 scratch, then softmax and the weighted sum of v.
+void reference_one_head(const AttentionKernelParams& p, std::int64_t b, std::int64_t h,
+                        double* scores) {
+  constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+  const std::int64_t kv_head = h / (p.num_heads_q / p.num_heads_kv);
+  const std::int64_t lk = p.seq_kv;
+  for (std::int64_t i = 0; i < p.seq_q; ++i) {
+    const float* q = p.q + b * p.q_stride[0] + i * p.q_stride[1] + h * p.q_stride[2];
+    double* row = scores + i * lk;
+    for (std::int64_t j = 0; j < lk; ++j) {
+      if (!pair_allowed(p, b, h, i, j)) {
+        row[j] = kNegInf;  // never read k_j: keys past key_lengths may be garbage
+        continue;
+      }
+      const float* k = p.k + b * p.k_stride[0] + j * p.k_stride[1] + kv_head * p.k_stride[2];
+      double dot = 0.0;
+      for (std::int64_t d = 0; d < p.head_dim; ++d) {
+        dot +=
+            static_cast<double>(q[d * p.q_stride[3]]) * static_cast<double>(k[d * p.k_stride[3]]);
+      }
+      double s = dot * static_cast<double>(p.scale);
+      if (p.softcap > 0.0f) s = p.softcap * std::tanh(s / p.softcap);
+      if (p.bias != nullptr) {
+        s += p.bias[b * p.bias_stride[0] + h * p.bias_stride[1] + i * p.bias_stride[2] +
+                    j * p.bias_stride[3]];
+      }
+      row[j] = s;
+    }
+  }
+  for (std::int64_t i = 0; i < p.seq_q; ++i) {
+    double* row = scores + i * lk;
+    double max = kNegInf;
+    for (std::int64_t j = 0; j < lk; ++j) max = std::fmax(max, row[j]);
+    double sum = 0.0;
+    if (max != kNegInf) {
+      for (std::int64_t j = 0; j < lk; ++j) {
+        row[j] = row[j] == kNegInf ? 0.0 : std::exp(row[j] - max);
+        sum += row[j];
+      }
+    }
+    // A row with no allowed key: out = 0, lse = -inf (sum stays 0, so every p below is 0).
+    const double inv_sum = sum > 0.0 ? 1.0 / sum : 0.0;
+    float* out = p.out + b * p.out_stride[0] + i * p.out_stride[1] + h * p.out_stride[2];
+    for (std::int64_t e = 0; e < p.head_dim_v; ++e) {
+      double acc = 0.0;
+      for (std::int64_t j = 0; j < lk; ++j) {
+        if (max == kNegInf || row[j] == 0.0) continue;  // masked: v_j may be garbage
+        const float* v = p.v + b * p.v_stride[0] + j * p.v_stride[1] + kv_head * p.v_stride[2];
+        acc += row[j] * static_cast<double>(v[e * p.v_stride[3]]);
+      }
+      out[e * p.out_stride[3]] = static_cast<float>(acc * inv_sum);
+    }
+    if (p.lse != nullptr) {
+      p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] =
+          sum > 0.0 ? static_cast<float>(max + std::log(sum))
+                    : -std::numeric_limits<float>::infinity();
+    }
+    if (p.probs != nullptr) {
+      float* probs =
+          p.probs + b * p.probs_stride[0] + h * p.probs_stride[1] + i * p.probs_stride[2];
+      for (std::int64_t j = 0; j < lk; ++j) {
+        probs[j * p.probs_stride[3]] = max == kNegInf ? 0.0f : static_cast<float>(row[j] * inv_sum);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void attention_reference(const AttentionKernelParams& p) {
+  const std::int64_t num_tasks = p.batch * p.num_heads_q;
+  const int num_threads = static_cast<int>(std::min<std::int64_t>(p.num_threads, num_tasks));
+  // Scratch, sized once before the parallel loop: one f64 score matrix [Lq, Lk] per thread.
+  AlignedBuffer scratch(static_cast<std::size_t>(num_threads) * p.seq_q * p.seq_kv *
+                        sizeof(double));
+  parallel_for(num_tasks, num_threads, [&](std::int64_t task, int thread) {
+    double* scores = scratch.as<double>() + static_cast<std::int64_t>(thread) * p.seq_q * p.seq_kv;
+    reference_one_head(p, task / p.num_heads_q, task % p.num_heads_q, scores);
+  });
+}
+
+}  // namespace qkv

@@ -1,0 +1,261 @@
+#include "attention_case.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace qkv::testing {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+std::vector<float> normal(std::mt19937_64& rng, std::int64_t n, float scale) {
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> data(static_cast<std::size_t>(n));
+  for (float& x : data) x = dist(rng) * scale;
+  return data;
+}
+
+}  // namespace
+
+std::string Case::name() const {
+  std::string s = "B" + std::to_string(batch) + "_Lq" + std::to_string(seq_q) + "_Lk" +
+                  std::to_string(seq_kv) + "_H" + std::to_string(num_heads_q) + "x" +
+                  std::to_string(num_heads_kv) + "_D" + std::to_string(head_dim);
+  if (head_dim_v >= 0) s += "_Dv" + std::to_string(head_dim_v);
+  if (causal) s += align == Align::kTopLeft ? "_causalTL" : "_causalBR";
+  if (window_left >= 0 || window_right >= 0) {
+    s += "_win" + std::to_string(window_left) + "," + std::to_string(window_right);
+    if (!causal && align == Align::kTopLeft) s += "TL";
+  }
+  if (key_lengths) s += nan_padding ? "_keylenNaN" : "_keylen";
+  if (mask != MaskKind::kNone) s += "_mask" + std::to_string(static_cast<int>(mask));
+  if (bias != BiasKind::kNone) s += "_bias" + std::to_string(static_cast<int>(bias));
+  if (softcap > 0) s += "_softcap";
+  if (scale) s += "_scale";
+  if (input_scale != 1.0f) s += "_big";
+  if (bhsd) s += "_bhsd";
+  for (char& ch : s) {  // test names allow [A-Za-z0-9_] only
+    if (ch == ',') ch = '_';
+    if (ch == '-') ch = 'm';
+  }
+  return s;
+}
+
+Problem::Problem(const Case& c) : c_(c) {
+  std::mt19937_64 rng(c.seed);
+  const std::int64_t dv = head_dim_v();
+  q = normal(rng, c.batch * c.seq_q * c.num_heads_q * c.head_dim, c.input_scale);
+  k = normal(rng, c.batch * c.seq_kv * c.num_heads_kv * c.head_dim, c.input_scale);
+  v = normal(rng, c.batch * c.seq_kv * c.num_heads_kv * dv, 1.0f);
+
+  if (c.key_lengths) {
+    std::uniform_int_distribution<std::int64_t> len(0, c.seq_kv);
+    for (std::int64_t b = 0; b < c.batch; ++b) key_lengths.push_back(len(rng));
+    if (c.batch > 1) key_lengths[1] = 0;  // a fully padded sequence
+    key_lengths[0] = std::max<std::int64_t>(key_lengths[0], 1);
+    if (c.nan_padding) {
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      TensorView kv_views[2] = {view(k, c.seq_kv, c.num_heads_kv, c.head_dim),
+                                view(v, c.seq_kv, c.num_heads_kv, dv)};
+      for (TensorView& t : kv_views) {
+        float* data = static_cast<float*>(t.data);
+        for (std::int64_t b = 0; b < c.batch; ++b)
+          for (std::int64_t j = key_lengths[b]; j < c.seq_kv; ++j)
+            for (std::int64_t h = 0; h < t.sizes[2]; ++h)
+              for (std::int64_t d = 0; d < t.sizes[3]; ++d) data[t.offset(b, j, h, d)] = nan;
+      }
+    }
+  }
+
+  const std::int64_t B = c.batch, H = c.num_heads_q, Lq = c.seq_q, Lk = c.seq_kv;
+  switch (c.mask) {
+    case MaskKind::kNone:
+      break;
+    case MaskKind::kRandom:
+      mask_sizes_ = {B, H, Lq, Lk};
+      break;
+    case MaskKind::kRowBroadcast:
+      mask_sizes_ = {1, 1, Lq, Lk};
+      break;
+    case MaskKind::kKeyPadding:
+      mask_sizes_ = {B, 1, 1, Lk};
+      break;
+  }
+  if (c.mask != MaskKind::kNone) {
+    std::bernoulli_distribution keep(0.7);
+    mask.resize(static_cast<std::size_t>(mask_sizes_[0] * mask_sizes_[1] * mask_sizes_[2] *
+                                         mask_sizes_[3]));
+    for (auto& m : mask) m = keep(rng) ? 1 : 0;
+    // A row with every key masked.
+    if (c.mask != MaskKind::kKeyPadding && Lq > 1) std::fill(mask.begin(), mask.begin() + Lk, 0);
+  }
+  switch (c.bias) {
+    case BiasKind::kNone:
+      break;
+    case BiasKind::kRandom:
+    case BiasKind::kWithNegInf:
+      bias_sizes_ = {B, H, Lq, Lk};
+      break;
+    case BiasKind::kPerHeadRow:
+      bias_sizes_ = {1, H, Lq, 1};
+      break;
+  }
+  if (c.bias != BiasKind::kNone) {
+    bias = normal(rng, bias_sizes_[0] * bias_sizes_[1] * bias_sizes_[2] * bias_sizes_[3], 2.0f);
+    if (c.bias == BiasKind::kWithNegInf) {
+      std::bernoulli_distribution neg_inf(0.2);
+      for (float& x : bias) {
+        if (neg_inf(rng)) x = kNegInf;
+      }
+      if (Lq > 2) std::fill(bias.begin() + 2 * Lk, bias.begin() + 3 * Lk, kNegInf);
+    }
+  }
+}
+
+TensorView Problem::view(std::vector<float>& data, std::int64_t seq, std::int64_t heads,
+                         std::int64_t dim) const {
+  if (!c_.bhsd)
+    return TensorView::contiguous(data.data(), DType::kF32, {c_.batch, seq, heads, dim});
+  return TensorView::contiguous(data.data(), DType::kF32, {c_.batch, heads, seq, dim})
+      .permuted({0, 2, 1, 3});
+}
+
+AttentionParams Problem::params() const {
+  AttentionParams p;
+  p.scale = c_.scale;
+  p.softcap = c_.softcap;
+  p.causal = c_.causal;
+  p.align = c_.align;
+  p.window_left = c_.window_left;
+  p.window_right = c_.window_right;
+  p.key_lengths = key_lengths;
+  if (!mask.empty()) {
+    p.mask =
+        TensorView::contiguous(const_cast<std::uint8_t*>(mask.data()), DType::kU8, mask_sizes_);
+  }
+  if (!bias.empty()) {
+    p.bias = TensorView::contiguous(const_cast<float*>(bias.data()), DType::kF32, bias_sizes_);
+  }
+  return p;
+}
+
+Result Problem::run(Kernel kernel, bool with_probs, int num_threads,
+                    std::int64_t chunk_size) const {
+  const Case& c = c_;
+  auto& self = const_cast<Problem&>(*this);
+  Result r;
+  r.out.assign(static_cast<std::size_t>(c.batch * c.seq_q * c.num_heads_q * head_dim_v()), 7.0f);
+  r.lse.assign(static_cast<std::size_t>(c.batch * c.num_heads_q * c.seq_q), 7.0f);
+  AttentionOutputs outputs;
+  outputs.out = view(r.out, c.seq_q, c.num_heads_q, head_dim_v());
+  outputs.lse =
+      TensorView::contiguous(r.lse.data(), DType::kF32, {c.batch, c.num_heads_q, c.seq_q, 1});
+  if (with_probs) {
+    r.probs.assign(static_cast<std::size_t>(c.batch * c.num_heads_q * c.seq_q * c.seq_kv), 7.0f);
+    outputs.probs = TensorView::contiguous(r.probs.data(), DType::kF32,
+                                           {c.batch, c.num_heads_q, c.seq_q, c.seq_kv});
+  }
+  AttentionParams p = params();
+  p.kernel = kernel;
+  p.num_threads = num_threads;
+  p.chunk_size = chunk_size;
+  attention(view(self.q, c.seq_q, c.num_heads_q, c.head_dim),
+            view(self.k, c.seq_kv, c.num_heads_kv, c.head_dim),
+            view(self.v, c.seq_kv, c.num_heads_kv, head_dim_v()), outputs, p);
+  return r;
+}
+
+Result Problem::plain_f32() const {
+  const Case& c = c_;
+  auto& self = const_cast<Problem&>(*this);
+  const TensorView qv = view(self.q, c.seq_q, c.num_heads_q, c.head_dim);
+  const TensorView kv = view(self.k, c.seq_kv, c.num_heads_kv, c.head_dim);
+  const TensorView vv = view(self.v, c.seq_kv, c.num_heads_kv, head_dim_v());
+  Result r;
+  r.out.assign(static_cast<std::size_t>(c.batch * c.seq_q * c.num_heads_q * head_dim_v()), 0.0f);
+  const TensorView ov = view(r.out, c.seq_q, c.num_heads_q, head_dim_v());
+  const float scale = c.scale.value_or(1.0f / std::sqrt(static_cast<float>(c.head_dim)));
+  const std::int64_t offset = c.align == Align::kBottomRight ? c.seq_kv - c.seq_q : 0;
+  const AttentionParams p = params();
+  std::vector<float> s(static_cast<std::size_t>(c.seq_kv));
+  for (std::int64_t b = 0; b < c.batch; ++b) {
+    for (std::int64_t h = 0; h < c.num_heads_q; ++h) {
+      const std::int64_t hk = h / (c.num_heads_q / c.num_heads_kv);
+      for (std::int64_t i = 0; i < c.seq_q; ++i) {
+        float max = kNegInf;
+        for (std::int64_t j = 0; j < c.seq_kv; ++j) {
+          const std::int64_t diag = i + offset;
+          bool ok = !(c.causal && j > diag);
+          ok = ok && !(c.window_left >= 0 && j < diag - c.window_left);
+          ok = ok && !(c.window_right >= 0 && j > diag + c.window_right);
+          ok = ok && (key_lengths.empty() || j < key_lengths[b]);
+          if (ok && !mask.empty()) {
+            const auto& m = p.mask;
+            ok = mask[(m.sizes[0] == 1 ? 0 : b) * m.strides[0] +
+                      (m.sizes[1] == 1 ? 0 : h) * m.strides[1] +
+                      (m.sizes[2] == 1 ? 0 : i) * m.strides[2] + j * m.strides[3]] != 0;
+          }
+          if (!ok) {
+            s[j] = kNegInf;
+            continue;
+          }
+          float dot = 0.0f;
+          for (std::int64_t d = 0; d < c.head_dim; ++d) {
+            dot += static_cast<float*>(qv.data)[qv.offset(b, i, h, d)] *
+                   static_cast<float*>(kv.data)[kv.offset(b, j, hk, d)];
+          }
+          float x = dot * scale;
+          if (c.softcap > 0) x = c.softcap * std::tanh(x / c.softcap);
+          if (!bias.empty()) {
+            const auto& a = p.bias;
+            x += bias[(a.sizes[0] == 1 ? 0 : b) * a.strides[0] +
+                      (a.sizes[1] == 1 ? 0 : h) * a.strides[1] +
+                      (a.sizes[2] == 1 ? 0 : i) * a.strides[2] +
+                      (a.sizes[3] == 1 ? 0 : j) * a.strides[3]];
+          }
+          s[j] = x;
+          max = std::max(max, x);
+        }
+        if (max == kNegInf) continue;  // out stays 0
+        float sum = 0.0f;
+        for (std::int64_t j = 0; j < c.seq_kv; ++j) {
+          s[j] = s[j] == kNegInf ? 0.0f : std::exp(s[j] - max);
+          sum += s[j];
+        }
+        for (std::int64_t e = 0; e < head_dim_v(); ++e) {
+          float acc = 0.0f;
+          for (std::int64_t j = 0; j < c.seq_kv; ++j) {
+            if (s[j] != 0.0f) acc += s[j] * static_cast<float*>(vv.data)[vv.offset(b, j, hk, e)];
+          }
+          static_cast<float*>(ov.data)[ov.offset(b, i, h, e)] = acc / sum;
+        }
+      }
+    }
+  }
+  return r;
+}
+
+double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return std::numeric_limits<double>::infinity();
+  double worst = 0.0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (std::isnan(a[i]) || std::isnan(b[i])) return std::numeric_limits<double>::infinity();
+    if (a[i] == b[i]) continue;  // also equal infinities
+    worst = std::max(worst, std::fabs(static_cast<double>(a[i]) - b[i]));
+  }
+  return worst;
+}
+
+double max_abs(const std::vector<float>& a) {
+  double m = 0.0;
+  for (float x : a) {
+    if (std::isfinite(x)) m = std::max(m, std::fabs(static_cast<double>(x)));
+  }
+  return m;
+}
+
+double tolerance(const std::vector<float>& reference, const std::vector<float>& plain) {
+  return std::max(2e-5 * std::max(1.0, max_abs(reference)), 4.0 * max_abs_diff(reference, plain));
+}
+
+}  // namespace qkv::testing

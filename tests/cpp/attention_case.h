@@ -1,0 +1,82 @@
+// One table of attention cases drives the kernel tests: a Case describes shapes and masks,
+// Problem owns random data for it and runs any kernel. plain_f32_attention is the "plain
+// implementation of the same formula in the same precision" of DESIGN.md section 5, used to
+// size the tolerance.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <ostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "qkv/attention.h"
+
+namespace qkv::testing {
+
+enum class MaskKind { kNone, kRandom, kRowBroadcast, kKeyPadding };
+enum class BiasKind { kNone, kRandom, kWithNegInf, kPerHeadRow };
+
+struct Case {
+  std::int64_t batch = 1, seq_q = 5, seq_kv = 5, num_heads_q = 1, num_heads_kv = 1;
+  std::int64_t head_dim = 16, head_dim_v = -1;  // -1: = head_dim
+  bool causal = false;
+  Align align = Align::kBottomRight;
+  std::int64_t window_left = -1, window_right = -1;
+  bool key_lengths = false;  // random key lengths in [0, Lk], one batch entry 0 when B > 1
+  bool nan_padding = false;  // keys/values past key_lengths are NaN
+  MaskKind mask = MaskKind::kNone;
+  BiasKind bias = BiasKind::kNone;
+  float softcap = 0.0f;
+  std::optional<float> scale;
+  float input_scale = 1.0f;  // multiply q and k: large logits
+  bool bhsd = false;         // q/k/v/out stored (B, H, L, D)
+  std::uint64_t seed = 1;
+
+  std::string name() const;
+};
+
+struct Result {
+  std::vector<float> out, lse, probs;
+};
+
+class Problem {
+ public:
+  explicit Problem(const Case& c);
+  // Runs qkv::attention with `kernel`; with_probs asks for the probabilities too.
+  Result run(Kernel kernel, bool with_probs, int num_threads = 0,
+             std::int64_t chunk_size = 128) const;
+  // Naive float32 loops of the same semantics (the tolerance yardstick).
+  Result plain_f32() const;
+  const Case& spec() const { return c_; }
+  AttentionParams params() const;
+
+  TensorView view(std::vector<float>& data, std::int64_t seq, std::int64_t heads,
+                  std::int64_t dim) const;
+  std::int64_t head_dim_v() const { return c_.head_dim_v < 0 ? c_.head_dim : c_.head_dim_v; }
+
+  std::vector<float> q, k, v, bias;
+  std::vector<std::uint8_t> mask;
+  std::vector<std::int64_t> key_lengths;
+
+ private:
+  Case c_;
+  std::array<std::int64_t, 4> mask_sizes_{}, bias_sizes_{};
+};
+
+// Max |a - b| over elements; inf vs inf (same sign) counts as 0; NaN anywhere counts as inf.
+double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b);
+double max_abs(const std::vector<float>& a);
+
+// DESIGN.md section 5: max(2e-5 * max(1, max|ref|), 4 * error of the plain f32 implementation).
+double tolerance(const std::vector<float>& reference, const std::vector<float>& plain);
+
+}  // namespace qkv::testing
+
+namespace qkv::testing {
+// gtest prints a Case by its name instead of its bytes.
+inline void PrintTo(const Case& c, std::ostream* os) { *os << c.name(); }
+}  // namespace qkv::testing

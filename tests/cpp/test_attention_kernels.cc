@@ -1,0 +1,278 @@
+// Every fast kernel against the reference oracle (f64 accumulation) over one table of cases:
+// odd sizes, every mask kind alone and combined, both alignments, GQA/MQA, Lq != Lk, Dv != D,
+// head dims 16..256, fully masked rows, -inf bias, large logits, NaN in padded keys; on every
+// Highway target this machine can run; and bit-identical results whatever the thread count.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "attention_case.h"
+#include "hwy/targets.h"
+#include "kernels/kernels.h"
+
+namespace qkv::testing {
+namespace {
+
+std::vector<Case> kernel_cases() {
+  std::vector<Case> cases;
+  std::uint64_t seed = 100;
+  auto add = [&](Case c) {
+    c.seed = seed++;
+    cases.push_back(c);
+  };
+  // Odd sizes, square and not, plain.
+  for (std::int64_t lq : {1, 3, 7, 63, 64, 65, 127, 200}) {
+    for (std::int64_t lk : {1, 7, 64, 65, 129, 200}) {
+      Case c;
+      c.seq_q = lq;
+      c.seq_kv = lk;
+      c.head_dim = 16;
+      add(c);
+    }
+  }
+  // Head dims, including non-powers of two; Dv != D.
+  for (std::int64_t d : {1, 16, 40, 64, 80, 96, 128, 256}) {
+    Case c;
+    c.seq_q = 33;
+    c.seq_kv = 70;
+    c.head_dim = d;
+    add(c);
+  }
+  for (std::int64_t dv : {1, 17, 48, 130}) {
+    Case c;
+    c.seq_q = 20;
+    c.seq_kv = 150;
+    c.head_dim = 32;
+    c.head_dim_v = dv;
+    add(c);
+  }
+  // GQA / MQA, batches.
+  for (auto [hq, hkv] : {std::pair{4, 2}, {6, 1}, {8, 8}, {3, 3}}) {
+    Case c;
+    c.batch = 2;
+    c.seq_q = 19;
+    c.seq_kv = 45;
+    c.num_heads_q = hq;
+    c.num_heads_kv = hkv;
+    c.head_dim = 24;
+    add(c);
+  }
+  // Causal and windows, both alignments, Lq <, =, > Lk.
+  for (Align align : {Align::kBottomRight, Align::kTopLeft}) {
+    for (auto [lq, lk] : {std::pair{70, 70}, {65, 200}, {200, 65}, {1, 300}, {130, 131}}) {
+      Case c;
+      c.seq_q = lq;
+      c.seq_kv = lk;
+      c.align = align;
+      c.head_dim = 32;
+      c.causal = true;
+      add(c);
+      c.causal = false;
+      c.window_left = 17;
+      c.window_right = 5;
+      add(c);
+      c.window_left = 0;
+      c.window_right = -1;
+      add(c);
+      c.causal = true;
+      c.window_left = 40;
+      c.window_right = -1;
+      add(c);
+    }
+  }
+  // Key lengths (padding), with NaN in the padded keys and values.
+  for (bool nan : {false, true}) {
+    for (auto [lq, lk] : {std::pair{37, 77}, {1, 150}, {129, 129}}) {
+      Case c;
+      c.batch = 3;
+      c.seq_q = lq;
+      c.seq_kv = lk;
+      c.num_heads_q = 2;
+      c.num_heads_kv = 1;
+      c.head_dim = 20;
+      c.key_lengths = true;
+      c.nan_padding = nan;
+      add(c);
+      c.causal = true;
+      add(c);
+    }
+  }
+  // Attend masks and biases, alone and combined with everything.
+  for (MaskKind m : {MaskKind::kRandom, MaskKind::kRowBroadcast, MaskKind::kKeyPadding}) {
+    Case c;
+    c.batch = 2;
+    c.seq_q = 45;
+    c.seq_kv = 140;
+    c.num_heads_q = 2;
+    c.head_dim = 16;
+    c.mask = m;
+    add(c);
+  }
+  for (BiasKind b : {BiasKind::kRandom, BiasKind::kWithNegInf, BiasKind::kPerHeadRow}) {
+    Case c;
+    c.batch = 2;
+    c.seq_q = 45;
+    c.seq_kv = 140;
+    c.num_heads_q = 2;
+    c.head_dim = 16;
+    c.bias = b;
+    add(c);
+  }
+  {
+    Case c;
+    c.batch = 3;
+    c.seq_q = 66;
+    c.seq_kv = 190;
+    c.num_heads_q = 4;
+    c.num_heads_kv = 2;
+    c.head_dim = 40;
+    c.head_dim_v = 24;
+    c.causal = true;
+    c.window_left = 60;
+    c.key_lengths = true;
+    c.nan_padding = true;
+    c.mask = MaskKind::kRandom;
+    c.bias = BiasKind::kWithNegInf;
+    c.softcap = 5.0f;
+    c.bhsd = true;
+    add(c);
+  }
+  // Softcap, explicit scale, large logits (|q.k| ~ 1e3), BHSD strides.
+  {
+    Case c;
+    c.seq_q = 50;
+    c.seq_kv = 90;
+    c.head_dim = 64;
+    c.softcap = 30.0f;
+    add(c);
+    c.softcap = 0.0f;
+    c.scale = 0.37f;
+    add(c);
+    c.scale.reset();
+    c.input_scale = 4.0f;  // q.k ~ 16 * sqrt(64) ... up to ~1e3 after scale on the tails
+    c.scale = 1.0f;
+    add(c);
+    c.input_scale = 1.0f;
+    c.scale.reset();
+    c.bhsd = true;
+    c.num_heads_q = 3;
+    add(c);
+  }
+  return cases;
+}
+
+class KernelSweep : public ::testing::TestWithParam<Case> {};
+
+void expect_close(const char* what, const std::string& kernel, const std::vector<float>& got,
+                  const std::vector<float>& want, double tol) {
+  const double err = max_abs_diff(got, want);
+  EXPECT_LE(err, tol) << what << " of " << kernel << ": max abs error " << err << " > " << tol;
+}
+
+void check_against_reference(const Problem& problem) {
+  const Result ref = problem.run(Kernel::kReference, true);
+  const Result plain = problem.plain_f32();
+  const double tol = tolerance(ref.out, plain.out);
+  const double lse_tol = 2e-5 * std::max(1.0, max_abs(ref.lse));
+  // The reference honours the contract too: fully masked rows give out 0 / lse -inf, no NaN.
+  for (float x : ref.out) ASSERT_FALSE(std::isnan(x));
+
+  const Result flash = problem.run(Kernel::kFlash, false);
+  expect_close("out", "flash", flash.out, ref.out, tol);
+  expect_close("lse", "flash", flash.lse, ref.lse, lse_tol);
+
+  for (std::int64_t chunk : {1, 128, 1000}) {
+    const Result chunked = problem.run(Kernel::kChunked, true, 0, chunk);
+    expect_close("out", "chunked", chunked.out, ref.out, tol);
+    expect_close("lse", "chunked", chunked.lse, ref.lse, lse_tol);
+    expect_close("probs", "chunked", chunked.probs, ref.probs, 2e-5);
+  }
+}
+
+TEST_P(KernelSweep, MatchesReference) { check_against_reference(Problem(GetParam())); }
+
+INSTANTIATE_TEST_SUITE_P(Cases, KernelSweep, ::testing::ValuesIn(kernel_cases()),
+                         [](const auto& info) { return info.param.name(); });
+
+// The sweep above runs on the best target; here each compiled target this CPU supports is
+// forced in turn, over the cases that exercise masks and tails.
+TEST(KernelTargets, EveryTargetMatchesReference) {
+  const std::vector<std::int64_t> targets = hwy::SupportedAndGeneratedTargets();
+  ASSERT_FALSE(targets.empty());
+  std::vector<Case> cases = kernel_cases();
+  for (std::int64_t target : targets) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    EXPECT_STREQ(attention_cpu_target_name(), hwy::TargetName(target));
+    for (std::size_t i = 0; i < cases.size(); i += 3) {
+      SCOPED_TRACE(cases[i].name());
+      check_against_reference(Problem(cases[i]));
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
+TEST(KernelThreads, BitIdenticalWhateverTheThreadCount) {
+  Case c;
+  c.batch = 2;
+  c.seq_q = 300;
+  c.seq_kv = 333;
+  c.num_heads_q = 3;
+  c.head_dim = 64;
+  c.causal = true;
+  c.key_lengths = true;
+  c.bias = BiasKind::kRandom;
+  const Problem problem(c);
+  for (Kernel kernel : {Kernel::kFlash, Kernel::kChunked, Kernel::kReference}) {
+    const Result one = problem.run(kernel, false, 1);
+    for (int threads : {2, 3, 5}) {
+      const Result many = problem.run(kernel, false, threads);
+      ASSERT_EQ(0, std::memcmp(one.out.data(), many.out.data(), one.out.size() * sizeof(float)))
+          << "kernel " << static_cast<int>(kernel) << " threads " << threads;
+      ASSERT_EQ(0, std::memcmp(one.lse.data(), many.lse.data(), one.lse.size() * sizeof(float)));
+    }
+  }
+}
+
+// Fully masked rows: out exactly 0 and lse exactly -inf, never NaN, in every kernel.
+TEST(KernelEdges, FullyMaskedRowsGiveZeroAndNegInf) {
+  Case c;
+  c.batch = 2;
+  c.seq_q = 10;
+  c.seq_kv = 4;
+  c.causal = true;
+  c.align = Align::kBottomRight;  // Lq > Lk: the first 6 rows see no key
+  c.key_lengths = true;           // and batch 1 has no keys at all
+  c.nan_padding = true;
+  const Problem problem(c);
+  for (Kernel kernel : {Kernel::kReference, Kernel::kChunked, Kernel::kFlash}) {
+    const Result r = problem.run(kernel, false);
+    const std::int64_t d = c.head_dim;
+    for (std::int64_t b = 0; b < 2; ++b) {
+      for (std::int64_t i = 0; i < c.seq_q; ++i) {
+        const bool empty = b == 1 || i < 6;  // batch 1 has key length 0
+        if (!empty) continue;
+        for (std::int64_t e = 0; e < d; ++e) EXPECT_EQ(r.out[(b * c.seq_q + i) * d + e], 0.0f);
+        EXPECT_EQ(r.lse[b * c.seq_q + i], -std::numeric_limits<float>::infinity());
+      }
+    }
+    for (float x : r.out) EXPECT_FALSE(std::isnan(x));
+  }
+}
+
+// Large logits: softmax must subtract the max; a naive exp would overflow to inf / NaN.
+TEST(KernelEdges, HugeLogitsStayFinite) {
+  Case c;
+  c.seq_q = 70;
+  c.seq_kv = 70;
+  c.head_dim = 64;
+  c.input_scale = 30.0f;  // |q.k| * scale ~ 1e3 and beyond
+  const Problem problem(c);
+  const Result ref = problem.run(Kernel::kReference, false);
+  const Result flash = problem.run(Kernel::kFlash, false);
+  for (float x : flash.out) ASSERT_TRUE(std::isfinite(x));
+  EXPECT_LE(max_abs_diff(flash.out, ref.out), tolerance(ref.out, problem.plain_f32().out));
+}
+
+}  // namespace
+}  // namespace qkv::testing
