@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include "core/parallel.h"
@@ -84,6 +85,23 @@ void broadcast_strides(const char* name, const TensorView& view,
                   std::to_string(d) + " must be 1 or " + std::to_string(full[d]));
     }
   }
+}
+
+// The bias may hold -inf (a mask), but +inf or NaN would turn a softmax row into NaN.
+void require_no_nan_or_pos_inf(const TensorView& bias) {
+  const float* data = static_cast<const float*>(bias.data);
+  for (std::int64_t b = 0; b < bias.sizes[0]; ++b)
+    for (std::int64_t h = 0; h < bias.sizes[1]; ++h)
+      for (std::int64_t i = 0; i < bias.sizes[2]; ++i)
+        for (std::int64_t j = 0; j < bias.sizes[3]; ++j) {
+          const float x = data[bias.offset(b, h, i, j)];
+          if (std::isnan(x) || x == std::numeric_limits<float>::infinity()) {
+            throw Error("bias: element (" + std::to_string(b) + ", " + std::to_string(h) + ", " +
+                        std::to_string(i) + ", " + std::to_string(j) + ") of " +
+                        describe("bias", bias) + " is " + (std::isnan(x) ? "NaN" : "+inf") +
+                        "; only finite values and -inf are allowed");
+          }
+        }
 }
 
 Kernel resolve_kernel(Kernel requested, bool wants_probs) {
@@ -230,12 +248,15 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
       throw Error(std::string("mask: dtype ") + dtype_name(params.mask.dtype) +
                   " is not supported (expected bool or u8; true = may attend)");
     }
+    require_data("mask", params.mask);
     broadcast_strides("mask", params.mask, score_shape, p.mask_stride);
     p.mask = static_cast<const std::uint8_t*>(params.mask.data);
   }
   if (!params.bias.empty()) {
     require_dtype("bias", params.bias, DType::kF32);
+    require_data("bias", params.bias);
     broadcast_strides("bias", params.bias, score_shape, p.bias_stride);
+    require_no_nan_or_pos_inf(params.bias);
     p.bias = static_cast<const float*>(params.bias.data);
   }
   p.num_threads = resolve_num_threads(params.num_threads);

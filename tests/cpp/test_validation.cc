@@ -181,6 +181,21 @@ TEST(Validation, MaskAndBiasBroadcasting) {
       {"bias: shape (2, 2, 3, 5) is not broadcastable", "dim 1 must be 1 or 4"});
 }
 
+TEST(Validation, BiasRejectsNanAndPositiveInfinity) {
+  expect_error(
+      [](Valid& p) {
+        p.bias[7] = std::numeric_limits<float>::infinity();
+        p.params.bias = TensorView::contiguous(p.bias.data(), DType::kF32, {2, 4, 3, 5});
+      },
+      {"bias: element (0, 0, 1, 2)", "is +inf", "-inf are allowed"});
+  expect_error(
+      [](Valid& p) {
+        p.bias[0] = std::numeric_limits<float>::quiet_NaN();
+        p.params.bias = TensorView::contiguous(p.bias.data(), DType::kF32, {1, 1, 1, 5});
+      },
+      {"bias: element (0, 0, 0, 0)", "is NaN"});
+}
+
 TEST(TensorView, ContiguousAndPermutedStrides) {
   float data[2 * 3 * 4 * 5];
   const TensorView bhsd = TensorView::contiguous(data, DType::kF32, {2, 3, 4, 5});

@@ -1,0 +1,116 @@
+"""A plain numpy reference of qkv's attention semantics (DESIGN.md section 3).
+
+    q: (B, Lq, Hq, D)   k: (B, Lk, Hkv, D)   v: (B, Lk, Hkv, Dv)   -> out: (B, Lq, Hq, Dv)
+    lse: (B, Hq, Lq)    weights: (B, Hq, Lq, Lk)
+    mask (bool, True = may attend) and bias: numpy-broadcastable to (B, Hq, Lq, Lk)
+
+For query row i and key column j of one (batch, head):
+    s = (q_i . k_j) * scale            scale defaults to 1 / sqrt(D)
+    s = softcap * tanh(s / softcap)    if softcap > 0
+    s += bias
+    s = -inf where not allowed: causal j <= i'; window i' - left <= j <= i' + right (-1 =
+        unbounded); j < key_lengths[b]; mask true. i' = i + Lk - Lq (bottom-right) or i.
+    out_i = sum_j softmax_j(s) v_j;  lse_i = log(sum_j exp(s_ij))
+A row with no allowed key gets out 0 and lse -inf.
+
+`attention(..., dtype=np.float64)` is the oracle; dtype=np.float32 is the "plain implementation
+of the same formula in the same precision" that DESIGN.md section 5 scales the tolerance by.
+"""
+
+import numpy as np
+
+
+def allowed_pairs(batch, num_heads_q, seq_q, seq_kv, causal=False, align="bottom-right",
+                  window=(-1, -1), key_lengths=None, mask=None):
+    """Boolean (B, Hq, Lq, Lk): True where query i may attend key j."""
+    i = np.arange(seq_q)[:, None]
+    j = np.arange(seq_kv)[None, :]
+    i_diag = i + (seq_kv - seq_q) if align == "bottom-right" else i
+    allowed = np.ones((seq_q, seq_kv), dtype=bool)
+    if causal:
+        allowed &= j <= i_diag
+    left, right = window
+    if left >= 0:
+        allowed &= j >= i_diag - left
+    if right >= 0:
+        allowed &= j <= i_diag + right
+    allowed = np.broadcast_to(allowed, (batch, num_heads_q, seq_q, seq_kv))
+    if key_lengths is not None:
+        lengths = np.asarray(key_lengths, dtype=np.int64)
+        allowed = allowed & (j[None, None] < lengths[:, None, None, None])
+    if mask is not None:
+        allowed = allowed & np.broadcast_to(np.asarray(mask).astype(bool), allowed.shape)
+    return np.ascontiguousarray(allowed)
+
+
+def attention(q, k, v, scale=None, softcap=0.0, causal=False, align="bottom-right",
+              window=(-1, -1), key_lengths=None, mask=None, bias=None, dtype=np.float64):
+    """Returns (out (B, Lq, Hq, Dv), lse (B, Hq, Lq), weights (B, Hq, Lq, Lk)) in `dtype`."""
+    batch, seq_q, num_heads_q, head_dim = q.shape
+    _, seq_kv, num_heads_kv, _ = k.shape
+    assert num_heads_q % num_heads_kv == 0
+    group = num_heads_q // num_heads_kv
+    q = q.astype(dtype)
+    k = k.astype(dtype)
+    v = v.astype(dtype)
+    if key_lengths is not None:
+        # Keys at or past key_lengths[b] are never read: they may hold NaN, which would
+        # otherwise leak through 0 * NaN in the matmuls.
+        k = k.copy()
+        v = v.copy()
+        for b, length in enumerate(np.asarray(key_lengths)):
+            k[b, length:] = 0
+            v[b, length:] = 0
+    if scale is None:
+        scale = 1.0 / np.sqrt(dtype(head_dim))
+    scale = dtype(scale)
+    # Per query head, the kv head h // group (GQA / MQA).
+    qh = q.transpose(0, 2, 1, 3)                                   # (B, Hq, Lq, D)
+    kh = np.repeat(k.transpose(0, 2, 1, 3), group, axis=1)         # (B, Hq, Lk, D)
+    vh = np.repeat(v.transpose(0, 2, 1, 3), group, axis=1)         # (B, Hq, Lk, Dv)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        s = (qh @ kh.swapaxes(-1, -2)) * scale                     # (B, Hq, Lq, Lk)
+        if softcap > 0:
+            cap = dtype(softcap)
+            s = cap * np.tanh(s / cap)
+        if bias is not None:
+            s = s + np.asarray(bias).astype(dtype)
+        allowed = allowed_pairs(batch, num_heads_q, seq_q, seq_kv, causal, align, window,
+                                key_lengths, mask)
+        s = np.where(allowed, s, dtype(-np.inf)).astype(dtype)
+        row_max = s.max(axis=-1, keepdims=True)
+        # A row of -inf only (nothing allowed): subtract 0 instead of -inf so that
+        # exp(-inf - (-inf)) = NaN never happens; the row then sums to 0.
+        row_max = np.where(np.isfinite(row_max), row_max, dtype(0))
+        e = np.exp(s - row_max)
+        total = e.sum(axis=-1, keepdims=True)
+        weights = np.where(total > 0, e / np.where(total > 0, total, 1), dtype(0))
+        out = weights @ vh                                         # (B, Hq, Lq, Dv)
+        lse = np.where(total[..., 0] > 0, np.log(total[..., 0]) + row_max[..., 0],
+                       dtype(-np.inf))
+    return out.transpose(0, 2, 1, 3).astype(dtype), lse.astype(dtype), weights.astype(dtype)
+
+
+def round_bf16(x):
+    """float32 -> bfloat16 -> float32, round to nearest even (NaN kept)."""
+    x = np.asarray(x, dtype=np.float32)
+    bits = x.view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    out = rounded.astype(np.uint32).view(np.float32)
+    return np.where(np.isnan(x), x, out).astype(np.float32)
+
+
+def round_f16(x):
+    """float32 -> IEEE half -> float32 (numpy rounds to nearest even)."""
+    with np.errstate(over="ignore"):
+        return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
+
+
+def tolerance(ref64, ref32):
+    """DESIGN.md section 5: max(2e-5 * max(1, max|ref|), 4 * error of the float32 version)."""
+    finite = np.isfinite(ref64)
+    if not finite.any():
+        return 2e-5
+    scale = max(1.0, float(np.max(np.abs(ref64[finite]))))
+    plain_error = float(np.max(np.abs(ref32[finite].astype(np.float64) - ref64[finite])))
+    return max(2e-5 * scale, 4.0 * plain_error)

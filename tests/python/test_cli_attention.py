@@ -1,0 +1,492 @@
+"""End-to-end tests of `qkv attention` (DESIGN.md sections 3-5) against the float64 numpy
+reference in reference.py: every mask kind alone and combined, both layouts, every kernel,
+--lse and --weights, --dtype rounding, odd sizes, and every validation error.
+
+Shapes are (B, Lq, Hq, D) etc. as in DESIGN.md; `problem` dicts hold the inputs and options.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+import reference as ref
+
+KERNELS = ["reference", "chunked", "flash", "auto"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+def make_problem(rng, batch=2, seq_q=5, seq_kv=7, num_heads_q=4, num_heads_kv=2, head_dim=8,
+                 head_dim_v=None, data_scale=1.0, **options):
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    def normal(*shape):
+        return (rng.standard_normal(shape) * data_scale).astype(np.float32)
+    problem = dict(q=normal(batch, seq_q, num_heads_q, head_dim),
+                   k=normal(batch, seq_kv, num_heads_kv, head_dim),
+                   v=normal(batch, seq_kv, num_heads_kv, head_dim_v))
+    problem.update(options)
+    return problem
+
+
+def to_file_layout(array, layout):
+    # (B, L, H, D) <-> (B, H, L, D): the same transpose both ways.
+    return np.ascontiguousarray(array.transpose(0, 2, 1, 3)) if layout == "bhsd" else array
+
+
+def run_cli(cli, problem, kernel="auto", layout="bshd", lse=True, weights=None, dtype=None,
+            threads=None):
+    """Runs `qkv attention` on `problem`; returns (out in BSHD, lse or None, weights or None)."""
+    if weights is None:
+        # auto with --weights resolves to chunked; without (the bhsd runs) to flash.
+        weights = kernel in ("reference", "chunked") or (kernel == "auto" and layout == "bshd")
+    args = ["attention", "--kernel", kernel, "--layout", layout, "--out", "o.npy"]
+    for name in ("q", "k", "v"):
+        cli.save(f"{name}.npy", to_file_layout(problem[name], layout))
+        args += [f"--{name}", f"{name}.npy"]
+    if problem.get("scale") is not None:
+        args += ["--scale", repr(problem["scale"])]
+    if problem.get("softcap"):
+        args += ["--softcap", repr(problem["softcap"])]
+    if problem.get("causal"):
+        args += ["--causal"]
+    if problem.get("align"):
+        args += ["--align", problem["align"]]
+    if problem.get("window"):
+        args += ["--window", "%d,%d" % problem["window"]]
+    for key, option in (("key_lengths", "--key-lengths"), ("mask", "--mask"), ("bias", "--bias")):
+        if problem.get(key) is not None:
+            args += [option, cli.save(f"{key}.npy", problem[key])]
+    if lse:
+        args += ["--lse", "lse.npy"]
+    if weights:
+        args += ["--weights", "w.npy"]
+    if dtype:
+        args += ["--dtype", dtype]
+    if threads is not None:
+        args += ["--threads", threads]
+    assert cli.ok(*args) == ""
+    out = cli.load("o.npy")
+    assert out.dtype == np.float32 and out.flags.c_contiguous
+    return (to_file_layout(out, layout), cli.load("lse.npy") if lse else None,
+            cli.load("w.npy") if weights else None)
+
+
+def references(problem, round_fn=None):
+    """(out, lse, weights) in float64 and in plain float32, on inputs rounded by round_fn."""
+    inputs = {name: problem[name] for name in ("q", "k", "v")}
+    if round_fn is not None:
+        inputs = {name: round_fn(value) for name, value in inputs.items()}
+    options = {key: problem[key] for key in ("scale", "softcap", "causal", "align", "window",
+                                             "key_lengths", "mask", "bias") if key in problem}
+    return (ref.attention(**inputs, **options, dtype=np.float64),
+            ref.attention(**inputs, **options, dtype=np.float32))
+
+
+def check_close(actual, ref64, ref32, what):
+    assert actual.dtype == np.float32, what
+    assert actual.shape == ref64.shape, f"{what}: shape {actual.shape} != {ref64.shape}"
+    assert not np.isnan(actual).any(), f"{what}: NaN in the output"
+    infinite = np.isneginf(ref64)
+    assert np.array_equal(np.isneginf(actual), infinite), f"{what}: -inf entries differ"
+    finite = ~infinite
+    if not finite.any():
+        return
+    error = float(np.max(np.abs(actual[finite].astype(np.float64) - ref64[finite])))
+    tolerance = ref.tolerance(np.where(finite, ref64, 0), np.where(finite, ref32, 0))
+    assert error <= tolerance, f"{what}: max abs error {error:.3g} > tolerance {tolerance:.3g}"
+
+
+def check_against_reference(cli, problem, kernel="auto", layout="bshd", dtype=None):
+    out, lse, weights = run_cli(cli, problem, kernel, layout, dtype=dtype)
+    round_fn = {"bf16": ref.round_bf16, "f16": ref.round_f16}.get(dtype)
+    (out64, lse64, w64), (out32, lse32, w32) = references(problem, round_fn)
+    check_close(out, out64, out32, "out")
+    check_close(lse, lse64, lse32, "lse")
+    if weights is not None:
+        check_close(weights, w64, w32, "weights")
+    return out, lse, weights
+
+
+# ---------------------------------------------------------------------------------------------
+# One table of cases: each mask kind alone, then combined. Default shape: B=2, Lq=5, Lk=7,
+# Hq=4, Hkv=2, D=Dv=8.
+
+def _mask(rng, shape, p=0.6):
+    return rng.random(shape) < p
+
+
+CASES = {
+    "plain": lambda rng: make_problem(rng),
+    "scale": lambda rng: make_problem(rng, scale=0.375),
+    "softcap": lambda rng: make_problem(rng, softcap=2.5, data_scale=2.0),
+    "causal_bottom_right": lambda rng: make_problem(rng, seq_q=5, seq_kv=9, causal=True),
+    # Lq > Lk, bottom-right: the first Lq - Lk rows see no key at all.
+    "causal_bottom_right_lq_gt_lk": lambda rng: make_problem(rng, seq_q=9, seq_kv=5, causal=True),
+    "causal_top_left": lambda rng: make_problem(rng, seq_q=5, seq_kv=9, causal=True,
+                                                align="top-left"),
+    "causal_top_left_lq_gt_lk": lambda rng: make_problem(rng, seq_q=9, seq_kv=5, causal=True,
+                                                         align="top-left"),
+    "window_both": lambda rng: make_problem(rng, seq_q=7, seq_kv=7, window=(2, 1)),
+    "window_left": lambda rng: make_problem(rng, seq_q=5, seq_kv=9, window=(3, -1)),
+    "window_right_top_left": lambda rng: make_problem(rng, seq_q=9, seq_kv=5, window=(-1, 2),
+                                                      align="top-left"),
+    "window_diagonal_only": lambda rng: make_problem(rng, seq_q=9, seq_kv=5, window=(0, 0)),
+    "window_causal": lambda rng: make_problem(rng, seq_q=6, seq_kv=11, window=(3, -1),
+                                              causal=True),
+    "key_lengths_int32": lambda rng: make_problem(rng, key_lengths=np.array([3, 7], np.int32)),
+    "key_lengths_int64_zero": lambda rng: make_problem(rng,
+                                                       key_lengths=np.array([0, 5], np.int64)),
+    "mask_full": lambda rng: make_problem(rng, mask=_mask(rng, (2, 4, 5, 7))),
+    "mask_keys": lambda rng: make_problem(rng, mask=_mask(rng, (2, 1, 1, 7))),
+    "mask_2d": lambda rng: make_problem(rng, mask=_mask(rng, (5, 7))),
+    "mask_1d": lambda rng: make_problem(rng, mask=_mask(rng, (7,), 0.7)),
+    "mask_heads": lambda rng: make_problem(rng, mask=_mask(rng, (4, 1, 1), 0.5)),
+    "mask_uint8": lambda rng: make_problem(
+        rng, mask=rng.choice(np.array([0, 1, 7, 255], np.uint8), size=(2, 4, 5, 7))),
+    "mask_scalar_true": lambda rng: make_problem(rng, mask=np.array(True)),
+    "mask_scalar_false": lambda rng: make_problem(rng, mask=np.array(False)),
+    "mask_empty_rows": lambda rng: make_problem(
+        rng, mask=np.array([[True] * 7, [False] * 7, [True, False] * 3 + [True], [False] * 7,
+                            [False] * 6 + [True]])),
+    "bias_full": lambda rng: make_problem(rng, bias=rng.standard_normal((2, 4, 5, 7)).astype(
+        np.float32)),
+    "bias_keys": lambda rng: make_problem(rng, bias=rng.standard_normal((2, 1, 1, 7)).astype(
+        np.float32)),
+    "bias_neg_inf": lambda rng: make_problem(rng, bias=np.where(
+        _mask(rng, (5, 7), 0.7), rng.standard_normal((5, 7)), -np.inf).astype(np.float32)),
+    "bias_neg_inf_rows": lambda rng: make_problem(rng, bias=np.where(
+        np.arange(5)[:, None] % 2 == 1, -np.inf, np.zeros((5, 7))).astype(np.float32)),
+    "gqa": lambda rng: make_problem(rng, num_heads_q=6, num_heads_kv=2),
+    "mqa": lambda rng: make_problem(rng, num_heads_q=5, num_heads_kv=1),
+    "mha": lambda rng: make_problem(rng, num_heads_q=3, num_heads_kv=3),
+    "dv_ne_d": lambda rng: make_problem(rng, head_dim=12, head_dim_v=5),
+    "decode_lq1": lambda rng: make_problem(rng, seq_q=1, seq_kv=65, causal=True),
+    "large_logits": lambda rng: make_problem(rng, data_scale=6.0),
+    "combined": lambda rng: make_problem(
+        rng, batch=3, seq_q=6, seq_kv=11, num_heads_q=6, num_heads_kv=3, head_dim=12,
+        head_dim_v=7, scale=0.25, softcap=4.0, causal=True, window=(4, -1),
+        key_lengths=np.array([11, 6, 0], np.int64), mask=_mask(rng, (3, 1, 6, 11), 0.8),
+        bias=rng.standard_normal((6, 6, 11)).astype(np.float32)),
+    "combined_top_left": lambda rng: make_problem(
+        rng, batch=2, seq_q=9, seq_kv=6, num_heads_q=4, num_heads_kv=1, head_dim=5,
+        head_dim_v=3, causal=True, align="top-left", window=(2, 3),
+        key_lengths=np.array([4, 6], np.int32), mask=_mask(rng, (6,), 0.8),
+        bias=np.where(_mask(rng, (1, 4, 9, 1), 0.9), 0.5, -np.inf).astype(np.float32)),
+}
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_reference(cli, rng, case, kernel, layout):
+    check_against_reference(cli, CASES[case](rng), kernel, layout)
+
+
+@pytest.mark.parametrize("kernel", ["reference", "chunked", "flash"])
+@pytest.mark.parametrize("seq_q,seq_kv,head_dim", [
+    (1, 1, 1), (1, 3, 7), (3, 1, 3), (7, 7, 65), (65, 65, 16), (63, 130, 64), (64, 64, 64),
+    (1, 129, 32), (130, 65, 7), (129, 257, 8)])
+@pytest.mark.parametrize("masks", ["none", "causal_mask_lengths"])
+def test_odd_sizes(cli, rng, kernel, seq_q, seq_kv, head_dim, masks):
+    options = {}
+    if masks != "none":
+        options = dict(causal=True, key_lengths=np.array([seq_kv, max(1, seq_kv - 2)]),
+                       mask=_mask(rng, (seq_q, seq_kv), 0.9))
+    problem = make_problem(rng, seq_q=seq_q, seq_kv=seq_kv, num_heads_q=2, num_heads_kv=1,
+                           head_dim=head_dim, **options)
+    check_against_reference(cli, problem, kernel)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fully_masked_rows_are_zero_with_lse_minus_inf(cli, rng, kernel):
+    mask = np.ones((2, 1, 5, 7), bool)
+    mask[0, 0, 1] = False
+    problem = make_problem(rng, mask=mask, key_lengths=np.array([7, 0]))
+    out, lse, weights = check_against_reference(cli, problem, kernel)
+    assert np.all(out[0, 1] == 0) and np.all(out[1] == 0)
+    assert np.all(np.isneginf(lse[0, :, 1])) and np.all(np.isneginf(lse[1]))
+    assert np.isfinite(lse[0, :, 0]).all()
+    if weights is not None:
+        assert np.all(weights[0, :, 1] == 0) and np.all(weights[1] == 0)
+        np.testing.assert_allclose(weights[0, :, 0].sum(-1), 1, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_nan_past_key_lengths_is_never_read(cli, rng, kernel):
+    lengths = np.array([4, 7, 1], np.int32)
+    problem = make_problem(rng, batch=3, seq_q=6, seq_kv=7, key_lengths=lengths, causal=True)
+    for b, length in enumerate(lengths):
+        problem["k"][b, length:] = np.nan
+        problem["v"][b, length:] = np.nan
+    out, lse, _ = check_against_reference(cli, problem, kernel)
+    assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_dtype_matches_reference_on_rounded_inputs(cli, rng, kernel, dtype):
+    problem = make_problem(rng, seq_q=9, seq_kv=13, causal=True, mask=_mask(rng, (9, 13), 0.9))
+    out, _, _ = check_against_reference(cli, problem, kernel, dtype=dtype)
+    # The rounding must matter: unrounded inputs give a reference that is measurably different.
+    unrounded = ref.attention(problem["q"], problem["k"], problem["v"], causal=True,
+                              mask=problem["mask"])[0]
+    assert np.max(np.abs(out - unrounded)) > 1e-4
+
+
+@pytest.mark.parametrize("dtype,round_fn", [("bf16", ref.round_bf16), ("f16", ref.round_f16),
+                                            ("f32", lambda x: x)])
+def test_dtype_rounding_is_exact(cli, rng, dtype, round_fn):
+    # With one key, softmax is exactly 1 and out == v, so out shows the rounded v bit for bit.
+    # Ties (round to even), f16 subnormals and the largest finite values are included.
+    ties = [1 + 2.0**-8, 1 + 3 * 2.0**-8, 1 + 2.0**-11, 1 + 3 * 2.0**-11, 2.0**-25, 3 * 2.0**-25,
+            2.0**-24, 1e-7, 65519.0, -65519.0, 3.0e38, -1 - 2.0**-8, 0.1, -0.0, 1e-30]
+    values = np.concatenate([np.array(ties), rng.standard_normal(64) * 10.0 ** rng.integers(
+        -6, 5, 64)]).astype(np.float32)
+    v = values.reshape(1, 1, 1, -1)
+    q = rng.standard_normal((1, 1, 1, 4)).astype(np.float32)
+    k = rng.standard_normal((1, 1, 1, 4)).astype(np.float32)
+    out, _, _ = run_cli(cli, dict(q=q, k=k, v=v), "reference", lse=False, weights=False,
+                        dtype=dtype)
+    expected = round_fn(values)
+    if dtype == "f16":
+        expected = np.where(np.abs(values) > 65519, np.nan, expected)  # 3e38 -> inf, skip
+    keep = ~np.isnan(expected)
+    np.testing.assert_array_equal(out.ravel()[keep], expected[keep])
+
+
+@pytest.mark.parametrize("kernel", ["reference", "chunked", "flash"])
+def test_results_do_not_depend_on_thread_count(cli, rng, kernel):
+    problem = make_problem(rng, batch=2, seq_q=70, seq_kv=131, num_heads_q=4, num_heads_kv=2,
+                           head_dim=16, causal=True, key_lengths=np.array([131, 90]))
+    results = [run_cli(cli, problem, kernel, threads=threads) for threads in (1, 2, 3)]
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            if a is not None:
+                np.testing.assert_array_equal(a, b)
+
+
+def test_bhsd_output_is_in_bhsd_order(cli, rng):
+    problem = make_problem(rng, batch=2, seq_q=3, seq_kv=5, num_heads_q=4, num_heads_kv=2,
+                           head_dim=8, head_dim_v=6)
+    run_cli(cli, problem, "flash", "bhsd", lse=False)
+    assert cli.load("o.npy").shape == (2, 4, 3, 6)
+    run_cli(cli, problem, "flash", "bshd", lse=True)
+    assert cli.load("o.npy").shape == (2, 3, 4, 6)
+    assert cli.load("lse.npy").shape == (2, 4, 3)
+
+
+def test_reads_npy_format_2_and_writes_aligned_files(cli, rng):
+    problem = make_problem(rng)
+    for name in ("q", "k", "v"):
+        with open(cli.path(f"{name}.npy"), "wb") as f:
+            np.lib.format.write_array(f, problem[name], version=(2, 0))
+    cli.ok("attention", "--q", "q.npy", "--k", "k.npy", "--v", "v.npy", "--out", "o.npy",
+           "--lse", "lse.npy", "--weights", "w.npy")
+    (out64, lse64, w64), (out32, lse32, w32) = references(problem)
+    check_close(cli.load("o.npy"), out64, out32, "out")
+    for name in ("o.npy", "lse.npy", "w.npy"):
+        data = (cli.dir / name).read_bytes()
+        assert data[:8] == b"\x93NUMPY\x01\x00"
+        header_len = int.from_bytes(data[8:10], "little")
+        assert (10 + header_len) % 64 == 0
+    assert cli.files() == ["k.npy", "lse.npy", "o.npy", "q.npy", "v.npy", "w.npy"]
+
+
+def test_output_through_a_symlink_keeps_the_link(cli, rng):
+    (cli.dir / "results").mkdir()
+    (cli.dir / "o.npy").symlink_to("results/out.npy")
+    run_cli(cli, make_problem(rng), "flash", lse=False)
+    assert (cli.dir / "o.npy").is_symlink()
+    assert np.load(cli.path("results/out.npy")).shape == (2, 5, 4, 8)
+
+
+def test_success_replaces_existing_outputs(cli, rng):
+    (cli.dir / "o.npy").write_bytes(b"stale")
+    run_cli(cli, make_problem(rng), "flash", lse=False)
+    assert cli.load("o.npy").shape == (2, 5, 4, 8)
+
+
+def test_help(cli):
+    for args in (["attention", "--help"], ["attention", "--q", "x.npy", "-h"]):
+        text = cli.ok(*args)
+        assert text.startswith("usage: qkv attention")
+        for option in ("--q", "--k", "--v", "--out", "--layout", "bshd", "bhsd", "--scale",
+                       "--softcap", "--causal", "--align", "bottom-right", "top-left",
+                       "--window", "--key-lengths", "--mask", "--bias", "--lse", "--weights",
+                       "--kernel", "reference", "chunked", "flash", "--dtype", "bf16", "f16",
+                       "--threads", "--help", "MAY ATTEND"):
+            assert option in text, option
+    assert cli.files() == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors: exit 2, one line "qkv: error: ..." naming the argument (and both shapes for shape
+# mismatches), no output or temporary file left behind, no existing file touched.
+
+BASE = ["attention", "--q", "q.npy", "--k", "k.npy", "--v", "v.npy", "--out", "o.npy"]
+Q_SHAPE, K_SHAPE, V_SHAPE = (2, 5, 4, 8), (2, 7, 2, 8), (2, 7, 2, 6)
+
+
+@pytest.fixture
+def inputs(cli, rng):
+    """q (2, 5, 4, 8), k (2, 7, 2, 8), v (2, 7, 2, 6) in the test directory."""
+    for name, shape in (("q", Q_SHAPE), ("k", K_SHAPE), ("v", V_SHAPE)):
+        cli.save(f"{name}.npy", rng.standard_normal(shape).astype(np.float32))
+    return cli
+
+
+def _save(name, array):
+    return lambda cli: cli.save(name, array)
+
+
+def _write(name, data):
+    return lambda cli: (cli.dir / name).write_bytes(data)
+
+
+def _truncate(name):
+    return lambda cli: (cli.dir / name).write_bytes((cli.dir / name).read_bytes()[:-3])
+
+
+def _mkdir(name):
+    return lambda cli: (cli.dir / name).mkdir()
+
+
+F32 = np.float32
+ERRORS = {
+    # option syntax
+    "no_arguments": (None, ["attention"], ["missing required option --q"]),
+    "missing_q": (None, ["attention", "--k", "k.npy", "--v", "v.npy", "--out", "o.npy"],
+                  ["missing required option --q"]),
+    "missing_out": (None, BASE[:-2], ["missing required option --out"]),
+    "missing_value": (None, BASE + ["--scale"], ["--scale: missing value"]),
+    "option_as_path": (None, ["attention", "--q", "--k", "k.npy"], ["--q: missing value"]),
+    "unknown_option": (None, BASE + ["--foo", "1"], ["unknown option '--foo'"]),
+    "stray_argument": (None, BASE + ["extra"], ["unknown option 'extra'"]),
+    "given_twice": (None, BASE + ["--causal", "--causal"], ["--causal: given more than once"]),
+    "bad_layout": (None, BASE + ["--layout", "bsdh"], ["--layout: expected bshd or bhsd",
+                                                       "bsdh"]),
+    "bad_kernel": (None, BASE + ["--kernel", "fast"], ["--kernel: expected auto", "fast"]),
+    "bad_align": (None, BASE + ["--align", "bottom"], ["--align: expected bottom-right"]),
+    "bad_dtype": (None, BASE + ["--dtype", "f64"], ["--dtype: expected f32, bf16 or f16"]),
+    "bad_threads": (None, BASE + ["--threads", "-1"], ["--threads: expected 0"]),
+    "threads_not_int": (None, BASE + ["--threads", "two"], ["--threads: expected an integer"]),
+    "scale_zero": (None, BASE + ["--scale", "0"], ["--scale: must be finite and > 0"]),
+    "scale_negative": (None, BASE + ["--scale", "-0.5"], ["--scale: must be finite and > 0"]),
+    "scale_nan": (None, BASE + ["--scale", "nan"], ["--scale"]),
+    "scale_text": (None, BASE + ["--scale", "big"], ["--scale: expected a number", "big"]),
+    "scale_too_large": (None, BASE + ["--scale", "1e300"], ["--scale: 1e300 is out of float32"]),
+    "softcap_negative": (None, BASE + ["--softcap", "-1"], ["--softcap: must be finite and >= 0"]),
+    "window_minus_2": (None, BASE + ["--window", "-2,0"], ["--window", "(-2, 0)", "below -1"]),
+    "window_right_minus_2": (None, BASE + ["--window", "3,-2"], ["--window", "below -1"]),
+    "window_one_value": (None, BASE + ["--window", "3"], ["--window: expected L,R"]),
+    "window_not_int": (None, BASE + ["--window", "a,1"], ["--window: expected an integer"]),
+    "weights_with_flash": (None, BASE + ["--kernel", "flash", "--weights", "w.npy"],
+                           ["--weights: not available from --kernel flash"]),
+    # files
+    "nonexistent_file": (None, ["attention", "--q", "nothere.npy", "--k", "k.npy", "--v",
+                                "v.npy", "--out", "o.npy"], ["--q nothere.npy: cannot open"]),
+    "corrupt_npy": (_write("k.npy", b"this is not an npy file"), BASE,
+                    ["--k k.npy: not a .npy file"]),
+    "truncated_npy": (_truncate("v.npy"), BASE, ["--v v.npy: truncated data"]),
+    "float64_input": (_save("q.npy", np.zeros(Q_SHAPE)), BASE,
+                      ["--q q.npy: unsupported dtype '<f8' (float64)"]),
+    "int32_input": (_save("v.npy", np.zeros(V_SHAPE, np.int32)), BASE,
+                    ["--v v.npy: dtype int32 is not supported; expected float32"]),
+    "fortran_order": (_save("q.npy", np.asfortranarray(np.zeros(Q_SHAPE, F32))), BASE,
+                      ["--q q.npy: array is in Fortran order"]),
+    "rank3_input": (_save("q.npy", np.zeros((2, 5, 4), F32)), BASE,
+                    ["--q q.npy: shape (2, 5, 4) is not 4-D"]),
+    "rank5_input": (_save("k.npy", np.zeros((1, 2, 7, 2, 8), F32)), BASE,
+                    ["--k k.npy: rank 5 is not supported"]),
+    "empty_dim": (_save("q.npy", np.zeros((2, 0, 4, 8), F32)), BASE,
+                  ["--q q.npy: shape (2, 0, 4, 8)", "size 0"]),
+    # shapes
+    "head_dim_mismatch": (_save("k.npy", np.zeros((2, 7, 2, 6), F32)), BASE,
+                          ["--q q.npy: shape (2, 5, 4, 8)", "--k k.npy: shape (2, 7, 2, 6)",
+                           "head_dim"]),
+    "heads_not_multiple": (_save("q.npy", np.zeros((2, 5, 3, 8), F32)), BASE,
+                           ["--q q.npy: shape (2, 5, 3, 8)", "--k k.npy: shape (2, 7, 2, 8)"]),
+    "seq_kv_mismatch": (_save("v.npy", np.zeros((2, 6, 2, 6), F32)), BASE,
+                        ["--k k.npy: shape (2, 7, 2, 8)", "--v v.npy: shape (2, 6, 2, 6)"]),
+    "batch_mismatch": (_save("k.npy", np.zeros((3, 7, 2, 8), F32)), BASE,
+                       ["(2, 5, 4, 8)", "(3, 7, 2, 8)", "batch"]),
+    "bhsd_heads_not_multiple": (None, BASE + ["--layout", "bhsd"],
+                                ["--q q.npy", "--k k.npy", "--layout bhsd"]),
+    # masks and bias
+    "mask_not_broadcastable": (_save("m.npy", np.ones((5, 6), bool)), BASE + ["--mask", "m.npy"],
+                               ["--mask m.npy: shape (5, 6) is not broadcastable to "
+                                "(B, Hq, Lq, Lk) = (2, 4, 5, 7)"]),
+    "mask_heads_not_broadcastable": (_save("m.npy", np.ones((2, 1, 7), bool)),
+                                     BASE + ["--mask", "m.npy"], ["--mask m.npy: shape (2, 1, 7)",
+                                                                 "(2, 4, 5, 7)"]),
+    "mask_float": (_save("m.npy", np.ones((5, 7), F32)), BASE + ["--mask", "m.npy"],
+                   ["--mask m.npy: dtype float32 is not supported; expected bool or uint8"]),
+    "mask_rank5": (_save("m.npy", np.ones((1, 2, 4, 5, 7), bool)), BASE + ["--mask", "m.npy"],
+                   ["--mask m.npy: rank 5 is not supported"]),
+    "bias_bool": (_save("b.npy", np.ones((5, 7), bool)), BASE + ["--bias", "b.npy"],
+                  ["--bias b.npy: dtype bool is not supported; expected float32"]),
+    "bias_not_broadcastable": (_save("b.npy", np.ones((3, 5, 7), F32)), BASE + ["--bias", "b.npy"],
+                               ["--bias b.npy: shape (3, 5, 7)", "(2, 4, 5, 7)"]),
+    "key_length_negative": (_save("kl.npy", np.array([-1, 3], np.int32)),
+                            BASE + ["--key-lengths", "kl.npy"],
+                            ["--key-lengths kl.npy: entry 0 is -1"]),
+    "key_length_too_large": (_save("kl.npy", np.array([3, 8], np.int64)),
+                             BASE + ["--key-lengths", "kl.npy"],
+                             ["--key-lengths kl.npy: entry 1 is 8", "7"]),
+    "key_lengths_wrong_shape": (_save("kl.npy", np.array([3, 3, 3], np.int64)),
+                                BASE + ["--key-lengths", "kl.npy"],
+                                ["--key-lengths kl.npy: shape (3,) does not match (B,) = (2,)",
+                                 "(2, 5, 4, 8)"]),
+    "key_lengths_2d": (_save("kl.npy", np.array([[3], [3]], np.int64)),
+                       BASE + ["--key-lengths", "kl.npy"],
+                       ["--key-lengths kl.npy: shape (2, 1) does not match (B,)"]),
+    "key_lengths_float": (_save("kl.npy", np.array([3.0, 3.0], F32)),
+                          BASE + ["--key-lengths", "kl.npy"],
+                          ["--key-lengths kl.npy: dtype float32 is not supported; expected "
+                           "int32 or int64"]),
+    # outputs
+    "out_directory_missing": (None, BASE[:-1] + ["nodir/o.npy"],
+                              ["--out nodir/o.npy: directory 'nodir' does not exist"]),
+    "lse_directory_missing": (None, BASE + ["--lse", "nodir/l.npy"],
+                              ["--lse nodir/l.npy: directory 'nodir' does not exist"]),
+    "out_is_directory": (_mkdir("od"), BASE[:-1] + ["od"], ["--out od: is a directory"]),
+    "out_is_fifo": (lambda cli: os.mkfifo(cli.path("fifo")), BASE[:-1] + ["fifo"],
+                    ["--out fifo: exists and is not a regular file"]),
+    "lse_same_as_out": (None, BASE + ["--lse", "./o.npy"], ["--lse ./o.npy: same file as --out"]),
+    "existing_output_untouched": (_write("o.npy", b"keep me"), BASE + ["--scale", "0"],
+                                  ["--scale"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ERRORS))
+def test_error(inputs, case):
+    setup, args, expect = ERRORS[case]
+    if setup is not None:
+        setup(inputs)
+    inputs.fails(*args, expect=expect)
+
+
+def test_no_partial_output_when_a_later_output_fails(inputs):
+    # --out is staged first; --lse goes to a directory that exists but cannot be written, so it
+    # fails only when the outputs are written: --out must not appear either.
+    read_only = inputs.dir / "ro"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    try:
+        if os.access(read_only, os.W_OK):
+            pytest.skip("running as root: permissions are not enforced")
+        inputs.fails(*BASE, "--lse", "ro/l.npy", "--weights", "w.npy",
+                     expect=["--lse ro/l.npy: cannot create output file"])
+        assert list(read_only.iterdir()) == []
+    finally:
+        read_only.chmod(0o755)
+
+
+def test_outputs_are_committed_all_or_none(inputs):
+    # The --lse name is too long for the file system (> 255 bytes). Its temporary file has a
+    # shortened name and is written fine; renaming it into place fails after --out was already
+    # renamed, so the command must remove --out again.
+    long_name = "l" * 300 + ".npy"
+    inputs.fails(*BASE, "--lse", long_name, expect=[f"--lse {long_name}: cannot rename"])
