@@ -1,0 +1,372 @@
+// qkv bench: GFLOP/s of the attention kernels as a fraction of this machine's fp32 FMA peak,
+// measured in the same process on the same threads (DESIGN.md sections 4 and 6).
+//
+//   q: [B, Lq, Hq, D]   k, v: [B, Lk, Hkv, D]   out: [B, Lq, Hq, D]   (f32, contiguous BSHD)
+//
+// Per case: one warm-up call, then R timed repeats (each repeat runs enough calls to last
+// >= 10 ms), median seconds per call. GFLOP/s counts every (query, key) pair
+// (4 * B * Hq * Lq * Lk * D); effective GFLOP/s counts only the pairs causal allows.
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/parallel.h"
+#include "qkv/attention.h"
+#include "qkv/tensor.h"
+#include "tools/cli.h"
+#include "tools/fma_probe.h"
+#include "tools/memory_probe.h"
+#include "tools/random_fill.h"
+
+namespace qkv::cli {
+namespace {
+
+constexpr const char* kBenchUsage =
+    "usage: qkv bench [--json] [--shape B,Hq,Hkv,Lq,Lk,D] [--causal] [--kernel K] [--dtype T]\n"
+    "                 [--threads N] [--repeats R]\n"
+    "\n"
+    "Times qkv::attention on random f32 inputs (fixed seed) and reports GFLOP/s as a fraction of\n"
+    "this machine's fp32 FMA peak, measured first in the same process on the same threads.\n"
+    "\n"
+    "options:\n"
+    "  --json           one JSON object per line on stdout instead of a table; progress and the\n"
+    "                   probe summary go to stderr\n"
+    "  --shape B,Hq,Hkv,Lq,Lk,D\n"
+    "                   one shape: batch, num_heads_q, num_heads_kv, seq_q, seq_kv, head_dim\n"
+    "                   (Hq a multiple of Hkv). Without it, a default set is swept: Hq=Hkv=8\n"
+    "                   at L=1024 and 4096 with D=64 and D=128, GQA 32:8 and a decode step\n"
+    "                   (Lq=1), each with and without --causal\n"
+    "  --causal         causal mask (bottom-right aligned). With the default sweep: only the\n"
+    "                   causal cases\n"
+    "  --kernel K       auto|reference|chunked|flash, or a comma list (default auto, which\n"
+    "                   resolves to flash). 'reference' is the scalar oracle: slow\n"
+    "  --dtype T        f32 (default). bf16 and f16 are not supported by the kernels yet\n"
+    "  --threads N      threads for the kernels and the FMA probe (default 0 = OpenMP's default)\n"
+    "  --repeats R      timed repeats per case, median reported (default 5; fewer when one call\n"
+    "                   takes over 2 s, unless given)\n"
+    "  --help           this text\n"
+    "\n"
+    "columns: median ms per call; GFLOP/s = 4*B*Hq*Lq*Lk*D / seconds (all pairs); eff GFLOP/s\n"
+    "counts only the pairs the mask allows; %peak = GFLOP/s / measured FMA peak; extra MiB =\n"
+    "peak resident memory during a call above the memory before it. See docs/cli-bench-demo.md.\n";
+
+struct BenchCase {
+  std::int64_t batch, num_heads_q, num_heads_kv, seq_q, seq_kv, head_dim;
+  bool causal;
+};
+
+struct BenchOptions {
+  bool json = false;
+  std::optional<BenchCase> shape;
+  bool causal = false;
+  std::vector<Kernel> kernels = {Kernel::kAuto};
+  int threads = 0;
+  int repeats = 5;
+  bool repeats_given = false;
+};
+
+Kernel parse_kernel(const std::string& name) {
+  if (name == "auto") return Kernel::kAuto;
+  if (name == "reference") return Kernel::kReference;
+  if (name == "chunked") return Kernel::kChunked;
+  if (name == "flash") return Kernel::kFlash;
+  throw UsageError("--kernel: unknown kernel '" + name +
+                   "' (expected auto, reference, chunked or flash)");
+}
+
+std::vector<Kernel> parse_kernels(const std::string& text) {
+  std::vector<Kernel> kernels;
+  std::size_t start = 0;
+  while (true) {
+    const std::size_t comma = text.find(',', start);
+    kernels.push_back(parse_kernel(text.substr(start, comma - start)));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return kernels;
+}
+
+BenchCase parse_shape(const std::string& text) {
+  const std::vector<std::int64_t> v = parse_int_list("--shape", text);
+  if (v.size() != 6) {
+    throw UsageError("--shape: expected 6 sizes B,Hq,Hkv,Lq,Lk,D, got '" + text + "'");
+  }
+  for (std::int64_t size : v) {
+    if (size < 1) throw UsageError("--shape: every size must be >= 1, got '" + text + "'");
+  }
+  if (v[1] % v[2] != 0) {
+    throw UsageError("--shape: Hq (" + std::to_string(v[1]) + ") must be a multiple of Hkv (" +
+                     std::to_string(v[2]) + ")");
+  }
+  // Each of q, k, v, out must fit in memory; also keeps every size product inside int64.
+  const double q_elements = static_cast<double>(v[0]) * v[1] * v[3] * v[5];
+  const double kv_elements = static_cast<double>(v[0]) * v[2] * v[4] * v[5];
+  if (std::max(q_elements, kv_elements) > static_cast<double>(std::int64_t{1} << 32)) {
+    throw UsageError("--shape: " + text + " needs more than 16 GiB per tensor");
+  }
+  return {v[0], v[1], v[2], v[3], v[4], v[5], false};
+}
+
+BenchOptions parse_options(std::vector<std::string> argv, bool* help) {
+  BenchOptions options;
+  Args args(std::move(argv));
+  while (!args.done()) {
+    const std::string arg = args.next();
+    if (arg == "--help" || arg == "-h") {
+      *help = true;
+    } else if (arg == "--json") {
+      options.json = true;
+    } else if (arg == "--causal") {
+      options.causal = true;
+    } else if (arg == "--shape") {
+      options.shape = parse_shape(args.value(arg));
+    } else if (arg == "--kernel") {
+      options.kernels = parse_kernels(args.value(arg));
+    } else if (arg == "--dtype") {
+      const std::string dtype = args.value(arg);
+      if (dtype == "bf16" || dtype == "f16") {
+        throw UsageError("--dtype " + dtype + ": not supported yet by the kernels (use f32)");
+      }
+      if (dtype != "f32") {
+        throw UsageError("--dtype: expected f32, bf16 or f16, got '" + dtype + "'");
+      }
+    } else if (arg == "--threads") {
+      const std::int64_t threads = parse_int(arg, args.value(arg));
+      if (threads < 0 || threads > 4096) {
+        throw UsageError("--threads: expected 0 (default) to 4096, got " + std::to_string(threads));
+      }
+      options.threads = static_cast<int>(threads);
+    } else if (arg == "--repeats") {
+      const std::int64_t repeats = parse_int(arg, args.value(arg));
+      if (repeats < 1 || repeats > 1000) {
+        throw UsageError("--repeats: expected 1 to 1000, got " + std::to_string(repeats));
+      }
+      options.repeats = static_cast<int>(repeats);
+      options.repeats_given = true;
+    } else {
+      throw UsageError("unknown option '" + arg + "' for bench (try 'qkv bench --help')");
+    }
+  }
+  return options;
+}
+
+std::vector<BenchCase> default_sweep(bool causal_only) {
+  const std::vector<BenchCase> shapes = {
+      {1, 8, 8, 1024, 1024, 64, false},    // the seed's scenario: 8 heads, embed 512
+      {1, 8, 8, 4096, 4096, 64, false},    //
+      {1, 8, 8, 1024, 1024, 128, false},   // head_dim 128 (most LLMs)
+      {1, 8, 8, 4096, 4096, 128, false},   //
+      {1, 32, 8, 1024, 1024, 128, false},  // GQA 32:8
+  };
+  std::vector<BenchCase> cases;
+  for (const BenchCase& shape : shapes) {
+    for (bool causal : {false, true}) {
+      if (causal_only && !causal) continue;
+      BenchCase c = shape;
+      c.causal = causal;
+      cases.push_back(c);
+    }
+  }
+  // One decode step against an 8k KV cache (bottom-right causal allows every key: same work).
+  if (!causal_only) cases.push_back({1, 32, 8, 1, 8192, 128, false});
+  return cases;
+}
+
+struct BenchResult {
+  std::string kernel;
+  double seconds;  // median per call
+  int repeats;
+  int calls_per_repeat;
+  double gflops, effective_gflops;
+  tools::MemoryUsage memory;  // the largest peak over the repeats
+};
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const std::size_t n = values.size();
+  return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+BenchResult run_case(const BenchCase& c, Kernel kernel, const BenchOptions& options, int threads) {
+  // q: [B, Lq, Hq, D]  k, v: [B, Lk, Hkv, D]  out: [B, Lq, Hq, D]
+  const std::array<std::int64_t, 4> q_sizes = {c.batch, c.seq_q, c.num_heads_q, c.head_dim};
+  const std::array<std::int64_t, 4> kv_sizes = {c.batch, c.seq_kv, c.num_heads_kv, c.head_dim};
+  std::vector<float> q(c.batch * c.seq_q * c.num_heads_q * c.head_dim);
+  std::vector<float> k(c.batch * c.seq_kv * c.num_heads_kv * c.head_dim);
+  std::vector<float> v(k.size());
+  std::vector<float> out(q.size(), 0.0f);  // zero-filled: its pages are resident before timing
+  tools::fill_normal(q, 1);
+  tools::fill_normal(k, 2);
+  tools::fill_normal(v, 3);
+  const TensorView q_view = TensorView::contiguous(q.data(), DType::kF32, q_sizes);
+  const TensorView k_view = TensorView::contiguous(k.data(), DType::kF32, kv_sizes);
+  const TensorView v_view = TensorView::contiguous(v.data(), DType::kF32, kv_sizes);
+  AttentionOutputs outputs;
+  outputs.out = TensorView::contiguous(out.data(), DType::kF32, q_sizes);
+  AttentionParams params;
+  params.causal = c.causal;
+  params.kernel = kernel;
+  params.num_threads = threads;
+
+  BenchResult result;
+  result.kernel = resolved_kernel_name(params, outputs);
+  auto call = [&] { attention(q_view, k_view, v_view, outputs, params); };
+
+  const auto warm_start = std::chrono::steady_clock::now();
+  call();
+  const double warm_seconds = seconds_since(warm_start);
+  // Calls shorter than the timer's comfort zone are batched to >= 10 ms per repeat.
+  result.calls_per_repeat =
+      warm_seconds >= 0.01 ? 1 : static_cast<int>(std::min(1000.0, std::ceil(0.01 / warm_seconds)));
+  result.repeats = options.repeats;
+  if (!options.repeats_given && warm_seconds > 2.0) {
+    result.repeats = warm_seconds > 10.0 ? 1 : std::min(options.repeats, 3);
+  }
+
+  std::vector<double> times;
+  bool first = true;
+  for (int r = 0; r < result.repeats; ++r) {
+    double seconds = 0.0;
+    const tools::MemoryUsage memory = tools::measure_peak_memory([&] {
+      const auto start = std::chrono::steady_clock::now();
+      for (int i = 0; i < result.calls_per_repeat; ++i) call();
+      seconds = seconds_since(start) / result.calls_per_repeat;
+    });
+    times.push_back(seconds);
+    if (first || memory.peak_extra_bytes() > result.memory.peak_extra_bytes()) {
+      result.memory = memory;
+    }
+    first = false;
+  }
+  result.seconds = median(times);
+  const double all_pairs = static_cast<double>(c.seq_q) * static_cast<double>(c.seq_kv);
+  const double flops = attention_flops(c.batch, c.num_heads_q, all_pairs, c.head_dim, c.head_dim);
+  const double effective_flops = attention_flops(
+      c.batch, c.num_heads_q, allowed_pairs(c.seq_q, c.seq_kv, params), c.head_dim, c.head_dim);
+  result.gflops = flops / result.seconds / 1e9;
+  result.effective_gflops = effective_flops / result.seconds / 1e9;
+  return result;
+}
+
+std::string shape_text(const BenchCase& c) {
+  return std::to_string(c.batch) + "," + std::to_string(c.num_heads_q) + "," +
+         std::to_string(c.num_heads_kv) + "," + std::to_string(c.seq_q) + "," +
+         std::to_string(c.seq_kv) + "," + std::to_string(c.head_dim);
+}
+
+// JSON numbers must be finite.
+double finite(double value) { return std::isfinite(value) ? value : 0.0; }
+
+void print_json(const BenchCase& c, const BenchResult& r, int threads, const tools::FmaPeak& peak,
+                const tools::ReadBandwidth& bandwidth) {
+  std::printf(
+      "{\"kernel\": \"%s\", \"dtype\": \"f32\", \"B\": %lld, \"Hq\": %lld, \"Hkv\": %lld, "
+      "\"Lq\": %lld, \"Lk\": %lld, \"D\": %lld, \"causal\": %s, \"threads\": %d, "
+      "\"seconds\": %.9g, \"repeats\": %d, \"calls_per_repeat\": %d, \"gflops\": %.6g, "
+      "\"effective_gflops\": %.6g, \"peak_gflops\": %.6g, \"fraction_of_peak\": %.6g, "
+      "\"effective_fraction_of_peak\": %.6g, \"peak_extra_rss_bytes\": %lld, "
+      "\"scratch_peak_bytes\": %lld, \"memory_method\": \"%s\", \"hwy_target\": \"%s\", "
+      "\"read_gbytes_per_second\": %.6g}\n",
+      r.kernel.c_str(), static_cast<long long>(c.batch), static_cast<long long>(c.num_heads_q),
+      static_cast<long long>(c.num_heads_kv), static_cast<long long>(c.seq_q),
+      static_cast<long long>(c.seq_kv), static_cast<long long>(c.head_dim),
+      c.causal ? "true" : "false", threads, finite(r.seconds), r.repeats, r.calls_per_repeat,
+      finite(r.gflops), finite(r.effective_gflops), finite(peak.gflops),
+      finite(r.gflops / peak.gflops), finite(r.effective_gflops / peak.gflops),
+      static_cast<long long>(r.memory.peak_extra_bytes()),
+      static_cast<long long>(r.memory.scratch_peak_extra), r.memory.method, peak.hwy_target.c_str(),
+      finite(bandwidth.gbytes_per_second));
+  std::fflush(stdout);
+}
+
+void print_table_header(int threads, const tools::FmaPeak& peak,
+                        const tools::ReadBandwidth& bandwidth) {
+  std::printf(
+      "qkv bench: f32, %d thread%s; measured in this process: fp32 FMA peak %.1f GFLOP/s "
+      "(Highway %s, %d lanes), read bandwidth %.1f GB/s\n",
+      threads, threads == 1 ? "" : "s", peak.gflops, peak.hwy_target.c_str(), peak.lanes,
+      bandwidth.gbytes_per_second);
+  std::printf("memory: %s\n\n",
+              tools::process_peak_available()
+                  ? "extra MiB = peak RSS during a call (VmHWM) minus RSS before it"
+                  : "extra MiB = kernel scratch peak only (/proc/self/clear_refs not writable)");
+  std::printf("%-9s  %-24s  %-6s  %3s  %10s  %8s  %8s  %8s  %6s  %6s  %9s\n", "kernel",
+              "shape B,Hq,Hkv,Lq,Lk,D", "causal", "thr", "median ms", "GFLOP/s", "eff GF/s",
+              "peak GF/s", "%peak", "eff %", "extra MiB");
+  std::fflush(stdout);
+}
+
+void print_table_row(const BenchCase& c, const BenchResult& r, int threads,
+                     const tools::FmaPeak& peak) {
+  std::printf("%-9s  %-24s  %-6s  %3d  %10.3f  %8.2f  %8.2f  %8.1f  %5.1f%%  %5.1f%%  %9.1f\n",
+              r.kernel.c_str(), shape_text(c).c_str(), c.causal ? "yes" : "no", threads,
+              r.seconds * 1e3, r.gflops, r.effective_gflops, peak.gflops,
+              100.0 * r.gflops / peak.gflops, 100.0 * r.effective_gflops / peak.gflops,
+              static_cast<double>(r.memory.peak_extra_bytes()) / (1024.0 * 1024.0));
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int run_bench(std::vector<std::string> args) {
+  bool help = false;
+  const BenchOptions options = parse_options(std::move(args), &help);
+  if (help) {
+    std::fputs(kBenchUsage, stdout);
+    return 0;
+  }
+  std::vector<BenchCase> cases;
+  if (options.shape) {
+    BenchCase c = *options.shape;
+    c.causal = options.causal;
+    cases.push_back(c);
+  } else {
+    cases = default_sweep(options.causal);
+  }
+  const int threads = resolve_num_threads(options.threads);
+
+  std::fprintf(stderr,
+               "qkv bench: measuring the fp32 FMA peak and read bandwidth on %d thread%s...\n",
+               threads, threads == 1 ? "" : "s");
+  const tools::FmaPeak peak = tools::measure_fma_peak(threads);
+  const tools::ReadBandwidth bandwidth = tools::measure_read_bandwidth(threads);
+  if (options.json) {
+    std::fprintf(stderr, "qkv bench: peak %.1f GFLOP/s (Highway %s), read %.1f GB/s\n", peak.gflops,
+                 peak.hwy_target.c_str(), bandwidth.gbytes_per_second);
+  } else {
+    print_table_header(threads, peak, bandwidth);
+  }
+
+  const std::size_t total = cases.size() * options.kernels.size();
+  std::size_t index = 0;
+  for (const BenchCase& c : cases) {
+    for (Kernel kernel : options.kernels) {
+      ++index;
+      std::fprintf(stderr, "qkv bench: [%zu/%zu] %s (%s)%s ...\n", index, total,
+                   kernel == Kernel::kAuto        ? "auto"
+                   : kernel == Kernel::kReference ? "reference"
+                   : kernel == Kernel::kChunked   ? "chunked"
+                                                  : "flash",
+                   shape_text(c).c_str(), c.causal ? " causal" : "");
+      const BenchResult result = run_case(c, kernel, options, threads);
+      if (options.json) {
+        print_json(c, result, threads, peak, bandwidth);
+      } else {
+        print_table_row(c, result, threads, peak);
+      }
+    }
+  }
+  return 0;
+}
+
+}  // namespace qkv::cli

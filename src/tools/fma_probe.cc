@@ -1,0 +1,201 @@
+// FMA-peak and read-bandwidth probes. The vector loops are compiled once per Highway target
+// (foreach_target; the set is limited by HWY_DISABLED_TARGETS in CMakeLists.txt) and the best
+// target this CPU supports is picked at run time, as the kernels do.
+#include <cstdint>
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "tools/fma_probe.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+// After foreach_target.h.
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv::tools {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// The Highway target this copy of the code was compiled for (a HWY_* bit).
+std::int64_t CompiledTarget() { return HWY_TARGET; }
+
+// fp32 lanes per full vector on this target.
+int FloatLanes() { return static_cast<int>(hn::Lanes(hn::ScalableTag<float>())); }
+
+// 12 independent FMA chains, `iterations` steps each: 12 * Lanes * 2 FLOPs per step. Twelve
+// chains cover FMA latency (4-5 cycles) x throughput (2 per cycle) on current x86 cores and still
+// fit AVX2's 16 registers with the two constants. a = a * mul + add converges to
+// add / (1 - mul), so values stay normal (no overflow, no denormal slow path). Returns the sum of
+// all lanes of all chains so the compiler must run every FMA.
+float FmaChains(std::int64_t iterations, float start, float mul_value, float add_value) {
+  const hn::ScalableTag<float> d;
+  const auto mul = hn::Set(d, mul_value);
+  const auto add = hn::Set(d, add_value);
+  auto a0 = hn::Set(d, start + 0.0f), a1 = hn::Set(d, start + 0.01f);
+  auto a2 = hn::Set(d, start + 0.02f), a3 = hn::Set(d, start + 0.03f);
+  auto a4 = hn::Set(d, start + 0.04f), a5 = hn::Set(d, start + 0.05f);
+  auto a6 = hn::Set(d, start + 0.06f), a7 = hn::Set(d, start + 0.07f);
+  auto a8 = hn::Set(d, start + 0.08f), a9 = hn::Set(d, start + 0.09f);
+  auto a10 = hn::Set(d, start + 0.10f), a11 = hn::Set(d, start + 0.11f);
+  for (std::int64_t i = 0; i < iterations; ++i) {
+    a0 = hn::MulAdd(a0, mul, add);
+    a1 = hn::MulAdd(a1, mul, add);
+    a2 = hn::MulAdd(a2, mul, add);
+    a3 = hn::MulAdd(a3, mul, add);
+    a4 = hn::MulAdd(a4, mul, add);
+    a5 = hn::MulAdd(a5, mul, add);
+    a6 = hn::MulAdd(a6, mul, add);
+    a7 = hn::MulAdd(a7, mul, add);
+    a8 = hn::MulAdd(a8, mul, add);
+    a9 = hn::MulAdd(a9, mul, add);
+    a10 = hn::MulAdd(a10, mul, add);
+    a11 = hn::MulAdd(a11, mul, add);
+  }
+  const auto sum = hn::Add(hn::Add(hn::Add(a0, a1), hn::Add(a2, a3)),
+                           hn::Add(hn::Add(hn::Add(a4, a5), hn::Add(a6, a7)),
+                                   hn::Add(hn::Add(a8, a9), hn::Add(a10, a11))));
+  return hn::GetLane(hn::SumOfLanes(d, sum));
+}
+
+// Sum of data[0, count) with four vector accumulators (enough loads in flight to be limited by
+// memory, not by the add latency).
+float SumFloats(const float* HWY_RESTRICT data, std::int64_t count) {
+  const hn::ScalableTag<float> d;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
+  auto s0 = hn::Zero(d), s1 = hn::Zero(d), s2 = hn::Zero(d), s3 = hn::Zero(d);
+  std::int64_t i = 0;
+  for (; i + 4 * lanes <= count; i += 4 * lanes) {
+    s0 = hn::Add(s0, hn::LoadU(d, data + i));
+    s1 = hn::Add(s1, hn::LoadU(d, data + i + lanes));
+    s2 = hn::Add(s2, hn::LoadU(d, data + i + 2 * lanes));
+    s3 = hn::Add(s3, hn::LoadU(d, data + i + 3 * lanes));
+  }
+  float total = hn::GetLane(hn::SumOfLanes(d, hn::Add(hn::Add(s0, s1), hn::Add(s2, s3))));
+  for (; i < count; ++i) total += data[i];
+  return total;
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace qkv::tools
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include "core/parallel.h"
+#include "hwy/aligned_allocator.h"
+#include "tools/fma_probe.h"
+
+namespace qkv::tools {
+
+HWY_EXPORT(CompiledTarget);
+HWY_EXPORT(FloatLanes);
+HWY_EXPORT(FmaChains);
+HWY_EXPORT(SumFloats);
+
+namespace {
+
+constexpr int kFmaChains = 12;   // must match FmaChains above
+constexpr int kMaxRepeats = 12;  // of the all-thread FMA run
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+FmaPeak measure_fma_peak(int num_threads, double seconds_per_repeat, int repeats) {
+  const int threads = resolve_num_threads(num_threads);
+  const int lanes = HWY_DYNAMIC_DISPATCH(FloatLanes)();
+  const double flops_per_iteration = 2.0 * kFmaChains * lanes;
+  double checksum = 0.0;
+
+  // Calibrate on one thread: grow the iteration count until one call takes >= 20 ms (this also
+  // wakes the core up from a low clock), then scale to seconds_per_repeat.
+  std::int64_t iterations = 1 << 14;
+  double single_gflops = 0.0;
+  while (true) {
+    const auto start = std::chrono::steady_clock::now();
+    checksum += HWY_DYNAMIC_DISPATCH(FmaChains)(iterations, 1.0f, 0.999999f, 1e-6f);
+    const double seconds = seconds_since(start);
+    if (seconds >= 0.02 || iterations >= (std::int64_t{1} << 40)) {
+      single_gflops = flops_per_iteration * iterations / seconds / 1e9;
+      iterations = std::max<std::int64_t>(
+          1, static_cast<std::int64_t>(iterations * seconds_per_repeat / std::max(seconds, 1e-9)));
+      break;
+    }
+    iterations *= 4;
+  }
+
+  // All threads at once, one task each; the wall time of the slowest thread counts. On a shared
+  // machine the scheduler sometimes stacks two of our threads on one core for a whole repeat (or
+  // another process takes one), which halves the figure: keep repeating (up to kMaxRepeats)
+  // until the best reaches 85% of the single-thread rate times the threads that have a core.
+  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const double expected = 0.85 * single_gflops * std::min(threads, cores);
+  std::vector<double> sums(threads, 0.0);
+  double best_gflops = 0.0;
+  for (int repeat = 0; repeat < kMaxRepeats; ++repeat) {
+    if (repeat >= std::max(repeats, 1) && best_gflops >= expected) break;
+    const auto start = std::chrono::steady_clock::now();
+    parallel_for(threads, threads, [&](std::int64_t task, int /*thread*/) {
+      sums[task] +=
+          HWY_DYNAMIC_DISPATCH(FmaChains)(iterations, 1.0f + 0.001f * task, 0.999999f, 1e-6f);
+    });
+    const double seconds = seconds_since(start);
+    best_gflops = std::max(best_gflops, flops_per_iteration * iterations * threads / seconds / 1e9);
+  }
+  for (double sum : sums) checksum += sum;
+
+  FmaPeak peak;
+  peak.gflops = best_gflops;
+  peak.single_thread_gflops = single_gflops;
+  peak.num_threads = threads;
+  peak.hwy_target = hwy::TargetName(HWY_DYNAMIC_DISPATCH(CompiledTarget)());
+  peak.lanes = lanes;
+  peak.checksum = checksum;
+  return peak;
+}
+
+ReadBandwidth measure_read_bandwidth(int num_threads, double buffer_mib, int repeats) {
+  const int threads = resolve_num_threads(num_threads);
+  const std::int64_t count = static_cast<std::int64_t>(buffer_mib * 1024.0 * 1024.0 / 4.0);
+  auto buffer = hwy::AllocateAligned<float>(static_cast<std::size_t>(count));
+  float* data = buffer.get();
+  // Slice boundaries rounded to 16 floats (64 bytes) so threads never share a cache line.
+  const std::int64_t slice = (count / threads + 15) / 16 * 16;
+  auto slice_begin = [&](std::int64_t task) { return std::min(count, task * slice); };
+
+  // First touch by the thread that will read the slice (NUMA placement), with small values.
+  parallel_for(threads, threads, [&](std::int64_t task, int /*thread*/) {
+    for (std::int64_t i = slice_begin(task); i < slice_begin(task + 1); ++i) {
+      data[i] = static_cast<float>(i & 1023) * (1.0f / 1024.0f);
+    }
+  });
+
+  std::vector<double> sums(threads, 0.0);
+  double best = 0.0;
+  for (int repeat = 0; repeat < std::max(repeats, 1); ++repeat) {
+    const auto start = std::chrono::steady_clock::now();
+    parallel_for(threads, threads, [&](std::int64_t task, int /*thread*/) {
+      const std::int64_t begin = slice_begin(task);
+      sums[task] += HWY_DYNAMIC_DISPATCH(SumFloats)(data + begin, slice_begin(task + 1) - begin);
+    });
+    const double seconds = seconds_since(start);
+    best = std::max(best, static_cast<double>(count) * 4.0 / seconds / 1e9);
+  }
+
+  ReadBandwidth bandwidth;
+  bandwidth.gbytes_per_second = best;
+  bandwidth.num_threads = threads;
+  bandwidth.buffer_mib = buffer_mib;
+  bandwidth.checksum = 0.0;
+  for (double sum : sums) bandwidth.checksum += sum;
+  return bandwidth;
+}
+
+}  // namespace qkv::tools
+
+#endif  // HWY_ONCE

@@ -1,0 +1,35 @@
+// Machine probes for benchmarks: the fp32 FMA peak and the streaming-read bandwidth of this
+// machine, measured in-process on the same threads the kernels will use (DESIGN.md section 6:
+// quote GFLOP/s as a fraction of the peak measured in the same run).
+#pragma once
+
+#include <string>
+
+namespace qkv::tools {
+
+struct FmaPeak {
+  double gflops;  // fp32 GFLOP/s over all threads (one FMA = 2 FLOPs), best of repeats
+  double single_thread_gflops;  // the same on one thread (from the calibration run)
+  int num_threads;              // threads that ran the probe at once
+  std::string hwy_target;       // Highway target the dispatcher chose, e.g. "AVX3", "AVX2"
+  int lanes;                    // fp32 lanes per vector on that target
+  double checksum;  // sum of every accumulator: returned so no loop can be optimised away
+};
+
+// Runs 12 independent vector FMA chains per thread for about `seconds_per_repeat` on
+// `num_threads` threads at once (0 = OpenMP's default), best of at least `repeats` (more, up to
+// 12, while the best is under 85% of the single-thread rate times the threads that have a core).
+FmaPeak measure_fma_peak(int num_threads, double seconds_per_repeat = 0.1, int repeats = 3);
+
+struct ReadBandwidth {
+  double gbytes_per_second;  // 1e9 bytes/s read, over all threads, best of repeats
+  int num_threads;
+  double buffer_mib;  // size of the buffer swept (much larger than the last-level cache)
+  double checksum;    // sum of the buffer: returned so the reads cannot be optimised away
+};
+
+// Sums a `buffer_mib` MiB float buffer split into one slice per thread (each thread first-touches
+// its own slice), best of `repeats`. The buffer is freed before returning.
+ReadBandwidth measure_read_bandwidth(int num_threads, double buffer_mib = 256.0, int repeats = 5);
+
+}  // namespace qkv::tools
