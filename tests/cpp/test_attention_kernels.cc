@@ -57,6 +57,22 @@ std::vector<Case> kernel_cases() {
     c.head_dim = 24;
     add(c);
   }
+  // Many query blocks per kv head: the flash kernel walks the keys once for several blocks
+  // (and several heads of a GQA group) whose allowed ranges differ.
+  for (bool causal : {false, true}) {
+    Case c;
+    c.batch = 2;
+    c.seq_q = 300;
+    c.seq_kv = 310;
+    c.num_heads_q = 8;
+    c.num_heads_kv = 2;
+    c.head_dim = 16;
+    c.causal = causal;
+    c.window_left = causal ? 100 : -1;
+    c.key_lengths = true;
+    c.nan_padding = true;
+    add(c);
+  }
   // Causal and windows, both alignments, Lq <, =, > Lk.
   for (Align align : {Align::kBottomRight, Align::kTopLeft}) {
     for (auto [lq, lk] : {std::pair{70, 70}, {65, 200}, {200, 65}, {1, 300}, {130, 131}}) {

@@ -18,31 +18,63 @@ namespace HWY_NAMESPACE {
 
 void FlashForward(const AttentionKernelParams& p) {
   using namespace tiles;
+  // Work items are (query head, query block) pairs; a task takes up to `per_task` items that
+  // share one kv head (consecutive blocks of a head, then the next head of the GQA group) and
+  // walks the key tiles once for all of them, so each K/V tile is fetched once per task rather
+  // than once per block (at long Lk the K/V rows of one head span many pages and re-walking
+  // them per block is TLB-bound). The grouping depends on the shape only, never on the thread
+  // count, so results stay bit-identical.
   const std::int64_t num_blocks = (p.seq_q + kBlockQ - 1) / kBlockQ;
-  const std::int64_t num_tasks = p.batch * p.num_heads_q * num_blocks;
+  const std::int64_t group = p.num_heads_q / p.num_heads_kv;
+  const std::int64_t items_per_kv_head = group * num_blocks;
+  const std::int64_t total_items = p.batch * p.num_heads_kv * items_per_kv_head;
+  const std::int64_t per_task = std::clamp<std::int64_t>(total_items / 8, 1, kMaxBlocksPerTask);
+  const std::int64_t tasks_per_kv_head = (items_per_kv_head + per_task - 1) / per_task;
+  const std::int64_t num_tasks = p.batch * p.num_heads_kv * tasks_per_kv_head;
   const int num_threads = static_cast<int>(std::min<std::int64_t>(p.num_threads, num_tasks));
 
-  // Per-thread scratch, sized once: QueryBlock state + one score tile st [kBlockK][kBlockQ].
-  const std::int64_t floats = ScratchFloats(p) + kBlockK * kBlockQ;
+  // Per-thread scratch, sized once: per_task QueryBlock states + one score tile
+  // st [kBlockK][kBlockQ].
+  const std::int64_t block_floats = ScratchFloats(p);
+  const std::int64_t floats = per_task * block_floats + kBlockK * kBlockQ;
+  const std::int64_t ints = per_task * 2 * kBlockQ;
   AlignedBuffer float_scratch(sizeof(float) * floats * num_threads);
-  AlignedBuffer int_scratch(sizeof(std::int64_t) * 2 * kBlockQ * num_threads);
+  AlignedBuffer int_scratch(sizeof(std::int64_t) * ints * num_threads);
 
   parallel_for(num_tasks, num_threads, [&](std::int64_t task, int thread) {
     float* mine = float_scratch.as<float>() + thread * floats;
-    QueryBlock qb;
-    BindScratch(p, mine, int_scratch.as<std::int64_t>() + thread * 2 * kBlockQ, qb);
-    float* st = mine + ScratchFloats(p);
+    float* st = mine + per_task * block_floats;
+    QueryBlock blocks[kMaxBlocksPerTask];
 
-    const std::int64_t block = task % num_blocks;
-    const std::int64_t bh = task / num_blocks;
-    StartQueryBlock(p, bh / p.num_heads_q, bh % p.num_heads_q, block * kBlockQ, qb);
-    for (std::int64_t j0 = qb.key_begin; j0 < qb.key_end; j0 += kBlockK) {
-      const std::int64_t num_k = std::min<std::int64_t>(kBlockK, qb.key_end - j0);
-      ScoreTile(p, qb, j0, num_k, st);
-      OnlineSoftmaxTile(qb, num_k, st);
-      AccumulateValues(p, qb, j0, num_k, st, qb.alpha);
+    const std::int64_t b = task / (p.num_heads_kv * tasks_per_kv_head);
+    const std::int64_t kv_head = task / tasks_per_kv_head % p.num_heads_kv;
+    const std::int64_t first = task % tasks_per_kv_head * per_task;
+    const std::int64_t count = std::min(per_task, items_per_kv_head - first);
+    std::int64_t key_begin = p.seq_kv, key_end = 0;
+    for (std::int64_t n = 0; n < count; ++n) {
+      QueryBlock& qb = blocks[n];
+      BindScratch(p, mine + n * block_floats,
+                  int_scratch.as<std::int64_t>() + thread * ints + n * 2 * kBlockQ, qb);
+      const std::int64_t item = first + n;
+      StartQueryBlock(p, b, kv_head * group + item / num_blocks, item % num_blocks * kBlockQ, qb);
+      if (qb.key_end > qb.key_begin) {
+        key_begin = std::min(key_begin, qb.key_begin);
+        key_end = std::max(key_end, qb.key_end);
+      }
     }
-    FinishQueryBlock(p, qb);
+    for (std::int64_t j0 = key_begin; j0 < key_end; j0 += kBlockK) {
+      for (std::int64_t n = 0; n < count; ++n) {
+        QueryBlock& qb = blocks[n];
+        // This block's part of the tile; tiles outside its allowed keys are skipped.
+        const std::int64_t lo = std::max(j0, qb.key_begin);
+        const std::int64_t hi = std::min(j0 + kBlockK, qb.key_end);
+        if (hi <= lo) continue;
+        ScoreTile(p, qb, lo, hi - lo, st);
+        OnlineSoftmaxTile(qb, hi - lo, st);
+        AccumulateValues(p, qb, lo, hi - lo, st, qb.alpha);
+      }
+    }
+    for (std::int64_t n = 0; n < count; ++n) FinishQueryBlock(p, blocks[n]);
   });
 }
 
