@@ -73,6 +73,21 @@ std::vector<Case> kernel_cases() {
     c.nan_padding = true;
     add(c);
   }
+  // Decoding: one or a few queries, the heads of a GQA group packed into one query block.
+  for (std::int64_t lq : {1, 3}) {
+    Case c;
+    c.batch = 2;
+    c.seq_q = lq;
+    c.seq_kv = 300;
+    c.num_heads_q = 12;
+    c.num_heads_kv = 3;
+    c.head_dim = 32;
+    c.causal = true;
+    c.key_lengths = true;
+    c.mask = MaskKind::kRandom;
+    c.bias = BiasKind::kPerHeadRow;
+    add(c);
+  }
   // Causal and windows, both alignments, Lq <, =, > Lk.
   for (Align align : {Align::kBottomRight, Align::kTopLeft}) {
     for (auto [lq, lk] : {std::pair{70, 70}, {65, 200}, {200, 65}, {1, 300}, {130, 131}}) {

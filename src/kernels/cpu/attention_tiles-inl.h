@@ -102,27 +102,39 @@ HWY_INLINE void OuterProduct(const float* a, const float* b, std::int64_t rows,
   }
 }
 
-// Per-thread state of one query block: queries [i0, i0 + num_q) of one (batch, head).
+// Per-thread state of one query block. The rows of a block come from the flattened
+// (query head in the GQA group, query) space of one kv head: row r is query r % Lq of head
+// kv_head * group + r / Lq. For Lq >= kBlockQ a block lies within one head; for decoding
+// (Lq = 1) the heads of a group share one block, and one K/V walk.
 struct QueryBlock {
-  // Scratch (sized by the caller, see ScratchFloats).
+  // Scratch (sized by the caller, see ScratchFloats / ScratchInts).
   float* qt;         // [D][kBlockQ]   q^T * scale; zero in lanes past num_q
   float* ot;         // [Dv][kBlockQ]  unnormalised out^T
   float* row_max;    // [kBlockQ]      running max of the scores
   float* row_sum;    // [kBlockQ]      running sum of exp(score - row_max)
   float* alpha;      // [kBlockQ]      rescale factor of the current tile
-  std::int64_t* lo;  // [kBlockQ]      allowed keys of each query: [lo, hi); lo = hi = 0 if none
+  std::int64_t* lo;  // [kBlockQ]      allowed keys of each lane: [lo, hi); lo = hi = 0 if none
   std::int64_t* hi;
+  std::int64_t* head;   // [kBlockQ]   query head of each lane
+  std::int64_t* query;  // [kBlockQ]   query index of each lane
   // Position.
-  std::int64_t b, h, kv_head, i0, num_q;
+  std::int64_t b, num_q;  // num_q: lanes in use
   // Union of the allowed key ranges: tiles outside [key_begin, key_end) are skipped.
   std::int64_t key_begin, key_end;
   const float* k;  // k[b, 0, kv_head, 0]
   const float* v;  // v[b, 0, kv_head, 0]
 };
 
-// Floats of scratch one QueryBlock needs (excluding lo/hi, which are int64 [kBlockQ] each).
+// Scratch one QueryBlock needs: floats, and int64s.
 inline std::int64_t ScratchFloats(const AttentionKernelParams& p) {
   return (p.head_dim + p.head_dim_v + 3) * kBlockQ;
+}
+constexpr std::int64_t kScratchInts = 4 * kBlockQ;
+
+// Query blocks per kv head of batch entry: the flattened group rows in blocks of kBlockQ.
+inline std::int64_t BlocksPerKvHead(const AttentionKernelParams& p) {
+  const std::int64_t rows = p.num_heads_q / p.num_heads_kv * p.seq_q;
+  return (rows + kBlockQ - 1) / kBlockQ;
 }
 
 inline void BindScratch(const AttentionKernelParams& p, float* floats, std::int64_t* ints,
@@ -134,51 +146,57 @@ inline void BindScratch(const AttentionKernelParams& p, float* floats, std::int6
   qb.alpha = qb.row_sum + kBlockQ;
   qb.lo = ints;
   qb.hi = ints + kBlockQ;
+  qb.head = ints + 2 * kBlockQ;
+  qb.query = ints + 3 * kBlockQ;
 }
 
-// Packs q^T * scale, computes each query's allowed key range from causal/window/key_lengths,
-// and resets the running softmax state.
-inline void StartQueryBlock(const AttentionKernelParams& p, std::int64_t b, std::int64_t h,
-                            std::int64_t i0, QueryBlock& qb) {
+// Starts block `block` of kv head `kv_head` in batch entry b: packs q^T * scale, computes each
+// lane's allowed key range from causal/window/key_lengths, resets the running softmax state.
+inline void StartQueryBlock(const AttentionKernelParams& p, std::int64_t b, std::int64_t kv_head,
+                            std::int64_t block, QueryBlock& qb) {
+  const std::int64_t group = p.num_heads_q / p.num_heads_kv;
+  const std::int64_t row0 = block * kBlockQ;
   qb.b = b;
-  qb.h = h;
-  qb.kv_head = h / (p.num_heads_q / p.num_heads_kv);
-  qb.i0 = i0;
-  qb.num_q = std::min<std::int64_t>(kBlockQ, p.seq_q - i0);
-  qb.k = p.k + b * p.k_stride[0] + qb.kv_head * p.k_stride[2];
-  qb.v = p.v + b * p.v_stride[0] + qb.kv_head * p.v_stride[2];
-
-  const float* q = p.q + b * p.q_stride[0] + h * p.q_stride[2];
-  for (std::int64_t d = 0; d < p.head_dim; ++d) {
-    float* row = qb.qt + d * kBlockQ;
-    for (std::int64_t i = 0; i < qb.num_q; ++i) {
-      row[i] = q[(i0 + i) * p.q_stride[1] + d * p.q_stride[3]] * p.scale;
-    }
-    for (std::int64_t i = qb.num_q; i < kBlockQ; ++i) row[i] = 0.0f;
-  }
+  qb.num_q = std::min<std::int64_t>(kBlockQ, group * p.seq_q - row0);
+  qb.k = p.k + b * p.k_stride[0] + kv_head * p.k_stride[2];
+  qb.v = p.v + b * p.v_stride[0] + kv_head * p.v_stride[2];
 
   const std::int64_t key_length = p.key_lengths != nullptr ? p.key_lengths[b] : p.seq_kv;
   qb.key_begin = p.seq_kv;
   qb.key_end = 0;
-  for (std::int64_t i = 0; i < kBlockQ; ++i) {
+  for (std::int64_t l = 0; l < kBlockQ; ++l) {
     std::int64_t lo = 0, hi = 0;
-    if (i < qb.num_q) {
-      const std::int64_t diag = i0 + i + p.diagonal_offset;
+    qb.head[l] = kv_head * group;
+    qb.query[l] = 0;
+    if (l < qb.num_q) {
+      qb.head[l] = kv_head * group + (row0 + l) / p.seq_q;
+      qb.query[l] = (row0 + l) % p.seq_q;
+      const std::int64_t diag = qb.query[l] + p.diagonal_offset;
       lo = p.window_left < 0 ? 0 : std::max<std::int64_t>(0, diag - p.window_left);
       hi = p.window_right < 0 ? key_length
                               : std::min<std::int64_t>(key_length, diag + p.window_right + 1);
       if (hi <= lo) lo = hi = 0;
     }
-    qb.lo[i] = lo;
-    qb.hi[i] = hi;
+    qb.lo[l] = lo;
+    qb.hi[l] = hi;
     if (hi > lo) {
       qb.key_begin = std::min(qb.key_begin, lo);
       qb.key_end = std::max(qb.key_end, hi);
     }
-    qb.row_max[i] = kNegInf;
-    qb.row_sum[i] = 0.0f;
+    qb.row_max[l] = kNegInf;
+    qb.row_sum[l] = 0.0f;
   }
   if (qb.key_end <= qb.key_begin) qb.key_begin = qb.key_end = 0;
+
+  const float* q = p.q + b * p.q_stride[0];
+  for (std::int64_t d = 0; d < p.head_dim; ++d) {
+    float* row = qb.qt + d * kBlockQ;
+    for (std::int64_t l = 0; l < qb.num_q; ++l) {
+      row[l] =
+          q[qb.query[l] * p.q_stride[1] + qb.head[l] * p.q_stride[2] + d * p.q_stride[3]] * p.scale;
+    }
+    for (std::int64_t l = qb.num_q; l < kBlockQ; ++l) row[l] = 0.0f;
+  }
   std::fill(qb.ot, qb.ot + p.head_dim_v * kBlockQ, 0.0f);
 }
 
@@ -198,20 +216,18 @@ inline void ScoreTile(const AttentionKernelParams& p, const QueryBlock& qb, std:
     }
   }
   if (p.bias != nullptr) {
-    const float* bias = p.bias + qb.b * p.bias_stride[0] + qb.h * p.bias_stride[1];
-    for (std::int64_t j = 0; j < num_k; ++j) {
-      for (std::int64_t i = 0; i < qb.num_q; ++i) {
-        st[j * kBlockQ + i] += bias[(qb.i0 + i) * p.bias_stride[2] + (j0 + j) * p.bias_stride[3]];
-      }
+    for (std::int64_t l = 0; l < qb.num_q; ++l) {
+      const float* bias = p.bias + qb.b * p.bias_stride[0] + qb.head[l] * p.bias_stride[1] +
+                          qb.query[l] * p.bias_stride[2] + j0 * p.bias_stride[3];
+      for (std::int64_t j = 0; j < num_k; ++j) st[j * kBlockQ + l] += bias[j * p.bias_stride[3]];
     }
   }
   if (p.mask != nullptr) {
-    const std::uint8_t* mask = p.mask + qb.b * p.mask_stride[0] + qb.h * p.mask_stride[1];
-    for (std::int64_t j = 0; j < num_k; ++j) {
-      for (std::int64_t i = 0; i < qb.num_q; ++i) {
-        if (mask[(qb.i0 + i) * p.mask_stride[2] + (j0 + j) * p.mask_stride[3]] == 0) {
-          st[j * kBlockQ + i] = kNegInf;
-        }
+    for (std::int64_t l = 0; l < qb.num_q; ++l) {
+      const std::uint8_t* mask = p.mask + qb.b * p.mask_stride[0] + qb.head[l] * p.mask_stride[1] +
+                                 qb.query[l] * p.mask_stride[2] + j0 * p.mask_stride[3];
+      for (std::int64_t j = 0; j < num_k; ++j) {
+        if (mask[j * p.mask_stride[3]] == 0) st[j * kBlockQ + l] = kNegInf;
       }
     }
   }
@@ -302,16 +318,18 @@ inline void FinishQueryBlock(const AttentionKernelParams& p, const QueryBlock& q
     const VF row_lse = hn::Add(hn::Load(df, qb.row_max + lane0), hn::Log(df, safe_sum));
     hn::Store(hn::IfThenElse(has_keys, row_lse, hn::Set(df, kNegInf)), df, lse + lane0);
   }
-  float* out = p.out + qb.b * p.out_stride[0] + qb.h * p.out_stride[2];
-  for (std::int64_t i = 0; i < qb.num_q; ++i) {
-    float* row = out + (qb.i0 + i) * p.out_stride[1];
+  for (std::int64_t l = 0; l < qb.num_q; ++l) {
+    float* row = p.out + qb.b * p.out_stride[0] + qb.query[l] * p.out_stride[1] +
+                 qb.head[l] * p.out_stride[2];
     for (std::int64_t e = 0; e < p.head_dim_v; ++e) {
-      row[e * p.out_stride[3]] = qb.ot[e * kBlockQ + i] * inv_sum[i];
+      row[e * p.out_stride[3]] = qb.ot[e * kBlockQ + l] * inv_sum[l];
     }
   }
   if (p.lse != nullptr) {
-    float* lse_out = p.lse + qb.b * p.lse_stride[0] + qb.h * p.lse_stride[1];
-    for (std::int64_t i = 0; i < qb.num_q; ++i) lse_out[(qb.i0 + i) * p.lse_stride[2]] = lse[i];
+    for (std::int64_t l = 0; l < qb.num_q; ++l) {
+      p.lse[qb.b * p.lse_stride[0] + qb.head[l] * p.lse_stride[1] + qb.query[l] * p.lse_stride[2]] =
+          lse[l];
+    }
   }
 }
 

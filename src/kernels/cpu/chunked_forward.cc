@@ -43,9 +43,9 @@ void PanelSoftmax(QueryBlock& qb, std::int64_t num_keys, float* HWY_RESTRICT pan
 
 // probs[b, h, i, :] = panel / row_sum over [key_begin, key_end), 0 elsewhere.
 void WriteProbs(const AttentionKernelParams& p, const QueryBlock& qb, const float* panel) {
-  float* probs = p.probs + qb.b * p.probs_stride[0] + qb.h * p.probs_stride[1];
   for (std::int64_t i = 0; i < qb.num_q; ++i) {
-    float* row = probs + (qb.i0 + i) * p.probs_stride[2];
+    float* row = p.probs + qb.b * p.probs_stride[0] + qb.head[i] * p.probs_stride[1] +
+                 qb.query[i] * p.probs_stride[2];
     const float sum = qb.row_sum[i];
     const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
     for (std::int64_t j = 0; j < p.seq_kv; ++j) {
@@ -62,27 +62,27 @@ void ChunkedForward(const AttentionKernelParams& p) {
   // A chunk is chunk_size queries rounded up to whole query blocks; the chunk's blocks run one
   // after another on one thread, reusing one panel.
   const std::int64_t blocks_per_chunk = std::max<std::int64_t>(1, p.chunk_size / kBlockQ);
-  const std::int64_t num_blocks = (p.seq_q + kBlockQ - 1) / kBlockQ;
+  const std::int64_t num_blocks = BlocksPerKvHead(p);
   const std::int64_t num_chunks = (num_blocks + blocks_per_chunk - 1) / blocks_per_chunk;
-  const std::int64_t num_tasks = p.batch * p.num_heads_q * num_chunks;
+  const std::int64_t num_tasks = p.batch * p.num_heads_kv * num_chunks;
   const int num_threads = static_cast<int>(std::min<std::int64_t>(p.num_threads, num_tasks));
 
   // Per-thread scratch, sized once: QueryBlock state + the panel [Lk][kBlockQ].
   const std::int64_t floats = ScratchFloats(p) + p.seq_kv * kBlockQ;
   AlignedBuffer float_scratch(sizeof(float) * floats * num_threads);
-  AlignedBuffer int_scratch(sizeof(std::int64_t) * 2 * kBlockQ * num_threads);
+  AlignedBuffer int_scratch(sizeof(std::int64_t) * kScratchInts * num_threads);
 
   parallel_for(num_tasks, num_threads, [&](std::int64_t task, int thread) {
     float* mine = float_scratch.as<float>() + thread * floats;
     QueryBlock qb;
-    BindScratch(p, mine, int_scratch.as<std::int64_t>() + thread * 2 * kBlockQ, qb);
+    BindScratch(p, mine, int_scratch.as<std::int64_t>() + thread * kScratchInts, qb);
     float* panel = mine + ScratchFloats(p);
 
     const std::int64_t chunk = task % num_chunks;
-    const std::int64_t bh = task / num_chunks;
+    const std::int64_t b_kv = task / num_chunks;  // batch * num_heads_kv + kv_head
     const std::int64_t last_block = std::min(num_blocks, (chunk + 1) * blocks_per_chunk);
     for (std::int64_t block = chunk * blocks_per_chunk; block < last_block; ++block) {
-      StartQueryBlock(p, bh / p.num_heads_q, bh % p.num_heads_q, block * kBlockQ, qb);
+      StartQueryBlock(p, b_kv / p.num_heads_kv, b_kv % p.num_heads_kv, block, qb);
       const std::int64_t num_keys = qb.key_end - qb.key_begin;
       for (std::int64_t j0 = qb.key_begin; j0 < qb.key_end; j0 += kBlockK) {
         const std::int64_t num_k = std::min<std::int64_t>(kBlockK, qb.key_end - j0);

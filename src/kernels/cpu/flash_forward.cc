@@ -18,15 +18,13 @@ namespace HWY_NAMESPACE {
 
 void FlashForward(const AttentionKernelParams& p) {
   using namespace tiles;
-  // Work items are (query head, query block) pairs; a task takes up to `per_task` items that
-  // share one kv head (consecutive blocks of a head, then the next head of the GQA group) and
-  // walks the key tiles once for all of them, so each K/V tile is fetched once per task rather
-  // than once per block (at long Lk the K/V rows of one head span many pages and re-walking
+  // Work items are the query blocks of one kv head (see QueryBlock: rows of the flattened
+  // (head in GQA group, query) space); a task takes up to `per_task` consecutive blocks of one
+  // kv head and walks the key tiles once for all of them, so each K/V tile is fetched once per task
+  // rather than once per block (at long Lk the K/V rows of one head span many pages and re-walking
   // them per block is TLB-bound). The grouping depends on the shape only, never on the thread
   // count, so results stay bit-identical.
-  const std::int64_t num_blocks = (p.seq_q + kBlockQ - 1) / kBlockQ;
-  const std::int64_t group = p.num_heads_q / p.num_heads_kv;
-  const std::int64_t items_per_kv_head = group * num_blocks;
+  const std::int64_t items_per_kv_head = BlocksPerKvHead(p);
   const std::int64_t total_items = p.batch * p.num_heads_kv * items_per_kv_head;
   const std::int64_t per_task = std::clamp<std::int64_t>(total_items / 8, 1, kMaxBlocksPerTask);
   const std::int64_t tasks_per_kv_head = (items_per_kv_head + per_task - 1) / per_task;
@@ -37,7 +35,7 @@ void FlashForward(const AttentionKernelParams& p) {
   // st [kBlockK][kBlockQ].
   const std::int64_t block_floats = ScratchFloats(p);
   const std::int64_t floats = per_task * block_floats + kBlockK * kBlockQ;
-  const std::int64_t ints = per_task * 2 * kBlockQ;
+  const std::int64_t ints = per_task * kScratchInts;
   AlignedBuffer float_scratch(sizeof(float) * floats * num_threads);
   AlignedBuffer int_scratch(sizeof(std::int64_t) * ints * num_threads);
 
@@ -54,9 +52,8 @@ void FlashForward(const AttentionKernelParams& p) {
     for (std::int64_t n = 0; n < count; ++n) {
       QueryBlock& qb = blocks[n];
       BindScratch(p, mine + n * block_floats,
-                  int_scratch.as<std::int64_t>() + thread * ints + n * 2 * kBlockQ, qb);
-      const std::int64_t item = first + n;
-      StartQueryBlock(p, b, kv_head * group + item / num_blocks, item % num_blocks * kBlockQ, qb);
+                  int_scratch.as<std::int64_t>() + thread * ints + n * kScratchInts, qb);
+      StartQueryBlock(p, b, kv_head, first + n, qb);
       if (qb.key_end > qb.key_begin) {
         key_begin = std::min(key_begin, qb.key_begin);
         key_end = std::max(key_end, qb.key_end);
