@@ -36,7 +36,7 @@ int dispatch(const std::string& command, std::vector<std::string> args) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fputs(kUsage, stderr);
+    std::fputs("qkv: error: no command given (try 'qkv --help')\n", stderr);
     return 2;
   }
   try {
