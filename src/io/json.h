@@ -40,8 +40,8 @@ class JsonValue {
 
   // Accessors; calling one of the wrong kind returns the empty / zero value.
   bool boolean() const { return boolean_; }
-  double number() const { return number_; }           // any number (rounded to double)
-  std::int64_t integer() const { return int_value_; }  // exact, when is_integer()
+  double number() const { return number_; }              // any number (rounded to double)
+  std::int64_t integer() const { return int_value_; }    // exact, when is_integer()
   const std::string& string() const { return string_; }  // a string, or a number's source text
   const std::vector<JsonValue>& array() const { return array_; }
   const std::vector<JsonMember>& members() const;  // an object's members in file order
