@@ -4,7 +4,7 @@
 set -euo pipefail
 
 packages=(g++ cmake ninja-build ccache libhwy-dev libdnnl-dev libgtest-dev libbenchmark-dev
-          python3 python3-numpy python3-pytest)
+          python3 python3-pip python3-numpy python3-pytest)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
