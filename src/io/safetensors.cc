@@ -13,6 +13,7 @@
 #include <string_view>
 #include <utility>
 
+#include "core/float16.h"
 #include "io/json.h"
 #include "io/npy.h"
 #include "qkv/error.h"
@@ -347,7 +348,7 @@ std::vector<float> SafetensorsFile::read_f32(const std::string& name,
       for (std::size_t i = 0; i < out.size(); ++i) {
         std::uint16_t bits;
         std::memcpy(&bits, t.data + 2 * i, 2);  // the mapping gives no alignment
-        out[i] = is_f16 ? f16_bits_to_f32(bits) : bf16_bits_to_f32(bits);
+        out[i] = is_f16 ? qkv::f16_bits_to_f32(bits) : qkv::bf16_bits_to_f32(bits);
       }
       break;
     }
@@ -356,23 +357,6 @@ std::vector<float> SafetensorsFile::read_f32(const std::string& name,
                   "; only f32, f16 and bf16 convert to f32");
   }
   return out;
-}
-
-float bf16_bits_to_f32(std::uint16_t bits) {
-  return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16);
-}
-
-// IEEE binary16: 1 sign bit, 5 exponent bits (bias 15), 10 mantissa bits.
-float f16_bits_to_f32(std::uint16_t bits) {
-  const std::uint32_t sign = static_cast<std::uint32_t>(bits & 0x8000u) << 16;
-  const std::uint32_t exponent = (bits >> 10) & 0x1fu;
-  const std::uint32_t mantissa = bits & 0x3ffu;
-  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float
-    const float magnitude = static_cast<float>(mantissa) * (1.0f / 16777216.0f);
-    return sign ? -magnitude : magnitude;
-  }
-  if (exponent == 31) return std::bit_cast<float>(sign | 0x7f800000u | mantissa << 13);  // inf/NaN
-  return std::bit_cast<float>(sign | (exponent - 15 + 127) << 23 | mantissa << 13);
 }
 
 }  // namespace qkv::io

@@ -94,8 +94,4 @@ class SafetensorsFile {
   std::map<std::string, std::string> metadata_;
 };
 
-// Widening conversions used by read_f32 (exact: every f16 and bf16 value is a float32 value).
-float f16_bits_to_f32(std::uint16_t bits);
-float bf16_bits_to_f32(std::uint16_t bits);
-
 }  // namespace qkv::io

@@ -25,7 +25,7 @@
 #include "qkv/attention.h"
 #include "qkv/error.h"
 #include "tools/cli.h"
-#include "tools/round_dtype.h"
+#include "core/float16.h"
 
 namespace qkv::cli {
 namespace {

@@ -1,5 +1,5 @@
-// Rounding float32 values to bfloat16 / IEEE binary16 precision and back, for
-// `qkv attention --dtype bf16|f16` (inputs are rounded to the storage type, then computed in f32).
+// float32 <-> bfloat16 / IEEE binary16 conversions: used by `qkv attention --dtype bf16|f16`
+// (inputs rounded to the storage type, then computed in f32) and by the safetensors reader.
 // Both conversions round to nearest, ties to even, like numpy's astype(np.float16) and
 // PyTorch's .to(torch.bfloat16). NaN stays NaN (quietened), infinities stay infinite, values
 // past the type's range become infinities, and f16 subnormals are kept.
@@ -9,7 +9,7 @@
 #include <cmath>
 #include <cstdint>
 
-namespace qkv::cli {
+namespace qkv {
 
 // bfloat16 is the top 16 bits of a float32: round the low 16 bits away, ties to even.
 inline std::uint16_t f32_to_bf16_bits(float value) {
@@ -71,4 +71,4 @@ inline float f16_bits_to_f32(std::uint16_t bits) {
 inline float round_to_bf16(float value) { return bf16_bits_to_f32(f32_to_bf16_bits(value)); }
 inline float round_to_f16(float value) { return f16_bits_to_f32(f32_to_f16_bits(value)); }
 
-}  // namespace qkv::cli
+}  // namespace qkv
