@@ -267,28 +267,41 @@ HWY_INLINE VF SafeMax(DF df, VF m) {
   return hn::IfThenElse(hn::Eq(m, hn::Set(df, kNegInf)), hn::Zero(df), m);
 }
 
+// Max of st[0 : num_k][lane0 : lane0 + kLanes] down the keys.
+HWY_INLINE VF ColumnMax(DF df, const float* HWY_RESTRICT st, std::int64_t num_k,
+                        std::int64_t lane0) {
+  VF max = hn::Set(df, kNegInf);
+  for (std::int64_t j = 0; j < num_k; ++j)
+    max = hn::Max(max, hn::Load(df, st + j * kBlockQ + lane0));
+  return max;
+}
+
+// st[j][lanes] = exp(st[j][lanes] - shift) in place; returns the sum down the keys.
+// exp(-inf - shift) = 0: masked pairs drop out exactly.
+HWY_INLINE VF ExpInPlaceAndSum(DF df, float* HWY_RESTRICT st, std::int64_t num_k,
+                               std::int64_t lane0, VF shift) {
+  VF sum = hn::Zero(df);
+  for (std::int64_t j = 0; j < num_k; ++j) {
+    float* s = st + j * kBlockQ + lane0;
+    const VF prob = hn::Exp(df, hn::Sub(hn::Load(df, s), shift));
+    hn::Store(prob, df, s);
+    sum = hn::Add(sum, prob);
+  }
+  return sum;
+}
+
 // Flash step over one tile: st becomes p = exp(s - m_new) in place; alpha = exp(m_old - m_new);
 // row_sum = row_sum * alpha + sum_j p.
 inline void OnlineSoftmaxTile(QueryBlock& qb, std::int64_t num_k, float* HWY_RESTRICT st) {
   const DF df;
   for (int x = 0; x < kQueryVecs; ++x) {
     const std::int64_t lane0 = x * kLanes;
-    VF tile_max = hn::Set(df, kNegInf);
-    for (std::int64_t j = 0; j < num_k; ++j) {
-      tile_max = hn::Max(tile_max, hn::Load(df, st + j * kBlockQ + lane0));
-    }
     const VF old_max = hn::Load(df, qb.row_max + lane0);
-    const VF new_max = hn::Max(old_max, tile_max);
+    const VF new_max = hn::Max(old_max, ColumnMax(df, st, num_k, lane0));
     const VF shift = SafeMax(df, new_max);
     // exp(-inf - shift) = 0: the first tile rescales an all-zero accumulator.
     const VF alpha = hn::Exp(df, hn::Sub(old_max, shift));
-    VF sum = hn::Zero(df);
-    for (std::int64_t j = 0; j < num_k; ++j) {
-      float* s = st + j * kBlockQ + lane0;
-      const VF prob = hn::Exp(df, hn::Sub(hn::Load(df, s), shift));
-      hn::Store(prob, df, s);
-      sum = hn::Add(sum, prob);
-    }
+    const VF sum = ExpInPlaceAndSum(df, st, num_k, lane0, shift);
     hn::Store(new_max, df, qb.row_max + lane0);
     hn::Store(hn::MulAdd(hn::Load(df, qb.row_sum + lane0), alpha, sum), df, qb.row_sum + lane0);
     hn::Store(alpha, df, qb.alpha + lane0);

@@ -24,18 +24,8 @@ void PanelSoftmax(QueryBlock& qb, std::int64_t num_keys, float* HWY_RESTRICT pan
   const DF df;
   for (int x = 0; x < kQueryVecs; ++x) {
     const std::int64_t lane0 = x * kLanes;
-    VF max = hn::Set(df, kNegInf);
-    for (std::int64_t j = 0; j < num_keys; ++j) {
-      max = hn::Max(max, hn::Load(df, panel + j * kBlockQ + lane0));
-    }
-    const VF shift = SafeMax(df, max);
-    VF sum = hn::Zero(df);
-    for (std::int64_t j = 0; j < num_keys; ++j) {
-      float* s = panel + j * kBlockQ + lane0;
-      const VF prob = hn::Exp(df, hn::Sub(hn::Load(df, s), shift));
-      hn::Store(prob, df, s);
-      sum = hn::Add(sum, prob);
-    }
+    const VF max = ColumnMax(df, panel, num_keys, lane0);
+    const VF sum = ExpInPlaceAndSum(df, panel, num_keys, lane0, SafeMax(df, max));
     hn::Store(max, df, qb.row_max + lane0);
     hn::Store(sum, df, qb.row_sum + lane0);
   }
