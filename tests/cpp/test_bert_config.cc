@@ -9,22 +9,14 @@
 #include <string>
 #include <tuple>
 
+#include "expect_error.h"
 #include "models/bert_config.h"
 #include "qkv/error.h"
 
 namespace qkv::models {
 namespace {
 
-template <typename Body>
-void expect_error(Body&& body, const std::string& expected) {
-  try {
-    body();
-    ADD_FAILURE() << "no error; expected one containing: " << expected;
-  } catch (const Error& error) {
-    EXPECT_NE(std::string(error.what()).find(expected), std::string::npos)
-        << "message: " << error.what() << "\nexpected to contain: " << expected;
-  }
-}
+using qkv::testing::expect_error;
 
 // all-MiniLM-L6-v2's config.json (fields this runner ignores included), as raw JSON values.
 std::map<std::string, std::string> minilm_fields() {

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "expect_error.h"
 #include "io/json.h"
 #include "io/safetensors.h"
 #include "qkv/error.h"
@@ -24,17 +25,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Runs `body`, which must throw qkv::Error with a message containing `expected`.
-template <typename Body>
-void expect_error(Body&& body, const std::string& expected) {
-  try {
-    body();
-    ADD_FAILURE() << "no error; expected one containing: " << expected;
-  } catch (const Error& error) {
-    EXPECT_NE(std::string(error.what()).find(expected), std::string::npos)
-        << "message: " << error.what() << "\nexpected to contain: " << expected;
-  }
-}
+using qkv::testing::expect_error;
 
 // ---------------------------------------------------------------------------------------------
 // JSON
