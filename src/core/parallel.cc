@@ -9,6 +9,8 @@ namespace qkv {
 
 int resolve_num_threads(int requested) { return requested > 0 ? requested : omp_get_max_threads(); }
 
+void set_default_num_threads(int n) { omp_set_num_threads(n); }
+
 void parallel_for(std::int64_t num_tasks, int num_threads,
                   const std::function<void(std::int64_t task, int thread)>& body) {
   if (num_tasks <= 0) return;

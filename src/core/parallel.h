@@ -9,6 +9,10 @@ namespace qkv {
 // Threads parallel_for will use for `requested` (0 = OpenMP's default).
 int resolve_num_threads(int requested);
 
+// Sets the process-wide default thread count (OpenMP's, which oneDNN's GEMMs use as well);
+// n >= 1. What resolve_num_threads(0) returns afterwards.
+void set_default_num_threads(int n);
+
 // Calls body(task, thread) for every task in [0, num_tasks), on up to `num_threads` threads
 // (from resolve_num_threads), handing tasks out dynamically. `thread` is in [0, num_threads) and
 // indexes per-thread scratch sized before the call. Which thread runs a task must never change

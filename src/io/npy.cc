@@ -396,22 +396,14 @@ std::string encode_header(DType dtype, std::span<const std::int64_t> shape,
 
 std::atomic<unsigned> g_temp_counter{0};
 
-// Creates a new temporary file beside `path` and writes the whole array to it; returns its name.
-std::string write_temp(const std::string& path, DType dtype, std::span<const std::int64_t> shape,
-                       const void* data, const std::string& where) {
-  for (const std::int64_t size : shape) {
-    if (size < 0) fail(where, "negative dimension in shape " + npy_shape_string(shape));
-  }
-  const auto numel = checked_numel(shape, dtype_size(dtype));
-  if (!numel) fail(where, "shape " + npy_shape_string(shape) + " is too large");
-  const std::string header = encode_header(dtype, shape, where);
-
-  // A hidden name beside the destination (the same file system, so rename() is atomic), short
-  // enough even when the destination's name is near the 255-byte limit.
+// Creates a new, empty temporary file beside `path` (the same file system, so rename() is
+// atomic); returns its descriptor and sets `temp_path`.
+int create_temp(const std::string& path, std::string& temp_path, const std::string& where) {
+  // A hidden name beside the destination, short enough even when the destination's name is
+  // near the 255-byte limit.
   const std::size_t slash = path.rfind('/');
   const std::string directory = slash == std::string::npos ? "" : path.substr(0, slash + 1);
   const std::string base = path.substr(directory.size(), 200);
-  std::string temp_path;
   int fd = -1;
   for (int attempt = 0; attempt < 100 && fd < 0; ++attempt) {
     temp_path = directory + "." + base + ".tmp-" + std::to_string(::getpid()) + "-" +
@@ -420,16 +412,61 @@ std::string write_temp(const std::string& path, DType dtype, std::span<const std
     if (fd < 0 && errno != EEXIST) break;
   }
   if (fd < 0) fail(where, std::string("cannot create output file: ") + std::strerror(errno));
-  File file(fd);
+  return fd;
+}
+
+// The header of an array about to be written, after checking its shape.
+std::string checked_header(DType dtype, std::span<const std::int64_t> shape,
+                           std::int64_t& numel, const std::string& where) {
+  for (const std::int64_t size : shape) {
+    if (size < 0) fail(where, "negative dimension in shape " + npy_shape_string(shape));
+  }
+  const auto checked = checked_numel(shape, dtype_size(dtype));
+  if (!checked) fail(where, "shape " + npy_shape_string(shape) + " is too large");
+  numel = *checked;
+  return encode_header(dtype, shape, where);
+}
+
+// Creates a new temporary file beside `path` and writes the whole array to it; returns its name.
+std::string write_temp(const std::string& path, DType dtype, std::span<const std::int64_t> shape,
+                       const void* data, const std::string& where) {
+  std::int64_t numel = 0;
+  const std::string header = checked_header(dtype, shape, numel, where);
+  std::string temp_path;
+  File file(create_temp(path, temp_path, where));
   try {
     write_fully(file.fd(), header.data(), header.size(), where);
-    write_fully(file.fd(), data, static_cast<std::size_t>(*numel) * dtype_size(dtype), where);
+    write_fully(file.fd(), data, static_cast<std::size_t>(numel) * dtype_size(dtype), where);
     if (file.close() != 0) fail(where, std::string("write failed: ") + std::strerror(errno));
   } catch (...) {
     ::unlink(temp_path.c_str());
     throw;
   }
   return temp_path;
+}
+
+// The file an output written to `path` really replaces: through a symbolic link, the file it
+// points to (the link is kept); never a directory, device or FIFO (/dev/null) replaced by a file.
+std::string output_destination(const std::string& path, const std::string& at) {
+  if (path.empty()) fail(at, "empty output path");
+  std::filesystem::path link = path;
+  struct stat st;
+  for (int hops = 0; ::lstat(link.c_str(), &st) == 0 && S_ISLNK(st.st_mode); ++hops) {
+    std::error_code error;
+    const std::filesystem::path target = std::filesystem::read_symlink(link, error);
+    if (error || hops == 40) fail(at, "cannot resolve the symbolic link");
+    link = target.is_absolute() ? target : link.parent_path() / target;  // may still dangle
+  }
+  std::string destination = link.string();
+  if (::stat(destination.c_str(), &st) == 0) {
+    if (S_ISDIR(st.st_mode)) fail(at, "is a directory");
+    if (!S_ISREG(st.st_mode)) {
+      fail(at,
+           "exists and is not a regular file (outputs are written to a temporary file and "
+           "renamed into place)");
+    }
+  }
+  return destination;
 }
 
 }  // namespace
@@ -545,26 +582,7 @@ NpyWriteSet::~NpyWriteSet() {
 void NpyWriteSet::stage(const std::string& path, DType dtype, std::span<const std::int64_t> shape,
                         const void* data, const std::string& label) {
   const std::string at = where(label, path);
-  if (path.empty()) fail(at, "empty output path");
-  // rename() replaces what is at the destination: through a symbolic link, write the file it
-  // points to (and keep the link); never replace a device or FIFO (/dev/null) by a file.
-  std::filesystem::path link = path;
-  struct stat st;
-  for (int hops = 0; ::lstat(link.c_str(), &st) == 0 && S_ISLNK(st.st_mode); ++hops) {
-    std::error_code error;
-    const std::filesystem::path target = std::filesystem::read_symlink(link, error);
-    if (error || hops == 40) fail(at, "cannot resolve the symbolic link");
-    link = target.is_absolute() ? target : link.parent_path() / target;  // may still dangle
-  }
-  std::string destination = link.string();
-  if (::stat(destination.c_str(), &st) == 0) {
-    if (S_ISDIR(st.st_mode)) fail(at, "is a directory");
-    if (!S_ISREG(st.st_mode)) {
-      fail(at,
-           "exists and is not a regular file (outputs are written to a temporary file and "
-           "renamed into place)");
-    }
-  }
+  std::string destination = output_destination(path, at);
   staged_.reserve(staged_.size() + 1);  // so that push_back below cannot throw
   std::string temp_path = write_temp(destination, dtype, shape, data, at);
   staged_.push_back({std::move(destination), std::move(temp_path), at});
@@ -580,6 +598,55 @@ void NpyWriteSet::commit() {
     }
   }
   staged_.clear();
+}
+
+NpyRowWriter::NpyRowWriter(const std::string& path, DType dtype,
+                           std::span<const std::int64_t> shape, const std::string& label)
+    : where_(where(label, path)) {
+  destination_ = output_destination(path, where_);
+  std::int64_t numel = 0;
+  const std::string header = checked_header(dtype, shape, numel, where_);
+  expected_bytes_ = static_cast<std::uint64_t>(numel) * dtype_size(dtype);
+  fd_ = create_temp(destination_, temp_path_, where_);
+  try {
+    write_fully(fd_, header.data(), header.size(), where_);
+  } catch (...) {
+    discard();
+    throw;
+  }
+}
+
+NpyRowWriter::~NpyRowWriter() { discard(); }
+
+void NpyRowWriter::discard() {
+  if (fd_ >= 0) ::close(std::exchange(fd_, -1));
+  if (!temp_path_.empty()) ::unlink(temp_path_.c_str());
+  temp_path_.clear();
+}
+
+void NpyRowWriter::append(const void* data, std::size_t bytes) {
+  if (fd_ < 0) fail(where_, "append after commit");
+  if (written_bytes_ + bytes > expected_bytes_) {
+    fail(where_, "more data than the shape holds (" + std::to_string(expected_bytes_) + " bytes)");
+  }
+  write_fully(fd_, data, bytes, where_);
+  written_bytes_ += bytes;
+}
+
+void NpyRowWriter::commit() {
+  if (fd_ < 0) fail(where_, "commit after commit");
+  if (written_bytes_ != expected_bytes_) {
+    fail(where_, "wrote " + std::to_string(written_bytes_) + " of " +
+                     std::to_string(expected_bytes_) + " bytes");
+  }
+  if (::close(std::exchange(fd_, -1)) != 0) {
+    fail(where_, std::string("write failed: ") + std::strerror(errno));
+  }
+  if (std::rename(temp_path_.c_str(), destination_.c_str()) != 0) {
+    fail(where_, std::string("cannot rename the finished file into place: ") +
+                     std::strerror(errno));
+  }
+  temp_path_.clear();
 }
 
 const char* npy_type_name(DType dtype) {

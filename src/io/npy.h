@@ -87,6 +87,33 @@ class NpyWriteSet {
   std::vector<Staged> staged_;
 };
 
+// One output .npy written in pieces, for results too large to hold at once: the header (the
+// whole shape, known up front) goes to a temporary file beside `path`, append() adds data in C
+// order, commit() checks that exactly numel * itemsize bytes arrived and renames the file into
+// place. Destroyed before commit() (an exception anywhere), it deletes the temporary file, so
+// a failed command never leaves a partial output.
+class NpyRowWriter {
+ public:
+  NpyRowWriter(const std::string& path, DType dtype, std::span<const std::int64_t> shape,
+               const std::string& label = {});
+  ~NpyRowWriter();
+  NpyRowWriter(const NpyRowWriter&) = delete;
+  NpyRowWriter& operator=(const NpyRowWriter&) = delete;
+
+  void append(const void* data, std::size_t bytes);
+  void commit();
+
+ private:
+  void discard();
+
+  std::string where_;  // "label path", for messages
+  std::string destination_;
+  std::string temp_path_;
+  int fd_ = -1;
+  std::uint64_t expected_bytes_ = 0;
+  std::uint64_t written_bytes_ = 0;
+};
+
 // NumPy's names: "float32", "bfloat16", "float16", "bool", "uint8", "int32", "int64".
 const char* npy_type_name(DType dtype);
 // NumPy's shape notation: "()", "(3,)", "(2, 3)".

@@ -162,6 +162,36 @@ bool modules_normalize_from_json(const JsonValue& json, const std::string& where
   return normalize;
 }
 
+TokenizerConfig tokenizer_config_from_json(const JsonValue& json, const std::string& where) {
+  const Fields fields(json, where);
+  TokenizerConfig config;
+  const auto optional_bool = [&](const char* name) -> std::optional<bool> {
+    const JsonValue* value = fields.optional(name);
+    if (value == nullptr || value->is_null()) return std::nullopt;
+    return fields.boolean(name, *value);
+  };
+  config.do_lower_case = optional_bool("do_lower_case").value_or(true);
+  config.strip_accents = optional_bool("strip_accents");
+  config.tokenize_chinese_chars = optional_bool("tokenize_chinese_chars").value_or(true);
+  // transformers writes int(1e30) for "no limit"; anything past int32 means the same here.
+  if (const JsonValue* max = fields.optional("model_max_length"); max != nullptr) {
+    if (max->is_integer() && max->integer() >= 1 && max->integer() <= kMaxSize) {
+      config.model_max_length = max->integer();
+    } else if (!max->is_number() && !max->is_null()) {
+      fields.wrong_type("model_max_length", *max, "an integer");
+    }
+  }
+  return config;
+}
+
+std::optional<std::int64_t> sentence_max_seq_length_from_json(const JsonValue& json,
+                                                              const std::string& where) {
+  const Fields fields(json, where);
+  const JsonValue* value = fields.optional("max_seq_length");
+  if (value == nullptr || value->is_null()) return std::nullopt;
+  return fields.integer("max_seq_length", *value, 2, kMaxSize);
+}
+
 }  // namespace
 
 const char* hidden_act_name(HiddenAct act) {
@@ -195,6 +225,21 @@ bool parse_modules_normalize(std::string_view json_text, const std::string& wher
 }
 bool read_modules_normalize(const std::string& path) {
   return modules_normalize_from_json(io::read_json_file(path), path);
+}
+
+TokenizerConfig parse_tokenizer_config(std::string_view json_text, const std::string& where) {
+  return tokenizer_config_from_json(io::parse_json(json_text, where), where);
+}
+TokenizerConfig read_tokenizer_config(const std::string& path) {
+  return tokenizer_config_from_json(io::read_json_file(path), path);
+}
+
+std::optional<std::int64_t> parse_sentence_max_seq_length(std::string_view json_text,
+                                                          const std::string& where) {
+  return sentence_max_seq_length_from_json(io::parse_json(json_text, where), where);
+}
+std::optional<std::int64_t> read_sentence_max_seq_length(const std::string& path) {
+  return sentence_max_seq_length_from_json(io::read_json_file(path), path);
 }
 
 }  // namespace qkv::models

@@ -68,4 +68,21 @@ PoolingConfig read_pooling_config(const std::string& path);
 bool parse_modules_normalize(std::string_view json_text, const std::string& where);
 bool read_modules_normalize(const std::string& path);
 
+// tokenizer_config.json (Hugging Face): how the WordPiece tokenizer normalises text. Every
+// field is optional; absent or null fields keep BertTokenizer's defaults.
+struct TokenizerConfig {
+  bool do_lower_case = true;
+  std::optional<bool> strip_accents;  // null/absent: the same as do_lower_case
+  bool tokenize_chinese_chars = true;
+  std::optional<std::int64_t> model_max_length;  // huge sentinel values (1e30) are ignored
+};
+TokenizerConfig parse_tokenizer_config(std::string_view json_text, const std::string& where);
+TokenizerConfig read_tokenizer_config(const std::string& path);
+
+// sentence_bert_config.json (sentence-transformers): max_seq_length, the token count (with
+// [CLS] and [SEP]) texts are truncated to. Optional field; nullopt when absent or null.
+std::optional<std::int64_t> parse_sentence_max_seq_length(std::string_view json_text,
+                                                          const std::string& where);
+std::optional<std::int64_t> read_sentence_max_seq_length(const std::string& path);
+
 }  // namespace qkv::models

@@ -40,5 +40,6 @@ std::vector<std::int64_t> parse_int_list(const std::string& option, const std::s
 int run_attention(std::vector<std::string> args);
 int run_demo(std::vector<std::string> args);
 int run_bench(std::vector<std::string> args);
+int run_embed(std::vector<std::string> args);
 
 }  // namespace qkv::cli

@@ -18,6 +18,7 @@ constexpr const char* kUsage =
     "  attention   scaled dot-product attention on .npy files\n"
     "  demo        the main job: standard vs chunked vs flash attention, side by side\n"
     "  bench       GFLOP/s of the attention kernels against this machine's measured peak\n"
+    "  embed       sentence embeddings with a BERT-family model (e.g. all-MiniLM-L6-v2)\n"
     "\n"
     "Run 'qkv <command> --help' for a command's options.\n";
 
@@ -25,6 +26,7 @@ int dispatch(const std::string& command, std::vector<std::string> args) {
   if (command == "attention") return qkv::cli::run_attention(std::move(args));
   if (command == "demo") return qkv::cli::run_demo(std::move(args));
   if (command == "bench") return qkv::cli::run_bench(std::move(args));
+  if (command == "embed") return qkv::cli::run_embed(std::move(args));
   if (command == "--help" || command == "-h" || command == "help") {
     std::fputs(kUsage, stdout);
     return 0;

@@ -215,6 +215,42 @@ TEST(PoolingConfigTest, ModulesNormalize) {
                "modules.json: module 1 is a number, expected an object");
 }
 
+TEST(TokenizerConfigTest, DefaultsAndFields) {
+  const TokenizerConfig minilm = parse_tokenizer_config(
+      R"({"do_lower_case": true, "unk_token": "[UNK]", "tokenize_chinese_chars": true,
+          "strip_accents": null, "model_max_length": 512})",
+      "tokenizer_config.json");
+  EXPECT_TRUE(minilm.do_lower_case);
+  EXPECT_FALSE(minilm.strip_accents.has_value());
+  EXPECT_TRUE(minilm.tokenize_chinese_chars);
+  EXPECT_EQ(minilm.model_max_length, 512);
+
+  const TokenizerConfig cased = parse_tokenizer_config(
+      R"({"do_lower_case": false, "strip_accents": true, "tokenize_chinese_chars": false,
+          "model_max_length": 1000000000000000019884624838656})",
+      "tokenizer_config.json");
+  EXPECT_FALSE(cased.do_lower_case);
+  EXPECT_EQ(cased.strip_accents, true);
+  EXPECT_FALSE(cased.tokenize_chinese_chars);
+  EXPECT_FALSE(cased.model_max_length.has_value());  // transformers' "no limit" sentinel
+
+  const TokenizerConfig empty = parse_tokenizer_config("{}", "tokenizer_config.json");
+  EXPECT_TRUE(empty.do_lower_case);
+  expect_error([] { parse_tokenizer_config(R"({"do_lower_case": "yes"})", "t.json"); },
+               "t.json: field 'do_lower_case' is a string \"yes\", expected true or false");
+  expect_error([] { parse_tokenizer_config(R"({"model_max_length": "512"})", "t.json"); },
+               "t.json: field 'model_max_length' is a string \"512\", expected an integer");
+}
+
+TEST(SentenceBertConfigTest, MaxSeqLength) {
+  EXPECT_EQ(parse_sentence_max_seq_length(R"({"max_seq_length": 256, "do_lower_case": false})",
+                                          "s.json"),
+            256);
+  EXPECT_FALSE(parse_sentence_max_seq_length("{}", "s.json").has_value());
+  expect_error([] { parse_sentence_max_seq_length(R"({"max_seq_length": 1})", "s.json"); },
+               "s.json: field 'max_seq_length' is 1, expected 2 .. 2147483647");
+}
+
 // The real all-MiniLM-L6-v2 files, when a model folder is given (see docs/model-files.md).
 TEST(BertConfigModelTest, ReadsAllMiniLmL6V2) {
   const char* dir = std::getenv("QKV_MODEL_DIR");

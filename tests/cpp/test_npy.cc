@@ -402,6 +402,44 @@ TEST_F(NpyTest, WriteSetCommitsAllOrNothing) {
   EXPECT_EQ(read_npy(path("b.npy")).as<float>()[2], 3.0f);
 }
 
+TEST_F(NpyTest, RowWriterStreamsAndCommitsOnlyWhenComplete) {
+  const std::vector<float> data = {1, 2, 3, 4, 5, 6};
+  const std::vector<std::int64_t> shape = {3, 2};
+  {
+    NpyRowWriter writer(path("rows.npy"), DType::kF32, shape, "--out");
+    writer.append(data.data(), 2 * sizeof(float));
+    EXPECT_FALSE(fs::exists(path("rows.npy")));  // nothing visible before commit
+    writer.append(data.data() + 2, 4 * sizeof(float));
+    writer.commit();
+  }
+  write_npy(path("whole.npy"), DType::kF32, shape, data.data());
+  EXPECT_EQ(read_bytes("rows.npy"), read_bytes("whole.npy"));  // same bytes as write_npy
+  EXPECT_EQ(listing(), (std::set<std::string>{"rows.npy", "whole.npy"}));
+
+  // Too little data: commit fails and the temporary file is removed.
+  try {
+    NpyRowWriter writer(path("short.npy"), DType::kF32, shape, "--out");
+    writer.append(data.data(), 5 * sizeof(float));
+    writer.commit();
+    ADD_FAILURE() << "commit of an incomplete file succeeded";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("--out " + path("short.npy") + ": wrote 20 of 24"),
+              std::string::npos)
+        << error.what();
+  }
+  // Too much data, or an exception before commit: nothing is left behind either.
+  try {
+    NpyRowWriter writer(path("long.npy"), DType::kF32, shape, "--out");
+    writer.append(data.data(), 6 * sizeof(float));
+    writer.append(data.data(), sizeof(float));
+    ADD_FAILURE() << "append past the shape succeeded";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("more data than the shape holds"), std::string::npos);
+  }
+  EXPECT_EQ(listing(), (std::set<std::string>{"rows.npy", "whole.npy"}));
+  EXPECT_THROW(NpyRowWriter(dir_.string(), DType::kF32, shape, "--out"), Error);  // a directory
+}
+
 TEST_F(NpyTest, MakeArrayChecksShape) {
   EXPECT_THROW(make_npy_array(DType::kF32, {-1}, "x"), Error);
   EXPECT_THROW(make_npy_array(DType::kF32, {1, 1, 1, 1, 1}, "x"), Error);

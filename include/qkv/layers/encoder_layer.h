@@ -1,0 +1,93 @@
+// EncoderLayer and Encoder: the transformer encoder block (the seed's
+// TransformerEncoderLayer; torch.nn.TransformerEncoderLayer; BERT's layer).
+//
+//   x: [B, L, E], updated in place.
+//   Post-LN (norm_first = false):  x = LN1(x + Drop(MHA(x)));  x = LN2(x + Drop(FFN(x)))
+//   Pre-LN  (norm_first = true):   x = x + Drop(MHA(LN1(x)));  x = x + Drop(FFN(LN2(x)))
+//   FFN(h) = Linear2(Drop(act(Linear1(h))))   Linear1: [d_ff, E], Linear2: [E, d_ff]
+//
+// Dropout runs only in training mode (set_training(true, seed)): a counter-based RNG keyed by
+// (seed, step, site, element index), so the same seed and step give the same mask whatever the
+// thread count; step counts forward() calls since set_training. Inference: dropout is a no-op.
+// One object keeps mutable scratch: NOT safe to call from two threads at once.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "qkv/layers/activation.h"
+#include "qkv/layers/layer_norm.h"
+#include "qkv/layers/multi_head_attention.h"
+
+namespace qkv {
+
+struct EncoderLayerConfig {
+  std::int64_t embed_dim = 512, num_heads = 8, num_kv_heads = 0, d_ff = 2048;
+  Activation activation = Activation::kGeluErf;  // kRelu, kGeluTanh also
+  bool norm_first = false;  // false = Post-LN (the seed's and BERT's); true = Pre-LN
+  float eps = 1e-5f;
+  float dropout = 0.1f;  // used only when training; in [0, 1)
+};
+
+// Spans are copied at construction.
+//   norm*_gamma/beta: [E]   ff1_weight: [d_ff, E]   ff1_bias: [d_ff]   ff2_weight: [E, d_ff]
+//   ff2_bias: [E]  (biases may be empty)
+struct EncoderLayerWeights {
+  MultiHeadAttentionWeights attention = {};
+  std::span<const float> norm1_gamma = {}, norm1_beta = {}, ff1_weight = {}, ff1_bias = {},
+                         ff2_weight = {}, ff2_bias = {}, norm2_gamma = {}, norm2_beta = {};
+};
+
+class EncoderLayer {
+ public:
+  EncoderLayer(const EncoderLayerConfig& config, const EncoderLayerWeights& weights);
+  ~EncoderLayer();
+  EncoderLayer(EncoderLayer&&) noexcept;
+  EncoderLayer& operator=(EncoderLayer&&) noexcept;
+
+  const EncoderLayerConfig& config() const;
+
+  // x: [B, L, E] in place. options.key_lengths: per-batch valid tokens (padding is never
+  // attended; padded rows are computed but meaningless). options.attn_weights is passed to
+  // the attention sub-layer.
+  void forward(float* x, std::int64_t batch, std::int64_t seq,
+               const MhaOptions& options = {}) const;
+
+  // Use `other`'s scratch buffers (its attention's too) from now on; both layers must then
+  // never run at the same time. Encoder shares one set among its layers.
+  void share_scratch_with(const EncoderLayer& other);
+
+  // Training mode: dropout with a seeded counter-based RNG; resets the step counter to 0.
+  void set_training(bool training, std::uint64_t seed = 0);
+  bool training() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// A stack of EncoderLayers plus an optional final LayerNorm (Pre-LN stacks usually have one).
+class Encoder {
+ public:
+  explicit Encoder(std::vector<EncoderLayer> layers,
+                   std::optional<LayerNorm> final_norm = std::nullopt);
+
+  std::int64_t num_layers() const { return static_cast<std::int64_t>(layers_.size()); }
+  EncoderLayer& layer(std::int64_t i) { return layers_[i]; }
+
+  // x: [B, L, E] in place; options go to every layer (attn_weights: to the last layer only).
+  void forward(float* x, std::int64_t batch, std::int64_t seq,
+               const MhaOptions& options = {}) const;
+
+  // Sets every layer; layer i uses seed + i so layers draw different masks.
+  void set_training(bool training, std::uint64_t seed = 0);
+
+ private:
+  std::vector<EncoderLayer> layers_;
+  std::optional<LayerNorm> final_norm_;
+};
+
+}  // namespace qkv

@@ -1,0 +1,114 @@
+// MultiHeadAttention: projections (oneDNN Linear), qkv::attention for the core, output
+// projection. Self-attention, cross-attention and incremental (KV-cached) decoding.
+//
+//   E = embed_dim, H = num_heads, Hkv = num_kv_heads, head_dim = E / H
+//   self:   x: [B, L, E]                                   -> out: [B, L, E]
+//   cross:  query: [B, Lq, E], memory: [B, Lk, kdim/vdim]  -> out: [B, Lq, E]
+//   cached: x: [B, Lnew, E] + KvCache [B, Lcached, Hkv, head_dim] -> out: [B, Lnew, E]
+//
+// One object keeps mutable scratch (sized for the largest call seen) and oneDNN primitive
+// caches: it is NOT safe to call from two threads at once. See docs/layers.md.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "qkv/attention.h"
+#include "qkv/layers/kv_cache.h"
+#include "qkv/tensor.h"
+
+namespace qkv {
+
+enum class QkvPacking : std::uint8_t {
+  kSeparate,      // q/k/v weights separate (BERT checkpoints; the seed's QKVProjection)
+  kFusedBlocks,   // one [3E, E] weight: rows [Wq; Wk; Wv] (torch.nn.MultiheadAttention's
+                  // in_proj_weight). With GQA: [E + 2 * Hkv * head_dim, E].
+  kFusedPerHead,  // one [3E, E] weight whose output reshapes to (B, L, H, 3 * head_dim) and
+                  // splits per head into q|k|v (the seed article's layout); needs Hkv == H
+};
+
+struct MultiHeadAttentionConfig {
+  std::int64_t embed_dim = 0;
+  std::int64_t num_heads = 0;
+  std::int64_t num_kv_heads = 0;  // 0 = num_heads (GQA when smaller; must divide num_heads)
+  std::int64_t kdim = 0;          // 0 = embed_dim: feature size of the key memory
+  std::int64_t vdim = 0;          // 0 = embed_dim: feature size of the value memory
+};
+
+// Spans are copied at construction. (Every member has a default initializer so designated
+// initialisers compile without GCC 12's -Wmissing-field-initializers.) Weights use torch's [out,
+// in] layout. Biases may be empty.
+//   q_weight: [E, E]   k_weight: [Hkv * head_dim, kdim]   v_weight: [Hkv * head_dim, vdim]
+//   qkv_weight: [E + 2 * Hkv * head_dim, E] (fused packings; needs kdim == vdim == E)
+struct MultiHeadAttentionWeights {
+  QkvPacking packing = QkvPacking::kSeparate;
+  std::span<const float> qkv_weight = {}, qkv_bias = {};  // fused packings only
+  std::span<const float> q_weight = {}, q_bias = {}, k_weight = {}, k_bias = {}, v_weight = {},
+                         v_bias = {};           // kSeparate
+  std::span<const float> out_weight, out_bias;  // [E, E], [E]
+};
+
+// Per-call options: the masks of the core (see qkv/attention.h; mask TRUE MEANS "MAY ATTEND")
+// plus the attention-weights output.
+struct MhaOptions {
+  bool causal = false;
+  Align align = Align::kBottomRight;
+  std::int64_t window_left = -1, window_right = -1;
+  std::span<const std::int64_t> key_lengths = {};  // [B], valid keys per batch (padding)
+  TensorView mask = {}, bias = {};                 // broadcastable to [B, H, Lq, Lk]
+  float* attn_weights = nullptr;  // optional: [B, H, Lq, Lk] or, if average_weights, [B, Lq, Lk]
+  bool average_weights = false;   // mean over heads (torch's average_attn_weights)
+  int num_threads = 0;            // attention core only; 0 = OpenMP's default
+};
+
+class MultiHeadAttention {
+ public:
+  MultiHeadAttention(const MultiHeadAttentionConfig& config,
+                     const MultiHeadAttentionWeights& weights);
+  ~MultiHeadAttention();
+  MultiHeadAttention(MultiHeadAttention&&) noexcept;
+  MultiHeadAttention& operator=(MultiHeadAttention&&) noexcept;
+
+  std::int64_t embed_dim() const;
+  std::int64_t num_heads() const;
+  std::int64_t num_kv_heads() const;
+  std::int64_t head_dim() const;
+  std::int64_t kdim() const;
+  std::int64_t vdim() const;
+
+  // Self-attention. x: [B, L, E] -> out: [B, L, E] (out must not overlap x).
+  void forward(const float* x, std::int64_t batch, std::int64_t seq, float* out,
+               const MhaOptions& options = {}) const;
+
+  // Cross-attention. query: [B, Lq, E], memory: [B, Lk, kdim] gives keys and values
+  // (needs kdim == vdim) -> out: [B, Lq, E].
+  void forward_cross(const float* query, std::int64_t batch, std::int64_t seq_q,
+                     const float* memory, std::int64_t seq_kv, float* out,
+                     const MhaOptions& options = {}) const;
+  // Cross-attention with separate key memory [B, Lk, kdim] and value memory [B, Lk, vdim].
+  void forward_cross(const float* query, std::int64_t batch, std::int64_t seq_q,
+                     const float* key_memory, const float* value_memory, std::int64_t seq_kv,
+                     float* out, const MhaOptions& options = {}) const;
+
+  // Incremental decoding: project x [B, Lnew, E], append the new k/v to `cache`, attend over
+  // everything cached (Lk = cache.size() after the append). options.causal is usually set
+  // (bottom-right alignment makes new token i see cached tokens 0 .. Lk - Lnew + i); then the
+  // result equals a full causal forward over the concatenated sequence. Key lengths, mask and
+  // bias refer to Lk. The cache must be KvCache(B, Hkv, head_dim, ...).
+  void forward_cached(const float* x, std::int64_t batch, std::int64_t seq_new, KvCache& cache,
+                      float* out, const MhaOptions& options = {}) const;
+
+  // Use `other`'s scratch buffers from now on (both objects must then never run at the same
+  // time): layers that run one after another need only one set.
+  void share_scratch_with(const MultiHeadAttention& other);
+
+  // A cache shaped for this layer: [batch, max_seq (0 = growing), Hkv, head_dim].
+  KvCache make_cache(std::int64_t batch, std::int64_t max_seq = 0) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace qkv

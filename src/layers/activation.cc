@@ -1,0 +1,39 @@
+#include "qkv/layers/activation.h"
+
+#include <algorithm>
+
+#include "core/parallel.h"
+#include "layers/layer_kernels.h"
+#include "qkv/error.h"
+
+namespace qkv {
+
+const char* activation_name(Activation act) {
+  switch (act) {
+    case Activation::kNone:
+      return "none";
+    case Activation::kGeluErf:
+      return "gelu";
+    case Activation::kGeluTanh:
+      return "gelu_tanh";
+    case Activation::kRelu:
+      return "relu";
+  }
+  return "?";
+}
+
+void apply_activation(Activation act, float* x, std::int64_t n) {
+  if (n < 0) throw Error("apply_activation: n = " + std::to_string(n) + " is negative");
+  if (n == 0 || act == Activation::kNone) return;
+  if (x == nullptr) throw Error("apply_activation: x is null with n = " + std::to_string(n));
+  // Chunks large enough to amortise a task; each element's result is independent of the
+  // chunking, so thread count never changes the output.
+  constexpr std::int64_t kChunk = 1 << 14;
+  const std::int64_t num_chunks = (n + kChunk - 1) / kChunk;
+  parallel_for(num_chunks, resolve_num_threads(0), [&](std::int64_t chunk, int) {
+    const std::int64_t begin = chunk * kChunk;
+    layers::activation_kernel(act, x + begin, std::min(kChunk, n - begin));
+  });
+}
+
+}  // namespace qkv

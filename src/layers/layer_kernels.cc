@@ -1,0 +1,205 @@
+// Highway kernels for activations and LayerNorm; one copy per target (CMakeLists.txt lists
+// the targets), chosen at run time.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "layers/layer_kernels.cc"
+#include "layers/layer_kernels.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+// Per-target header: must come after foreach_target.h (kept in its own include block).
+#include "hwy/contrib/math/math-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv {
+namespace layers {
+namespace HWY_NAMESPACE {
+namespace {
+
+namespace hn = hwy::HWY_NAMESPACE;
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+
+using DD = hn::ScalableTag<double>;
+using VD = hn::Vec<DD>;
+using DFHalf = hn::Rebind<float, DD>;  // as many floats as DD has doubles
+
+// The GELUs are evaluated in float64 lanes and rounded once at the end: their f32 forms lose
+// up to ~4 ulp (GELU erf) and ~1e-5 relative (GELU tanh, where the rounding of u is amplified
+// by exp in the negative tail). Linear's fused GELU post-op is oneDNN's own; this path is for
+// standalone use and is the one the tests hold to ~1e-7.
+
+// GELU(x) = 0.5 x erfc(-x / sqrt 2). Written with erfc (not 1 + erf) so the negative tail,
+// where 1 + erf(z) cancels, keeps full relative accuracy. erfc(z), z >= 0, is Numerical
+// Recipes' Chebyshev fit, fractional error <= 1.05e-7 for all z >= 0 (measured in float64
+// against math.erfc over [0, 12]):
+//   erfc(z) = t exp(-z^2 + c(t)),  t = 1 / (1 + z / 2),  c = -1.26551223 + t (1.00002368 + ...)
+// and erfc(-z) = 2 - erfc(z).
+HWY_INLINE VD GeluErf(DD dd, VD x) {
+  // Past |x| = 30 the factor is 0 or 2 to double precision; clamping keeps Exp in range.
+  const VD xc = hn::Min(hn::Max(x, hn::Set(dd, -30.0)), hn::Set(dd, 30.0));
+  const VD z = hn::Mul(hn::Abs(xc), hn::Set(dd, 0.70710678118654752440));
+  const VD t = hn::Div(hn::Set(dd, 1.0), hn::MulAdd(z, hn::Set(dd, 0.5), hn::Set(dd, 1.0)));
+  VD c = hn::Set(dd, 0.17087277);
+  c = hn::MulAdd(c, t, hn::Set(dd, -0.82215223));
+  c = hn::MulAdd(c, t, hn::Set(dd, 1.48851587));
+  c = hn::MulAdd(c, t, hn::Set(dd, -1.13520398));
+  c = hn::MulAdd(c, t, hn::Set(dd, 0.27886807));
+  c = hn::MulAdd(c, t, hn::Set(dd, -0.18628806));
+  c = hn::MulAdd(c, t, hn::Set(dd, 0.09678418));
+  c = hn::MulAdd(c, t, hn::Set(dd, 0.37409196));
+  c = hn::MulAdd(c, t, hn::Set(dd, 1.00002368));
+  c = hn::MulAdd(c, t, hn::Set(dd, -1.26551223));
+  const VD erfc_abs = hn::Mul(t, hn::Exp(dd, hn::NegMulAdd(z, z, c)));  // erfc(|x| / sqrt 2)
+  const VD factor =
+      hn::IfThenElse(hn::Lt(x, hn::Zero(dd)), erfc_abs, hn::Sub(hn::Set(dd, 2.0), erfc_abs));
+  const VD y = hn::Mul(hn::Mul(hn::Set(dd, 0.5), x), factor);
+  // Below -30 the true value is 0 in float: x * 0 (so -inf gives NaN, as the float64 formula
+  // 0.5 x (1 + erf(x / sqrt 2)) does).
+  return hn::IfThenElse(hn::Lt(x, hn::Set(dd, -30.0)), hn::Mul(x, hn::Zero(dd)), y);
+}
+
+// GELU, tanh form: 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3).
+// The sigmoid form has no 1 + tanh cancellation; with e = exp(-2|u|) <= 1 it never overflows:
+// sigmoid(2u) = 1 / (1 + e) for u >= 0 and e / (1 + e) for u < 0.
+HWY_INLINE VD GeluTanh(DD dd, VD x) {
+  const VD x2 = hn::Mul(x, x);
+  const VD u = hn::Mul(hn::MulAdd(hn::Mul(x2, hn::Set(dd, 0.044715)), x, x),
+                       hn::Set(dd, 0.79788456080286535588));
+  // Clamp keeps Exp in its valid range (exp(-1400) is 0 anyway).
+  const VD e = hn::Exp(dd, hn::Max(hn::Mul(hn::Abs(u), hn::Set(dd, -2.0)), hn::Set(dd, -700.0)));
+  const VD numerator = hn::IfThenElse(hn::Lt(u, hn::Zero(dd)), e, hn::Set(dd, 1.0));
+  return hn::Div(hn::Mul(x, numerator), hn::Add(hn::Set(dd, 1.0), e));
+}
+
+// Loads/stores of the first `count` lanes (count <= Lanes); masked lanes are never touched,
+// loads give 0 there. Highway 1.0.3 has no LoadN/StoreN.
+template <class D>
+HWY_INLINE hn::Vec<D> LoadFirst(D d, const float* HWY_RESTRICT p, size_t count) {
+  return count == hn::Lanes(d) ? hn::LoadU(d, p) : hn::MaskedLoad(hn::FirstN(d, count), d, p);
+}
+template <class D>
+HWY_INLINE void StoreFirst(hn::Vec<D> v, D d, float* HWY_RESTRICT p, size_t count) {
+  if (count == hn::Lanes(d)) {
+    hn::StoreU(v, d, p);
+  } else {
+    hn::BlendedStore(v, hn::FirstN(d, count), d, p);
+  }
+}
+
+// x[i] = op(x[i]) in f32 lanes.
+template <class Op>
+HWY_INLINE void MapInPlace(float* HWY_RESTRICT x, std::int64_t n, Op op) {
+  const DF df;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(df));
+  for (std::int64_t i = 0; i < n; i += lanes) {
+    const size_t count = static_cast<size_t>(std::min(lanes, n - i));
+    StoreFirst(op(df, LoadFirst(df, x + i, count)), df, x + i, count);
+  }
+}
+
+// x[i] = op(x[i]) evaluated in f64 lanes, rounded once to f32.
+template <class Op>
+HWY_INLINE void MapInPlaceF64(float* HWY_RESTRICT x, std::int64_t n, Op op) {
+  const DD dd;
+  const DFHalf dh;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(dd));
+  for (std::int64_t i = 0; i < n; i += lanes) {
+    const size_t count = static_cast<size_t>(std::min(lanes, n - i));
+    const VD v = op(dd, hn::PromoteTo(dd, LoadFirst(dh, x + i, count)));
+    StoreFirst(hn::DemoteTo(dh, v), dh, x + i, count);
+  }
+}
+
+}  // namespace
+
+void ActivationKernel(Activation act, float* x, std::int64_t n) {
+  switch (act) {
+    case Activation::kNone:
+      return;
+    case Activation::kRelu:
+      return MapInPlace(x, n, [](DF df, VF v) { return hn::Max(v, hn::Zero(df)); });
+    case Activation::kGeluErf:
+      return MapInPlaceF64(x, n, [](DD dd, VD v) { return GeluErf(dd, v); });
+    case Activation::kGeluTanh:
+      return MapInPlaceF64(x, n, [](DD dd, VD v) { return GeluTanh(dd, v); });
+  }
+}
+
+void LayerNormKernel(const float* x, const float* residual, std::int64_t rows,
+                     std::int64_t features, const float* gamma, const float* beta, float eps,
+                     float* y) {
+  const DF df;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(df));
+  const std::int64_t full = features - features % lanes;
+  const size_t rest = static_cast<size_t>(features - full);
+  // v = x + residual, loaded fresh in every pass: y may alias x or residual, and is written
+  // only in the last pass, at the position just read.
+  auto load = [&](const float* xr, const float* rr, std::int64_t i, size_t count) {
+    const VF v = LoadFirst(df, xr + i, count);
+    return rr ? hn::Add(v, LoadFirst(df, rr + i, count)) : v;
+  };
+  for (std::int64_t row = 0; row < rows; ++row) {
+    const float* xr = x + row * features;
+    const float* rr = residual ? residual + row * features : nullptr;
+    float* yr = y + row * features;
+    // Two passes (mean, then squared deviations): no E[v^2] - E[v]^2 cancellation. LoadFirst
+    // zero-fills the tail lanes, which then add 0 to the sum; the squared-deviation pass masks
+    // them out.
+    VF sum = hn::Zero(df);
+    for (std::int64_t i = 0; i < full; i += lanes) sum = hn::Add(sum, load(xr, rr, i, lanes));
+    if (rest) sum = hn::Add(sum, load(xr, rr, full, rest));
+    const float mean = hn::GetLane(hn::SumOfLanes(df, sum)) / static_cast<float>(features);
+    const VF vmean = hn::Set(df, mean);
+    VF sq = hn::Zero(df);
+    for (std::int64_t i = 0; i < full; i += lanes) {
+      const VF d = hn::Sub(load(xr, rr, i, lanes), vmean);
+      sq = hn::MulAdd(d, d, sq);
+    }
+    if (rest) {
+      const VF d =
+          hn::IfThenElseZero(hn::FirstN(df, rest), hn::Sub(load(xr, rr, full, rest), vmean));
+      sq = hn::MulAdd(d, d, sq);
+    }
+    const float var = hn::GetLane(hn::SumOfLanes(df, sq)) / static_cast<float>(features);
+    const VF inv_std = hn::Set(df, 1.0f / std::sqrt(var + eps));
+    for (std::int64_t i = 0; i < features; i += lanes) {
+      const size_t count = static_cast<size_t>(std::min<std::int64_t>(lanes, features - i));
+      const VF norm = hn::Mul(hn::Sub(load(xr, rr, i, count), vmean), inv_std);
+      const VF out =
+          hn::MulAdd(norm, LoadFirst(df, gamma + i, count), LoadFirst(df, beta + i, count));
+      StoreFirst(out, df, yr + i, count);
+    }
+  }
+}
+
+const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
+
+}  // namespace HWY_NAMESPACE
+}  // namespace layers
+}  // namespace qkv
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace qkv::layers {
+
+HWY_EXPORT(ActivationKernel);
+HWY_EXPORT(LayerNormKernel);
+HWY_EXPORT(TargetName);
+
+void activation_kernel(Activation act, float* x, std::int64_t n) {
+  HWY_DYNAMIC_DISPATCH(ActivationKernel)(act, x, n);
+}
+
+void layer_norm_kernel(const float* x, const float* residual, std::int64_t rows,
+                       std::int64_t features, const float* gamma, const float* beta, float eps,
+                       float* y) {
+  HWY_DYNAMIC_DISPATCH(LayerNormKernel)(x, residual, rows, features, gamma, beta, eps, y);
+}
+
+const char* layer_kernels_target_name() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
+
+}  // namespace qkv::layers
+#endif  // HWY_ONCE

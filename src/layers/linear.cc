@@ -1,0 +1,202 @@
+// Linear on oneDNN's matmul primitive.
+//
+// oneDNN computes dst[M, N] = src[M, K] x weights[K, N] (+ bias[1, N], then post-ops). A
+// torch-layout weight W[N, K] (row-major) is exactly weights[K, N] with strides {1, K}, so the
+// plain view needs no transpose; it is reordered once into the layout the primitive asks for
+// (weights format_tag::any lets oneDNN pick a blocked layout its JIT kernels stream well).
+//
+// Primitives depend on M (= rows) and the src row stride, so one is created per (rows,
+// x_stride) on first use and cached. The weight layout a primitive asks for may in principle
+// differ with M; each distinct layout gets one reordered copy (reordered from the first copy),
+// so the common case keeps exactly one copy of W.
+#include "qkv/layers/linear.h"
+
+#include <dnnl.hpp>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "qkv/error.h"
+
+namespace qkv {
+namespace {
+
+using dnnl::memory;
+using Dims = memory::dims;
+
+// One CPU engine for the process; oneDNN engines are thread-safe and cheap to share.
+const dnnl::engine& cpu_engine() {
+  static const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+// M used to ask oneDNN for its preferred weight layout at construction: a typical batch of
+// tokens (e.g. 32 sentences x 128 tokens gives M = 4096; decoding gives M = 1).
+constexpr std::int64_t kRepresentativeRows = 256;
+
+// Primitives kept per Linear; past this many distinct (rows, stride) keys the cache restarts
+// (a server seeing every possible batch size must not grow without bound).
+constexpr std::size_t kMaxCachedPrimitives = 64;
+
+}  // namespace
+
+struct Linear::Impl {
+  std::int64_t in_features = 0;
+  std::int64_t out_features = 0;
+  Activation activation = Activation::kNone;
+  std::vector<float> bias;  // [out_features] or empty
+  memory::desc bias_md;     // [1, N] or zero desc
+  dnnl::primitive_attr attr;
+  // Reordered weight copies, one per layout some primitive asked for. [0] always exists.
+  std::vector<memory> weights;
+
+  struct Entry {
+    dnnl::matmul matmul;
+    memory::desc src_md, dst_md;
+    std::size_t weights_index = 0;
+  };
+  std::map<std::pair<std::int64_t, std::int64_t>, Entry> cache;
+
+  dnnl::matmul::primitive_desc make_pd(std::int64_t rows, std::int64_t x_stride) const {
+    const memory::desc src_md(Dims{rows, in_features}, memory::data_type::f32, Dims{x_stride, 1});
+    const memory::desc weights_md(Dims{in_features, out_features}, memory::data_type::f32,
+                                  memory::format_tag::any);
+    const memory::desc dst_md(Dims{rows, out_features}, memory::data_type::f32,
+                              memory::format_tag::ab);
+    const dnnl::matmul::desc desc(src_md, weights_md, bias_md, dst_md);
+    return dnnl::matmul::primitive_desc(desc, attr, cpu_engine());
+  }
+
+  // Index into `weights` of a copy in layout `md`, reordering one if none matches.
+  std::size_t weights_in_layout(const memory::desc& md) {
+    for (std::size_t i = 0; i < weights.size(); ++i) {
+      if (weights[i].get_desc() == md) return i;
+    }
+    memory dst(md, cpu_engine());
+    dnnl::stream stream(cpu_engine());
+    dnnl::reorder(weights[0], dst).execute(stream, weights[0], dst);
+    stream.wait();
+    weights.push_back(dst);
+    return weights.size() - 1;
+  }
+
+  const Entry& entry(std::int64_t rows, std::int64_t x_stride) {
+    const auto key = std::make_pair(rows, x_stride);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+    if (cache.size() >= kMaxCachedPrimitives) cache.clear();
+    const auto pd = make_pd(rows, x_stride);
+    Entry e{dnnl::matmul(pd), pd.src_desc(), pd.dst_desc(), weights_in_layout(pd.weights_desc())};
+    return cache.emplace(key, std::move(e)).first->second;
+  }
+};
+
+namespace {
+
+std::string linear_shape(std::int64_t out_features, std::int64_t in_features) {
+  return "[out_features = " + std::to_string(out_features) +
+         ", in_features = " + std::to_string(in_features) + "]";
+}
+
+dnnl::post_ops activation_post_ops(Activation act) {
+  dnnl::post_ops ops;
+  switch (act) {
+    case Activation::kNone:
+      break;
+    case Activation::kGeluErf:
+      ops.append_eltwise(1.0f, dnnl::algorithm::eltwise_gelu_erf, 0.0f, 0.0f);
+      break;
+    case Activation::kGeluTanh:
+      ops.append_eltwise(1.0f, dnnl::algorithm::eltwise_gelu_tanh, 0.0f, 0.0f);
+      break;
+    case Activation::kRelu:
+      ops.append_eltwise(1.0f, dnnl::algorithm::eltwise_relu, 0.0f, 0.0f);
+      break;
+  }
+  return ops;
+}
+
+}  // namespace
+
+Linear::Linear(const LinearParams& params) : impl_(std::make_unique<Impl>()) {
+  const std::int64_t in = params.in_features;
+  const std::int64_t out = params.out_features;
+  if (in <= 0 || out <= 0) {
+    throw Error("Linear: in_features and out_features must be > 0, got weight shape " +
+                linear_shape(out, in));
+  }
+  if (static_cast<std::int64_t>(params.weight.size()) != in * out) {
+    throw Error("Linear: weight has " + std::to_string(params.weight.size()) +
+                " elements, expected " + std::to_string(in * out) + " for weight shape " +
+                linear_shape(out, in));
+  }
+  if (!params.bias.empty() && static_cast<std::int64_t>(params.bias.size()) != out) {
+    throw Error("Linear: bias has " + std::to_string(params.bias.size()) +
+                " elements, expected out_features = " + std::to_string(out));
+  }
+  Impl& m = *impl_;
+  m.in_features = in;
+  m.out_features = out;
+  m.activation = params.activation;
+  if (!params.bias.empty()) {
+    m.bias.assign(params.bias.begin(), params.bias.end());
+    m.bias_md = memory::desc(Dims{1, out}, memory::data_type::f32, memory::format_tag::ab);
+  }
+  m.attr.set_post_ops(activation_post_ops(params.activation));
+  try {
+    // W[N, K] row-major is weights[K, N] with strides {1, K}.
+    const memory::desc plain_md(Dims{in, out}, memory::data_type::f32, Dims{1, in});
+    const memory plain(plain_md, cpu_engine(), const_cast<float*>(params.weight.data()));
+    const auto pd = m.make_pd(kRepresentativeRows, in);
+    memory reordered(pd.weights_desc(), cpu_engine());
+    dnnl::stream stream(cpu_engine());
+    dnnl::reorder(plain, reordered).execute(stream, const_cast<memory&>(plain), reordered);
+    stream.wait();
+    m.weights.push_back(reordered);
+  } catch (const dnnl::error& e) {
+    throw Error(std::string("Linear: oneDNN failed to set up weight shape ") +
+                linear_shape(out, in) + ": " + e.what());
+  }
+}
+
+Linear::~Linear() = default;
+Linear::Linear(Linear&&) noexcept = default;
+Linear& Linear::operator=(Linear&&) noexcept = default;
+
+std::int64_t Linear::in_features() const { return impl_->in_features; }
+std::int64_t Linear::out_features() const { return impl_->out_features; }
+Activation Linear::activation() const { return impl_->activation; }
+
+void Linear::forward(const float* x, std::int64_t rows, float* y, std::int64_t x_stride) const {
+  // x: [rows, in_features] (row stride x_stride)  ->  y: [rows, out_features]
+  Impl& m = *impl_;
+  if (x_stride == 0) x_stride = m.in_features;
+  if (rows < 0) throw Error("Linear::forward: rows = " + std::to_string(rows) + " is negative");
+  if (x_stride < m.in_features) {
+    throw Error("Linear::forward: x_stride = " + std::to_string(x_stride) +
+                " is smaller than in_features = " + std::to_string(m.in_features));
+  }
+  if (rows == 0) return;
+  if (x == nullptr || y == nullptr) throw Error("Linear::forward: x and y must not be null");
+  try {
+    const Impl::Entry& e = m.entry(rows, x_stride);
+    memory src(e.src_md, cpu_engine(), const_cast<float*>(x));
+    memory dst(e.dst_md, cpu_engine(), y);
+    std::unordered_map<int, memory> args = {
+        {DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, m.weights[e.weights_index]}, {DNNL_ARG_DST, dst}};
+    if (!m.bias.empty()) {
+      args.emplace(DNNL_ARG_BIAS, memory(m.bias_md, cpu_engine(), m.bias.data()));
+    }
+    dnnl::stream stream(cpu_engine());
+    e.matmul.execute(stream, args);
+    stream.wait();
+  } catch (const dnnl::error& e) {
+    throw Error(std::string("Linear::forward: oneDNN failed for x shape [") + std::to_string(rows) +
+                ", " + std::to_string(m.in_features) + "], weight shape " +
+                linear_shape(m.out_features, m.in_features) + ": " + e.what());
+  }
+}
+
+}  // namespace qkv

@@ -1,0 +1,190 @@
+#include "models/bert_model.h"
+
+#include <algorithm>
+#include <string>
+
+#include "io/safetensors.h"
+#include "qkv/error.h"
+
+namespace qkv::models {
+namespace {
+
+// Reads BertModel tensors by their names, under the "bert." prefix when the file uses it.
+class WeightReader {
+ public:
+  explicit WeightReader(const io::SafetensorsFile& file) : file_(file) {
+    if (!file.contains("embeddings.word_embeddings.weight") &&
+        file.contains("bert.embeddings.word_embeddings.weight")) {
+      prefix_ = "bert.";
+    }
+  }
+  // The tensor `name` as f32 after checking it has `shape`.
+  std::vector<float> read(const std::string& name, std::initializer_list<std::int64_t> shape) const {
+    const std::vector<std::int64_t> expected(shape);
+    return file_.read_f32(prefix_ + name, expected);
+  }
+
+ private:
+  const io::SafetensorsFile& file_;
+  std::string prefix_;
+};
+
+Activation activation_of(HiddenAct act) {
+  switch (act) {
+    case HiddenAct::kGelu:
+      return Activation::kGeluErf;
+    case HiddenAct::kGeluTanh:
+      return Activation::kGeluTanh;
+    case HiddenAct::kRelu:
+      return Activation::kRelu;
+  }
+  return Activation::kGeluErf;
+}
+
+LayerNorm read_layer_norm(const WeightReader& reader, const std::string& name, std::int64_t dim,
+                          double eps) {
+  const std::vector<float> gamma = reader.read(name + ".weight", {dim});
+  const std::vector<float> beta = reader.read(name + ".bias", {dim});
+  return LayerNorm(gamma, beta, dim, static_cast<float>(eps));
+}
+
+// One BertLayer: self-attention (separate Q/K/V), attention.output (dense + LayerNorm),
+// intermediate (dense + act), output (dense + LayerNorm): a Post-LN encoder layer.
+EncoderLayer read_layer(const WeightReader& reader, const BertConfig& config, std::int64_t index) {
+  const std::string at = "encoder.layer." + std::to_string(index) + ".";
+  const std::int64_t e = config.hidden_size, f = config.intermediate_size;
+  const std::vector<float> q_w = reader.read(at + "attention.self.query.weight", {e, e});
+  const std::vector<float> q_b = reader.read(at + "attention.self.query.bias", {e});
+  const std::vector<float> k_w = reader.read(at + "attention.self.key.weight", {e, e});
+  const std::vector<float> k_b = reader.read(at + "attention.self.key.bias", {e});
+  const std::vector<float> v_w = reader.read(at + "attention.self.value.weight", {e, e});
+  const std::vector<float> v_b = reader.read(at + "attention.self.value.bias", {e});
+  const std::vector<float> o_w = reader.read(at + "attention.output.dense.weight", {e, e});
+  const std::vector<float> o_b = reader.read(at + "attention.output.dense.bias", {e});
+  const std::vector<float> n1_g = reader.read(at + "attention.output.LayerNorm.weight", {e});
+  const std::vector<float> n1_b = reader.read(at + "attention.output.LayerNorm.bias", {e});
+  const std::vector<float> f1_w = reader.read(at + "intermediate.dense.weight", {f, e});
+  const std::vector<float> f1_b = reader.read(at + "intermediate.dense.bias", {f});
+  const std::vector<float> f2_w = reader.read(at + "output.dense.weight", {e, f});
+  const std::vector<float> f2_b = reader.read(at + "output.dense.bias", {e});
+  const std::vector<float> n2_g = reader.read(at + "output.LayerNorm.weight", {e});
+  const std::vector<float> n2_b = reader.read(at + "output.LayerNorm.bias", {e});
+
+  const EncoderLayerConfig layer_config{
+      .embed_dim = e,
+      .num_heads = config.num_attention_heads,
+      .d_ff = f,
+      .activation = activation_of(config.hidden_act),
+      .norm_first = false,
+      .eps = static_cast<float>(config.layer_norm_eps),
+  };
+  EncoderLayerWeights weights;
+  weights.attention.packing = QkvPacking::kSeparate;
+  weights.attention.q_weight = q_w;
+  weights.attention.q_bias = q_b;
+  weights.attention.k_weight = k_w;
+  weights.attention.k_bias = k_b;
+  weights.attention.v_weight = v_w;
+  weights.attention.v_bias = v_b;
+  weights.attention.out_weight = o_w;
+  weights.attention.out_bias = o_b;
+  weights.norm1_gamma = n1_g;
+  weights.norm1_beta = n1_b;
+  weights.ff1_weight = f1_w;
+  weights.ff1_bias = f1_b;
+  weights.ff2_weight = f2_w;
+  weights.ff2_bias = f2_b;
+  weights.norm2_gamma = n2_g;
+  weights.norm2_beta = n2_b;
+  return EncoderLayer(layer_config, weights);
+}
+
+}  // namespace
+
+BertModel::BertModel(const BertConfig& config, std::vector<float> word_embeddings,
+                     std::vector<float> position_embeddings,
+                     std::vector<float> token_type_embedding, LayerNorm embeddings_norm,
+                     Encoder encoder)
+    : config_(config),
+      word_embeddings_(std::move(word_embeddings)),
+      position_embeddings_(std::move(position_embeddings)),
+      token_type_embedding_(std::move(token_type_embedding)),
+      embeddings_norm_(std::move(embeddings_norm)),
+      encoder_(std::move(encoder)) {}
+
+BertModel BertModel::from_safetensors(const BertConfig& config,
+                                      const io::SafetensorsFile& weights) {
+  const WeightReader reader(weights);
+  const std::int64_t e = config.hidden_size;
+  std::vector<float> token_types =
+      reader.read("embeddings.token_type_embeddings.weight", {config.type_vocab_size, e});
+  token_types.resize(static_cast<std::size_t>(e));  // row 0: every token is segment A
+  std::vector<EncoderLayer> layers;
+  layers.reserve(static_cast<std::size_t>(config.num_hidden_layers));
+  for (std::int64_t i = 0; i < config.num_hidden_layers; ++i) {
+    layers.push_back(read_layer(reader, config, i));
+  }
+  return BertModel(
+      config, reader.read("embeddings.word_embeddings.weight", {config.vocab_size, e}),
+      reader.read("embeddings.position_embeddings.weight", {config.max_position_embeddings, e}),
+      std::move(token_types),
+      read_layer_norm(reader, "embeddings.LayerNorm", e, config.layer_norm_eps),
+      Encoder(std::move(layers)));
+}
+
+BertModel BertModel::load(const std::string& dir) {
+  const BertConfig config = read_bert_config(dir + "/config.json");
+  const io::SafetensorsFile weights(dir + "/model.safetensors");
+  return from_safetensors(config, weights);
+}
+
+void BertModel::forward(std::span<const std::int32_t> ids, std::span<const std::int64_t> lengths,
+                        std::int64_t batch, std::int64_t seq, float* hidden) const {
+  const std::string shape = "[" + std::to_string(batch) + ", " + std::to_string(seq) + "]";
+  if (batch < 1 || seq < 1) throw Error("BertModel: ids shape " + shape + " is empty");
+  if (seq > config_.max_position_embeddings) {
+    throw Error("BertModel: sequence length " + std::to_string(seq) +
+                " exceeds max_position_embeddings " +
+                std::to_string(config_.max_position_embeddings));
+  }
+  if (static_cast<std::int64_t>(ids.size()) != batch * seq) {
+    throw Error("BertModel: ids hold " + std::to_string(ids.size()) + " values, shape " + shape +
+                " needs " + std::to_string(batch * seq));
+  }
+  if (static_cast<std::int64_t>(lengths.size()) != batch) {
+    throw Error("BertModel: lengths hold " + std::to_string(lengths.size()) +
+                " values, expected batch " + std::to_string(batch));
+  }
+  for (std::int64_t b = 0; b < batch; ++b) {
+    if (lengths[b] < 1 || lengths[b] > seq) {
+      throw Error("BertModel: lengths[" + std::to_string(b) + "] = " +
+                  std::to_string(lengths[b]) + " is outside 1.." + std::to_string(seq));
+    }
+  }
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || ids[i] >= config_.vocab_size) {
+      throw Error("BertModel: ids[" + std::to_string(i / seq) + ", " + std::to_string(i % seq) +
+                  "] = " + std::to_string(ids[i]) + " is outside the vocabulary (size " +
+                  std::to_string(config_.vocab_size) + ")");
+    }
+  }
+
+  // Embeddings: hidden[b, t] = word[ids[b, t]] + position[t] + token_type[0], then LayerNorm.
+  const std::int64_t e = config_.hidden_size;
+  const std::int64_t rows = batch * seq;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float* word = word_embeddings_.data() + ids[r] * e;
+    const float* position = position_embeddings_.data() + (r % seq) * e;
+    const float* type = token_type_embedding_.data();
+    float* out = hidden + r * e;
+    // BertEmbeddings' order: (word + token_type) + position.
+    for (std::int64_t c = 0; c < e; ++c) out[c] = (word[c] + type[c]) + position[c];
+  }
+  embeddings_norm_.forward(hidden, nullptr, rows, hidden);
+
+  MhaOptions options;
+  options.key_lengths = lengths;
+  encoder_.forward(hidden, batch, seq, options);
+}
+
+}  // namespace qkv::models

@@ -1,0 +1,178 @@
+// Plain float64 references for the layer tests (test_layers_*.cc): Linear, LayerNorm,
+// activations, multi-head attention composed from them with an explicit softmax, and the
+// encoder layer. Nothing here is optimised; each function is the textbook formula.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <span>
+#include <vector>
+
+#include "qkv/layers/activation.h"
+
+namespace qkv::testing {
+
+using Vec = std::vector<double>;
+
+inline std::vector<float> random_floats(std::int64_t n, std::uint64_t seed, float lo = -1.0f,
+                                        float hi = 1.0f) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(static_cast<std::size_t>(n));
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+inline Vec to_f64(std::span<const float> x) { return Vec(x.begin(), x.end()); }
+
+inline double gelu_erf_ref(double x) { return 0.5 * x * std::erfc(-x / std::sqrt(2.0)); }
+// 0.5 x (1 + tanh(u)) written as x / (1 + exp(-2u)): the same function, but float64's
+// 1 + tanh(u) would round to 0 for u < -19 and make the reference itself wrong in the tail.
+inline double gelu_tanh_ref(double x) {
+  const double u = std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x);
+  return x / (1.0 + std::exp(-2.0 * u));
+}
+inline double activation_ref(Activation act, double x) {
+  switch (act) {
+    case Activation::kNone:
+      return x;
+    case Activation::kGeluErf:
+      return gelu_erf_ref(x);
+    case Activation::kGeluTanh:
+      return gelu_tanh_ref(x);
+    case Activation::kRelu:
+      return x > 0 ? x : 0.0;
+  }
+  return x;
+}
+
+// y[r, o] = act(sum_i x[r, i] W[o, i] + b[o]);  x: [rows, in] (row stride x_stride)
+inline Vec linear_ref(const Vec& x, std::int64_t rows, std::int64_t in, const Vec& w, const Vec& b,
+                      std::int64_t out, Activation act = Activation::kNone,
+                      std::int64_t x_stride = 0) {
+  if (x_stride == 0) x_stride = in;
+  Vec y(static_cast<std::size_t>(rows * out));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t o = 0; o < out; ++o) {
+      double s = b.empty() ? 0.0 : b[o];
+      for (std::int64_t i = 0; i < in; ++i) s += x[r * x_stride + i] * w[o * in + i];
+      y[r * out + o] = activation_ref(act, s);
+    }
+  }
+  return y;
+}
+
+// y = LN(x + residual) * gamma + beta per row; residual may be empty.
+inline Vec layer_norm_ref(const Vec& x, const Vec& residual, std::int64_t rows,
+                          std::int64_t features, const Vec& gamma, const Vec& beta, double eps) {
+  Vec y(x.size());
+  for (std::int64_t r = 0; r < rows; ++r) {
+    Vec v(features);
+    for (std::int64_t i = 0; i < features; ++i) {
+      v[i] = x[r * features + i] + (residual.empty() ? 0.0 : residual[r * features + i]);
+    }
+    double mean = 0;
+    for (double a : v) mean += a;
+    mean /= features;
+    double var = 0;
+    for (double a : v) var += (a - mean) * (a - mean);
+    var /= features;
+    for (std::int64_t i = 0; i < features; ++i) {
+      y[r * features + i] = (v[i] - mean) / std::sqrt(var + eps) * gamma[i] + beta[i];
+    }
+  }
+  return y;
+}
+
+// Multi-head attention from the pieces above: projections, explicit masked softmax per
+// (batch, head, query), weighted sum, output projection. Weights in torch [out, in] layout,
+// canonical (separate) form; biases may be empty.
+struct MhaRefWeights {
+  Vec q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b;
+};
+struct MhaRefProblem {
+  std::int64_t batch = 1, seq_q = 1, seq_kv = 1, embed_dim = 8, num_heads = 2, num_kv_heads = 2;
+  std::int64_t kdim = 8, vdim = 8;
+  bool causal = false;
+  bool top_left = false;  // causal/window alignment; default bottom-right
+  std::int64_t window_left = -1, window_right = -1;
+  std::vector<std::int64_t> key_lengths = {};  // empty = all
+};
+struct MhaRefResult {
+  Vec out;    // [B, Lq, E]
+  Vec probs;  // [B, H, Lq, Lk]
+};
+inline MhaRefResult mha_ref(const MhaRefProblem& p, const MhaRefWeights& w, const Vec& query,
+                            const Vec& key_mem, const Vec& value_mem) {
+  const std::int64_t E = p.embed_dim, H = p.num_heads, hd = E / H, kvw = p.num_kv_heads * hd;
+  const Vec q = linear_ref(query, p.batch * p.seq_q, E, w.q_w, w.q_b, E);
+  const Vec k = linear_ref(key_mem, p.batch * p.seq_kv, p.kdim, w.k_w, w.k_b, kvw);
+  const Vec v = linear_ref(value_mem, p.batch * p.seq_kv, p.vdim, w.v_w, w.v_b, kvw);
+  Vec ctx(p.batch * p.seq_q * E, 0.0);
+  MhaRefResult r;
+  r.probs.assign(p.batch * H * p.seq_q * p.seq_kv, 0.0);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  for (std::int64_t b = 0; b < p.batch; ++b) {
+    const std::int64_t valid = p.key_lengths.empty() ? p.seq_kv : p.key_lengths[b];
+    for (std::int64_t h = 0; h < H; ++h) {
+      const std::int64_t hk = h / (H / p.num_kv_heads);
+      for (std::int64_t i = 0; i < p.seq_q; ++i) {
+        const std::int64_t ii = p.top_left ? i : i + p.seq_kv - p.seq_q;
+        Vec s(p.seq_kv, -std::numeric_limits<double>::infinity());
+        double mx = -std::numeric_limits<double>::infinity();
+        for (std::int64_t j = 0; j < p.seq_kv; ++j) {
+          bool allowed = j < valid;
+          if (p.causal && j > ii) allowed = false;
+          if (p.window_left >= 0 && j < ii - p.window_left) allowed = false;
+          if (p.window_right >= 0 && j > ii + p.window_right) allowed = false;
+          if (!allowed) continue;
+          double dot = 0;
+          for (std::int64_t d = 0; d < hd; ++d) {
+            dot +=
+                q[(b * p.seq_q + i) * E + h * hd + d] * k[(b * p.seq_kv + j) * kvw + hk * hd + d];
+          }
+          s[j] = dot * scale;
+          mx = std::max(mx, s[j]);
+        }
+        if (mx == -std::numeric_limits<double>::infinity()) continue;  // no key: out row 0
+        double sum = 0;
+        for (double& x : s) sum += (x = std::exp(x - mx));
+        for (std::int64_t j = 0; j < p.seq_kv; ++j) {
+          const double prob = s[j] / sum;
+          r.probs[((b * H + h) * p.seq_q + i) * p.seq_kv + j] = prob;
+          for (std::int64_t d = 0; d < hd; ++d) {
+            ctx[(b * p.seq_q + i) * E + h * hd + d] +=
+                prob * v[(b * p.seq_kv + j) * kvw + hk * hd + d];
+          }
+        }
+      }
+    }
+  }
+  r.out = linear_ref(ctx, p.batch * p.seq_q, E, w.o_w, w.o_b, E);
+  return r;
+}
+
+// Max |actual - ref| must be <= rtol * max(1, max |ref|) (DESIGN.md section 5's scale rule).
+inline void expect_close(std::span<const float> actual, const Vec& ref, double rtol,
+                         const std::string& what) {
+  ASSERT_EQ(actual.size(), ref.size()) << what;
+  double scale = 1.0, max_err = 0.0;
+  std::size_t worst = 0;
+  for (double r : ref) scale = std::max(scale, std::abs(r));
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    const double err = std::abs(static_cast<double>(actual[i]) - ref[i]);
+    if (!(err <= max_err)) {  // also catches NaN
+      max_err = std::isnan(err) ? std::numeric_limits<double>::infinity() : err;
+      worst = i;
+    }
+  }
+  EXPECT_LE(max_err, rtol * scale)
+      << what << ": worst index " << worst << " got " << actual[worst] << " want " << ref[worst];
+}
+
+}  // namespace qkv::testing

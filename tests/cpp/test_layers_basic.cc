@@ -1,0 +1,256 @@
+// Linear (oneDNN), LayerNorm and activations against the float64 references of
+// layers_reference.h, over sizes that are not multiples of any vector width.
+#include <gtest/gtest.h>
+
+#include <cfloat>
+#include <cmath>
+#include <iostream>
+#include <limits>
+#include <vector>
+
+#include "expect_error.h"
+#include "layers_reference.h"
+#include "qkv/layers/activation.h"
+#include "qkv/layers/layer_norm.h"
+#include "qkv/layers/linear.h"
+
+namespace qkv {
+namespace {
+
+using testing::expect_close;
+using testing::random_floats;
+using testing::to_f64;
+using testing::Vec;
+
+constexpr Activation kAllActivations[] = {Activation::kNone, Activation::kGeluErf,
+                                          Activation::kGeluTanh, Activation::kRelu};
+
+// ---- activations ----
+
+// Max relative error of apply_activation over x in [-limit, limit] (step 1e-4) against
+// float64, where the float64 value is a normal float.
+double max_relative_error(Activation act, float limit = 16.0f) {
+  std::vector<float> x;
+  const int steps = static_cast<int>(limit * 1e4f);
+  for (int i = -steps; i <= steps; ++i) x.push_back(static_cast<float>(i) * 1e-4f);
+  std::vector<float> y = x;
+  apply_activation(act, y.data(), static_cast<std::int64_t>(y.size()));
+  double worst = 0, worst_x = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const double ref = testing::activation_ref(act, x[i]);
+    if (std::abs(ref) < FLT_MIN) {
+      EXPECT_LE(std::abs(y[i]), FLT_MIN) << "x = " << x[i];
+      continue;
+    }
+    const double rel = std::abs(y[i] - ref) / std::abs(ref);
+    if (rel > worst) {
+      worst = rel;
+      worst_x = x[i];
+    }
+  }
+  std::cout << activation_name(act) << ": max relative error over |x| <= " << limit << ": " << worst
+            << " at x = " << worst_x << "\n";
+  return worst;
+}
+
+TEST(LayersActivation, GeluErfRelativeError) {
+  // Evaluated in f64 lanes: Numerical Recipes' erfc fit (1.05e-7) plus one rounding to f32.
+  EXPECT_LE(max_relative_error(Activation::kGeluErf, 4.0f), 2e-7);
+  EXPECT_LE(max_relative_error(Activation::kGeluErf, 16.0f), 2e-7);
+}
+
+TEST(LayersActivation, GeluTanhRelativeError) {
+  // Evaluated in f64 lanes and rounded once: within half an ulp (2^-24 = 6e-8) plus a little.
+  EXPECT_LE(max_relative_error(Activation::kGeluTanh, 16.0f), 7e-8);
+}
+
+TEST(LayersActivation, ReluExactAndNoneIdentity) {
+  EXPECT_EQ(max_relative_error(Activation::kRelu), 0.0);
+  EXPECT_EQ(max_relative_error(Activation::kNone), 0.0);
+}
+
+TEST(LayersActivation, OddLengthsTouchOnlyTheirElements) {
+  for (std::int64_t n : {1, 3, 7, 15, 16, 17, 31, 33, 100003}) {
+    for (Activation act : kAllActivations) {
+      std::vector<float> x = random_floats(n + 8, 100 + n, -4.0f, 4.0f);
+      const std::vector<float> original = x;
+      apply_activation(act, x.data(), n);
+      for (std::int64_t i = 0; i < n; ++i) {
+        const double ref = testing::activation_ref(act, original[i]);
+        ASSERT_NEAR(x[i], ref, 4e-7 * std::max(1.0, std::abs(ref)))
+            << activation_name(act) << " n=" << n << " i=" << i;
+      }
+      for (std::int64_t i = n; i < n + 8; ++i) ASSERT_EQ(x[i], original[i]) << "past n";
+    }
+  }
+}
+
+TEST(LayersActivation, SpecialValues) {
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> x = {0.0f, -0.0f, inf, -30.0f, 30.0f, 1e-30f, -1e-30f};
+  apply_activation(Activation::kGeluErf, x.data(), static_cast<std::int64_t>(x.size()));
+  EXPECT_EQ(x[0], 0.0f);
+  EXPECT_EQ(x[1], 0.0f);
+  EXPECT_EQ(x[2], inf);
+  EXPECT_EQ(x[3], 0.0f);
+  EXPECT_EQ(x[4], 30.0f);
+  EXPECT_FLOAT_EQ(x[5], 0.5e-30f);
+  EXPECT_FLOAT_EQ(x[6], -0.5e-30f);
+  std::vector<float> nan = {std::nanf(""), -inf};
+  apply_activation(Activation::kGeluErf, nan.data(), 2);
+  EXPECT_TRUE(std::isnan(nan[0]));
+  EXPECT_TRUE(std::isnan(nan[1]));  // -inf * 0, as 0.5 x (1 + erf(x / sqrt 2)) in float64
+}
+
+// ---- Linear ----
+
+struct LinearCase {
+  std::int64_t rows, in, out;
+  Activation act;
+  bool bias;
+  std::int64_t x_stride;  // 0 = in
+};
+
+void check_linear(const LinearCase& c) {
+  const std::uint64_t seed = static_cast<std::uint64_t>(c.rows * 1000003 + c.in * 1009 + c.out);
+  const std::int64_t stride = c.x_stride ? c.x_stride : c.in;
+  const std::vector<float> w = random_floats(c.out * c.in, seed);
+  const std::vector<float> b = c.bias ? random_floats(c.out, seed + 1) : std::vector<float>{};
+  const std::vector<float> x = random_floats(c.rows * stride, seed + 2, -2.0f, 2.0f);
+  Linear linear(
+      {.weight = w, .bias = b, .in_features = c.in, .out_features = c.out, .activation = c.act});
+  EXPECT_EQ(linear.in_features(), c.in);
+  EXPECT_EQ(linear.out_features(), c.out);
+  std::vector<float> y(c.rows * c.out, 42.0f);
+  linear.forward(x.data(), c.rows, y.data(), c.x_stride);
+  const Vec ref =
+      testing::linear_ref(to_f64(x), c.rows, c.in, to_f64(w), to_f64(b), c.out, c.act, stride);
+  expect_close(y, ref, 2e-6 * std::sqrt(static_cast<double>(c.in)) + 1e-6,
+               "rows=" + std::to_string(c.rows) + " in=" + std::to_string(c.in) +
+                   " out=" + std::to_string(c.out) + " act=" + activation_name(c.act));
+}
+
+TEST(LayersLinear, SweepSizesAndActivations) {
+  for (std::int64_t rows : {1, 3, 17}) {
+    for (std::int64_t in : {1, 5, 64, 96}) {
+      for (std::int64_t out : {1, 5, 64, 96}) {
+        check_linear({rows, in, out, Activation::kNone, true, 0});
+      }
+    }
+  }
+  for (Activation act : kAllActivations) {
+    for (bool bias : {false, true}) check_linear({17, 96, 65, act, bias, 0});
+  }
+}
+
+TEST(LayersLinear, LargerShapesUseBlockedWeights) {
+  check_linear({300, 384, 1536, Activation::kGeluErf, true, 0});
+  check_linear({257, 1536, 384, Activation::kNone, true, 0});
+}
+
+TEST(LayersLinear, StridedInput) {
+  check_linear({17, 5, 7, Activation::kNone, true, 9});
+  check_linear({3, 64, 96, Activation::kRelu, false, 200});
+}
+
+TEST(LayersLinear, PrimitiveCachePerRowsCount) {
+  // Alternate rows counts on one object: each call must use the primitive of its own shape.
+  const std::int64_t in = 33, out = 20;
+  const std::vector<float> w = random_floats(out * in, 7);
+  const std::vector<float> b = random_floats(out, 8);
+  Linear linear({.weight = w, .bias = b, .in_features = in, .out_features = out});
+  for (int round = 0; round < 2; ++round) {
+    for (std::int64_t rows : {1, 300, 2, 1}) {
+      const std::vector<float> x = random_floats(rows * in, 9 + rows + round);
+      std::vector<float> y(rows * out);
+      linear.forward(x.data(), rows, y.data());
+      expect_close(y, testing::linear_ref(to_f64(x), rows, in, to_f64(w), to_f64(b), out), 2e-5,
+                   "rows=" + std::to_string(rows));
+    }
+  }
+  Linear moved = std::move(linear);
+  const std::vector<float> x = random_floats(in, 77);
+  std::vector<float> y(out);
+  moved.forward(x.data(), 1, y.data());
+  expect_close(y, testing::linear_ref(to_f64(x), 1, in, to_f64(w), to_f64(b), out), 2e-5, "moved");
+}
+
+TEST(LayersLinear, ValidationErrors) {
+  const std::vector<float> w(12, 0.5f), b(4, 0.5f);
+  using testing::expect_error;
+  expect_error([&] { Linear({.weight = w, .bias = {}, .in_features = 3, .out_features = 5}); },
+               "weight has 12 elements, expected 15 for weight shape [out_features = 5, "
+               "in_features = 3]");
+  expect_error(
+      [&] {
+        Linear({.weight = w,
+                .bias = std::span<const float>(b).first(3),
+                .in_features = 3,
+                .out_features = 4});
+      },
+      "bias has 3 elements, expected out_features = 4");
+  expect_error([&] { Linear({.weight = w, .bias = {}, .in_features = 0, .out_features = 4}); },
+               "must be > 0");
+  Linear linear({.weight = w, .bias = b, .in_features = 3, .out_features = 4});
+  std::vector<float> x(6), y(8, 42.0f);
+  expect_error([&] { linear.forward(x.data(), 2, y.data(), 2); },
+               "x_stride = 2 is smaller than in_features = 3");
+  expect_error([&] { linear.forward(x.data(), -1, y.data()); }, "rows = -1 is negative");
+  expect_error([&] { linear.forward(nullptr, 2, y.data()); }, "must not be null");
+  for (float v : y) EXPECT_EQ(v, 42.0f);
+}
+
+// ---- LayerNorm ----
+
+TEST(LayersLayerNorm, SweepWithAndWithoutResidual) {
+  for (std::int64_t rows : {1, 3, 17}) {
+    for (std::int64_t features : {1, 5, 64, 96, 384}) {
+      const std::uint64_t seed = rows * 131 + features;
+      const std::vector<float> gamma = random_floats(features, seed, 0.5f, 1.5f);
+      const std::vector<float> beta = random_floats(features, seed + 1);
+      // A large common offset checks the two-pass variance (E[v^2] - E[v]^2 would cancel).
+      const std::vector<float> x = random_floats(rows * features, seed + 2, 99.0f, 101.0f);
+      const std::vector<float> r = random_floats(rows * features, seed + 3);
+      const float eps = 1e-5f;
+      LayerNorm norm(gamma, beta, features, eps);
+      const std::string what = "rows=" + std::to_string(rows) + " F=" + std::to_string(features);
+
+      std::vector<float> y(rows * features);
+      norm.forward(x.data(), nullptr, rows, y.data());
+      expect_close(
+          y,
+          testing::layer_norm_ref(to_f64(x), {}, rows, features, to_f64(gamma), to_f64(beta), eps),
+          3e-5, what + " no residual");
+
+      const Vec ref_res = testing::layer_norm_ref(to_f64(x), to_f64(r), rows, features,
+                                                  to_f64(gamma), to_f64(beta), eps);
+      norm.forward(x.data(), r.data(), rows, y.data());
+      expect_close(y, ref_res, 3e-5, what + " residual");
+      std::vector<float> in_place = x;  // y aliases x
+      norm.forward(in_place.data(), r.data(), rows, in_place.data());
+      expect_close(in_place, ref_res, 3e-5, what + " y == x");
+      std::vector<float> res_alias = r;  // y aliases residual
+      norm.forward(x.data(), res_alias.data(), rows, res_alias.data());
+      expect_close(res_alias, ref_res, 3e-5, what + " y == residual");
+    }
+  }
+}
+
+TEST(LayersLayerNorm, ConstantRowGivesBeta) {
+  const std::vector<float> gamma(5, 2.0f), beta = {1, 2, 3, 4, 5};
+  LayerNorm norm(gamma, beta, 5, 1e-12f);
+  std::vector<float> x(5, 7.25f), y(5);
+  norm.forward(x.data(), nullptr, 1, y.data());
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(y[i], beta[i]);
+}
+
+TEST(LayersLayerNorm, ValidationErrors) {
+  const std::vector<float> g(4, 1.0f), b(3, 0.0f);
+  using testing::expect_error;
+  expect_error([&] { LayerNorm(g, b, 4, 1e-5f); }, "beta has 3 elements, expected features = 4");
+  expect_error([&] { LayerNorm(b, g, 4, 1e-5f); }, "gamma has 3 elements, expected features = 4");
+  expect_error([&] { LayerNorm(g, g, 4, 0.0f); }, "eps");
+}
+
+}  // namespace
+}  // namespace qkv

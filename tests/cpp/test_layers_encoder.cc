@@ -1,0 +1,226 @@
+// EncoderLayer / Encoder against a float64 composition of the references (Post-LN and Pre-LN,
+// GELU / GELU-tanh / ReLU, GQA, key lengths), and dropout's contract.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <vector>
+
+#include "expect_error.h"
+#include "layers_reference.h"
+#include "qkv/layers/dropout.h"
+#include "qkv/layers/encoder_layer.h"
+
+namespace qkv {
+namespace {
+
+using testing::expect_close;
+using testing::random_floats;
+using testing::to_f64;
+using testing::Vec;
+
+struct LayerData {
+  EncoderLayerConfig config;
+  std::vector<float> q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b;
+  std::vector<float> g1, b1, f1_w, f1_b, f2_w, f2_b, g2, b2;
+
+  LayerData(const EncoderLayerConfig& c, std::uint64_t seed) : config(c) {
+    const std::int64_t E = c.embed_dim, F = c.d_ff;
+    const std::int64_t kvw = (c.num_kv_heads ? c.num_kv_heads : c.num_heads) * (E / c.num_heads);
+    auto r = [&](std::int64_t n, float lo = -0.5f, float hi = 0.5f) {
+      return random_floats(n, seed++, lo, hi);
+    };
+    q_w = r(E * E), q_b = r(E), k_w = r(kvw * E), k_b = r(kvw), v_w = r(kvw * E), v_b = r(kvw);
+    o_w = r(E * E), o_b = r(E), g1 = r(E, 0.5f, 1.5f), b1 = r(E), f1_w = r(F * E), f1_b = r(F);
+    f2_w = r(E * F), f2_b = r(E), g2 = r(E, 0.5f, 1.5f), b2 = r(E);
+  }
+  EncoderLayerWeights weights() const {
+    return {.attention = {.packing = QkvPacking::kSeparate,
+                          .q_weight = q_w,
+                          .q_bias = q_b,
+                          .k_weight = k_w,
+                          .k_bias = k_b,
+                          .v_weight = v_w,
+                          .v_bias = v_b,
+                          .out_weight = o_w,
+                          .out_bias = o_b},
+            .norm1_gamma = g1,
+            .norm1_beta = b1,
+            .ff1_weight = f1_w,
+            .ff1_bias = f1_b,
+            .ff2_weight = f2_w,
+            .ff2_bias = f2_b,
+            .norm2_gamma = g2,
+            .norm2_beta = b2};
+  }
+
+  // float64 reference of one layer (inference: no dropout).
+  Vec reference(const Vec& x, std::int64_t batch, std::int64_t seq,
+                const std::vector<std::int64_t>& key_lengths) const {
+    const auto& c = config;
+    const std::int64_t E = c.embed_dim, rows = batch * seq;
+    testing::MhaRefProblem p{.batch = batch,
+                             .seq_q = seq,
+                             .seq_kv = seq,
+                             .embed_dim = E,
+                             .num_heads = c.num_heads,
+                             .num_kv_heads = c.num_kv_heads ? c.num_kv_heads : c.num_heads,
+                             .kdim = E,
+                             .vdim = E,
+                             .key_lengths = key_lengths};
+    const testing::MhaRefWeights w{to_f64(q_w), to_f64(q_b), to_f64(k_w), to_f64(k_b),
+                                   to_f64(v_w), to_f64(v_b), to_f64(o_w), to_f64(o_b)};
+    auto attn = [&](const Vec& in) { return testing::mha_ref(p, w, in, in, in).out; };
+    auto ffn = [&](const Vec& in) {
+      const Vec h =
+          testing::linear_ref(in, rows, E, to_f64(f1_w), to_f64(f1_b), c.d_ff, c.activation);
+      return testing::linear_ref(h, rows, c.d_ff, to_f64(f2_w), to_f64(f2_b), E);
+    };
+    auto ln = [&](const Vec& in, const Vec& res, const std::vector<float>& g,
+                  const std::vector<float>& b) {
+      return testing::layer_norm_ref(in, res, rows, E, to_f64(g), to_f64(b), c.eps);
+    };
+    auto add = [](Vec a, const Vec& b) {
+      for (std::size_t i = 0; i < a.size(); ++i) a[i] += b[i];
+      return a;
+    };
+    if (!c.norm_first) {
+      const Vec y = ln(attn(x), x, g1, b1);
+      return ln(ffn(y), y, g2, b2);
+    }
+    const Vec y = add(x, attn(ln(x, {}, g1, b1)));
+    return add(y, ffn(ln(y, {}, g2, b2)));
+  }
+};
+
+TEST(LayersEncoder, PostAndPreLnActivationsGqaKeyLengths) {
+  struct Case {
+    bool norm_first;
+    Activation act;
+    std::int64_t heads, kv_heads, d_ff;
+  };
+  for (Case c :
+       {Case{false, Activation::kGeluErf, 4, 0, 48}, Case{true, Activation::kGeluErf, 4, 0, 37},
+        Case{false, Activation::kRelu, 4, 2, 64}, Case{true, Activation::kGeluTanh, 2, 1, 37}}) {
+    const LayerData d({.embed_dim = 32,
+                       .num_heads = c.heads,
+                       .num_kv_heads = c.kv_heads,
+                       .d_ff = c.d_ff,
+                       .activation = c.act,
+                       .norm_first = c.norm_first,
+                       .eps = 1e-5f},
+                      100 + c.d_ff);
+    EncoderLayer layer(d.config, d.weights());
+    for (std::int64_t seq : {1, 3, 17}) {
+      const std::int64_t batch = 2;
+      const std::vector<std::int64_t> key_lengths = {seq, (seq + 1) / 2};
+      std::vector<float> x = random_floats(batch * seq * 32, seq, -2.0f, 2.0f);
+      const Vec ref = d.reference(to_f64(x), batch, seq, key_lengths);
+      layer.forward(x.data(), batch, seq, {.key_lengths = key_lengths});
+      expect_close(x, ref, 5e-5,
+                   std::string(c.norm_first ? "pre-LN " : "post-LN ") + activation_name(c.act) +
+                       " L=" + std::to_string(seq));
+    }
+  }
+}
+
+TEST(LayersEncoder, StackWithFinalNormEqualsLayerByLayer) {
+  EncoderLayerConfig c{.embed_dim = 16, .num_heads = 2, .d_ff = 24, .norm_first = true};
+  const LayerData d0(c, 1), d1(c, 50);
+  const std::vector<float> g = random_floats(16, 3, 0.5f, 1.5f), b = random_floats(16, 4);
+  std::vector<EncoderLayer> layers;
+  layers.emplace_back(c, d0.weights());
+  layers.emplace_back(c, d1.weights());
+  Encoder encoder(std::move(layers), LayerNorm(g, b, 16, c.eps));
+  EXPECT_EQ(encoder.num_layers(), 2);
+  std::vector<float> x = random_floats(2 * 5 * 16, 5);
+  Vec ref = d1.reference(d0.reference(to_f64(x), 2, 5, {}), 2, 5, {});
+  ref = testing::layer_norm_ref(ref, {}, 10, 16, to_f64(g), to_f64(b), c.eps);
+  encoder.forward(x.data(), 2, 5);
+  expect_close(x, ref, 5e-5, "encoder");
+}
+
+TEST(LayersEncoder, ValidationErrorsNameTheField) {
+  EncoderLayerConfig c{.embed_dim = 16, .num_heads = 2, .d_ff = 24};
+  LayerData d(c, 1);
+  auto w = d.weights();
+  w.ff1_weight = w.ff1_weight.first(10);
+  testing::expect_error([&] { EncoderLayer(c, w); },
+                        "EncoderLayer: ff1: Linear: weight has 10 elements, expected 384");
+  w = d.weights();
+  w.norm2_beta = w.norm2_beta.first(3);
+  testing::expect_error([&] { EncoderLayer(c, w); }, "EncoderLayer: norm2: LayerNorm: beta has 3");
+  c.dropout = 1.0f;
+  testing::expect_error([&] { EncoderLayer(c, d.weights()); },
+                        "dropout = 1.000000 must be in [0, 1)");
+}
+
+// ---- dropout ----
+
+TEST(LayersDropout, RateScaleReproducibleThreadIndependent) {
+  const std::int64_t n = 200003;
+  const float p = 0.3f;
+  std::vector<float> ones(n, 1.0f);
+  std::vector<float> a = ones;
+  dropout(a.data(), n, p, 42, 7);
+  std::int64_t zeros = 0;
+  for (float v : a) {
+    if (v == 0.0f) {
+      ++zeros;
+    } else {
+      ASSERT_FLOAT_EQ(v, 1.0f / (1.0f - p));  // survivors scaled by 1 / (1 - p)
+    }
+  }
+  // Binomial(n, 0.3): sd = sqrt(n p (1-p)) = 205; allow 5 sd.
+  EXPECT_NEAR(static_cast<double>(zeros), p * n, 5 * 205.0);
+
+  const int saved = omp_get_max_threads();
+  for (int threads : {1, 2, 3}) {
+    omp_set_num_threads(threads);
+    std::vector<float> b = ones;
+    dropout(b.data(), n, p, 42, 7);
+    EXPECT_EQ(a, b) << "threads=" << threads;  // same seed + stream -> same mask
+  }
+  omp_set_num_threads(saved);
+  std::vector<float> other_stream = ones, other_seed = ones;
+  dropout(other_stream.data(), n, p, 42, 8);
+  dropout(other_seed.data(), n, p, 43, 7);
+  EXPECT_NE(a, other_stream);
+  EXPECT_NE(a, other_seed);
+  std::vector<float> untouched = ones;
+  dropout(untouched.data(), n, 0.0f, 42, 7);
+  EXPECT_EQ(untouched, ones);
+  testing::expect_error([&] { dropout(untouched.data(), n, 1.0f, 1, 1); },
+                        "p = 1.000000 must be in [0, 1)");
+}
+
+TEST(LayersDropout, EncoderTrainingModeOnlyAndSeeded) {
+  EncoderLayerConfig c{.embed_dim = 16, .num_heads = 2, .d_ff = 24, .dropout = 0.25f};
+  const LayerData d(c, 9);
+  EncoderLayer layer(c, d.weights());
+  const std::vector<float> x = random_floats(3 * 7 * 16, 10);
+  auto run = [&](const EncoderLayer& l) {
+    std::vector<float> y = x;
+    l.forward(y.data(), 3, 7);
+    return y;
+  };
+  // Inference: dropout is the identity, so the result is the reference's.
+  expect_close(run(layer), d.reference(to_f64(x), 3, 7, {}), 5e-5, "inference");
+  const std::vector<float> inference = run(layer);
+
+  layer.set_training(true, 1234);
+  EXPECT_TRUE(layer.training());
+  const std::vector<float> step0 = run(layer), step1 = run(layer);
+  EXPECT_NE(step0, inference);
+  EXPECT_NE(step0, step1);         // each step draws a new mask
+  layer.set_training(true, 1234);  // same seed, step reset: same masks, any thread count
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  EXPECT_EQ(run(layer), step0);
+  omp_set_num_threads(saved);
+  EXPECT_EQ(run(layer), step1);
+  layer.set_training(false);
+  EXPECT_EQ(run(layer), inference);
+}
+
+}  // namespace
+}  // namespace qkv
