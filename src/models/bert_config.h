@@ -54,7 +54,7 @@ struct PoolingConfig {
   bool cls_token = false;
   bool max_tokens = false;
   bool mean_tokens = false;
-  std::optional<std::int64_t> word_embedding_dimension;  // checked against hidden_size later
+  std::optional<std::int64_t> word_embedding_dimension = {};  // checked against hidden_size later
 };
 
 // Requires pooling_mode_cls_token, pooling_mode_max_tokens and pooling_mode_mean_tokens

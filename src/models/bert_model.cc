@@ -140,7 +140,8 @@ BertModel BertModel::load(const std::string& dir) {
 
 void BertModel::forward(std::span<const std::int32_t> ids, std::span<const std::int64_t> lengths,
                         std::int64_t batch, std::int64_t seq, float* hidden) const {
-  const std::string shape = "[" + std::to_string(batch) + ", " + std::to_string(seq) + "]";
+  std::string shape = "[";  // built with += (GCC 12 warns falsely on "[" + std::string&&)
+  shape += std::to_string(batch) + ", " + std::to_string(seq) + "]";
   if (batch < 1 || seq < 1) throw Error("BertModel: ids shape " + shape + " is empty");
   if (seq > config_.max_position_embeddings) {
     throw Error("BertModel: sequence length " + std::to_string(seq) +

@@ -35,7 +35,7 @@ struct EmbedderOptions {
   // else tokenizer_config.json's model_max_length, capped by max_position_embeddings.
   std::int64_t max_length = 0;
   std::int64_t batch_size = 32;       // texts per forward pass
-  std::optional<bool> normalize;      // nullopt: as modules.json says
+  std::optional<bool> normalize = {};  // nullopt: as modules.json says
 };
 
 class SentenceEmbedder {
