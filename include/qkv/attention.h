@@ -22,6 +22,7 @@
 #include <optional>
 #include <span>
 
+#include "qkv/sparse.h"
 #include "qkv/tensor.h"
 
 namespace qkv {
@@ -41,7 +42,7 @@ enum class Kernel : std::uint8_t {
 };
 
 struct AttentionParams {
-  std::optional<float> scale;  // default 1 / sqrt(D); must be finite and > 0
+  std::optional<float> scale = {};  // default 1 / sqrt(D); must be finite and > 0
   float softcap = 0.0f;        // 0 = off; else s = softcap * tanh(s / softcap)
   bool causal = false;
   Align align = Align::kBottomRight;
@@ -50,11 +51,14 @@ struct AttentionParams {
   std::int64_t window_right = -1;
   // Per-batch number of valid keys (padding); empty = all Lk keys. Each in [0, Lk].
   std::span<const std::int64_t> key_lengths = {};
-  TensorView mask;  // optional; see above
-  TensorView bias;  // optional; see above
+  TensorView mask = {};  // optional; see above
+  TensorView bias = {};  // optional; see above
   Kernel kernel = Kernel::kAuto;
   int num_threads = 0;            // 0 = OpenMP's default; results never depend on it
   std::int64_t chunk_size = 128;  // query rows per chunk (chunked kernel only)
+  // Block-sparse attention (Longformer, BigBird, a block layout): ANDed with every mask above;
+  // key tiles it leaves out are skipped. See qkv/sparse.h and docs/sparse.md.
+  std::optional<Sparsity> sparsity = std::nullopt;
 };
 
 struct AttentionOutputs {

@@ -7,6 +7,22 @@
 
 namespace qkv {
 
+// A resolved sparsity (qkv/sparse.h), ANDed with the other masks. BigBird arrives as kBlock.
+// Pointers stay valid for the kernel call (ops/sparse_layout.h owns them).
+struct SparseKernelParams {
+  enum class Kind : std::uint8_t { kNone, kBand, kBlock } kind = Kind::kNone;
+  // kBand (Longformer): query position i' = i + diagonal_offset may attend key j when i' or j
+  // is global, or |i' - j| <= band and (i' - j) % dilation == 0.
+  std::int64_t band = 0, dilation = 1;
+  const std::int64_t* global = nullptr;  // sorted, unique positions
+  std::int64_t num_global = 0;
+  // kBlock: layout[h * layout_stride[0] + (i / block_q) * layout_stride[1] +
+  //                (j / block_k) * layout_stride[2]] != 0   (layout_stride[0] = 0: all heads)
+  const std::uint8_t* layout = nullptr;
+  std::int64_t layout_stride[3] = {0, 0, 0};
+  std::int64_t block_q = 1, block_k = 1, num_q_blocks = 0, num_k_blocks = 0;
+};
+
 struct AttentionKernelParams {
   // Sizes.
   std::int64_t batch, seq_q, seq_kv, num_heads_q, num_heads_kv, head_dim, head_dim_v;
@@ -38,6 +54,8 @@ struct AttentionKernelParams {
   std::int64_t mask_stride[4];
   const float* bias;  // nullable
   std::int64_t bias_stride[4];
+
+  SparseKernelParams sparse;  // kind kNone: dense
 
   int num_threads;  // resolved, >= 1
   std::int64_t chunk_size;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "kernels/kernel_params.h"
+#include "kernels/linear_kernel_params.h"
 
 namespace qkv {
 
@@ -16,5 +17,11 @@ void attention_flash_cpu(const AttentionKernelParams& params);    // never write
 
 // The Highway target the CPU kernels dispatch to now, e.g. "AVX3", "AVX2", "SCALAR".
 const char* attention_cpu_target_name();
+
+// Linear attention (docs/linear-attention.md): the f64 quadratic-form oracle and the chunk-wise
+// prefix-sum Highway kernel (kernels/cpu/linear_attention.cc) with its dispatch target.
+void linear_attention_reference(const LinearKernelParams& params);
+void linear_attention_cpu(const LinearKernelParams& params);
+const char* linear_attention_cpu_target_name();
 
 }  // namespace qkv

@@ -9,6 +9,7 @@
 
 #include "core/parallel.h"
 #include "kernels/kernels.h"
+#include "ops/sparse_layout.h"
 #include "qkv/error.h"
 
 namespace qkv {
@@ -258,6 +259,11 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
     broadcast_strides("bias", params.bias, score_shape, p.bias_stride);
     require_no_nan_or_pos_inf(params.bias);
     p.bias = static_cast<const float*>(params.bias.data);
+  }
+  ResolvedSparsity sparsity;  // owns what p.sparse points to, for the kernel call
+  if (params.sparsity) {
+    resolve_sparsity(*params.sparsity, seq_q, seq_kv, num_heads_q, p.diagonal_offset, sparsity);
+    p.sparse = sparsity.params;
   }
   p.num_threads = resolve_num_threads(params.num_threads);
   p.chunk_size = params.chunk_size;

@@ -25,6 +25,8 @@
 #include "qkv/attention.h"
 #include "qkv/error.h"
 #include "tools/cli.h"
+#include "tools/cli_linear.h"
+#include "tools/cli_sparse.h"
 #include "core/float16.h"
 
 namespace qkv::cli {
@@ -93,6 +95,9 @@ struct Options {
   Kernel kernel = Kernel::kAuto;
   DType dtype = DType::kF32;
   int num_threads = 0;
+  std::optional<LinearAttentionParams> linear;  // --linear SPEC (cli_linear.h)
+  std::string favor_features_path;              // --favor-features-out
+  SparseCliOptions sparse;  // --sparse, --sparse-layout, --sparse-block (cli_sparse.h)
 };
 
 // A double option that must also be representable as a float.
@@ -196,6 +201,10 @@ Options parse_options(std::vector<std::string> argv) {
       } else {
         throw UsageError("--dtype: expected f32, bf16 or f16, got '" + value + "'");
       }
+    } else if (name == "--linear") {
+      o.linear = parse_linear_spec(name, args.value(name));
+    } else if (name == "--favor-features-out") {
+      o.favor_features_path = path_value(name);
     } else if (name == "--threads") {
       const std::int64_t threads = parse_int(name, args.value(name));
       if (threads < 0 || threads > 4096) {
@@ -203,6 +212,8 @@ Options parse_options(std::vector<std::string> argv) {
                          std::to_string(threads));
       }
       o.num_threads = static_cast<int>(threads);
+    } else if (parse_sparse_option(name, args, o.sparse)) {
+      // consumed: --sparse, --sparse-layout, --sparse-block
     } else {
       throw UsageError("unknown option '" + name +
                        "' for 'qkv attention' (try 'qkv attention --help')");
@@ -216,6 +227,14 @@ Options parse_options(std::vector<std::string> argv) {
                        " (usage: qkv attention --q Q.npy --k K.npy --v V.npy --out O.npy ...)");
     }
   }
+  if (!o.favor_features_path.empty() &&
+      (!o.linear || o.linear->feature_map != FeatureMap::kFavorPositive)) {
+    throw UsageError("--favor-features-out: needs --linear favor[:...]");
+  }
+  check_sparse_options(o.sparse);
+  if (o.sparse.given() && o.linear) {
+    throw UsageError(sparse_option_text(o.sparse) + ": cannot be combined with --linear");
+  }
   if (!o.weights_path.empty() && o.kernel == Kernel::kFlash) {
     throw UsageError(
         "--weights: not available from --kernel flash (it never materialises "
@@ -228,7 +247,10 @@ Options parse_options(std::vector<std::string> argv) {
 // directories must exist: checked before any work is done.
 void check_output_paths(const Options& o) {
   const std::pair<const char*, const std::string*> outputs[] = {
-      {"--out", &o.out_path}, {"--lse", &o.lse_path}, {"--weights", &o.weights_path}};
+      {"--out", &o.out_path},
+      {"--lse", &o.lse_path},
+      {"--weights", &o.weights_path},
+      {"--favor-features-out", &o.favor_features_path}};
   std::vector<std::pair<std::string, std::filesystem::path>> seen;
   for (const auto& [name, path] : outputs) {
     if (path->empty()) continue;
@@ -326,7 +348,8 @@ std::string cli_message(const std::string& message, const Options& o) {
       {"scale:", "--scale:"},
       {"softcap:", "--softcap:"},
       {"window:", "--window:"},
-      {"num_threads:", "--threads:"}};
+      {"num_threads:", "--threads:"},
+      {"sparsity:", sparse_option_text(o.sparse) + ":"}};
   std::string text;
   std::size_t pos = 0;
   while (pos < message.size()) {
@@ -356,6 +379,10 @@ int run_attention(std::vector<std::string> args) {
   for (const std::string& arg : args) {
     if (arg == "--help" || arg == "-h") {
       std::fputs(kUsage, stdout);
+      std::fputs("\n", stdout);
+      std::fputs(kLinearUsage, stdout);
+      std::fputs("\n", stdout);
+      std::fputs(kSparseHelp, stdout);
       return 0;
     }
   }
@@ -385,6 +412,9 @@ int run_attention(std::vector<std::string> args) {
   params.window_right = o.window_right;
   params.kernel = o.kernel;
   params.num_threads = o.num_threads;
+  io::NpyArray sparse_layout;  // --sparse-layout's file, alive until the call returns
+  SparseCliOptions sparse = o.sparse;
+  params.sparsity = make_sparsity(sparse, sparse_layout, seq_q, seq_kv, num_heads_q, sources);
 
   // key_lengths: [B], int32 or int64.
   std::vector<std::int64_t> key_lengths;
@@ -446,7 +476,11 @@ int run_attention(std::vector<std::string> args) {
   }
 
   try {
-    attention(q, k, v, outputs, params);
+    if (o.linear) {
+      linear_attention(q, k, v, outputs, linear_params_from(*o.linear, params));
+    } else {
+      attention(q, k, v, outputs, params);
+    }
   } catch (const Error& e) {
     throw Error(cli_message(e.what(), o));
   }
@@ -455,6 +489,12 @@ int run_attention(std::vector<std::string> args) {
   files.stage(o.out_path, out_array, "--out");
   if (!o.lse_path.empty()) files.stage(o.lse_path, lse_array, "--lse");
   if (!o.weights_path.empty()) files.stage(o.weights_path, weights_array, "--weights");
+  if (!o.favor_features_path.empty()) {
+    files.stage(o.favor_features_path,
+                favor_projection_array(*o.linear, q.sizes[3],
+                                       where("--favor-features-out", o.favor_features_path)),
+                "--favor-features-out");
+  }
   files.commit();
   return 0;
 }

@@ -20,6 +20,8 @@
 #include "qkv/attention.h"
 #include "qkv/tensor.h"
 #include "tools/cli.h"
+#include "tools/cli_linear.h"
+#include "tools/cli_sparse.h"
 #include "tools/fma_probe.h"
 #include "tools/memory_probe.h"
 #include "tools/random_fill.h"
@@ -50,6 +52,14 @@ constexpr const char* kBenchUsage =
     "  --threads N      threads for the kernels and the FMA probe (default 0 = OpenMP's default)\n"
     "  --repeats R      timed repeats per case, median reported (default 5; fewer when one call\n"
     "                   takes over 2 s, unless given)\n"
+    "  --linear SPEC    time linear attention instead: elu or favor[:features=N][,seed=S]\n"
+    "                   (cli_linear.h). GFLOP/s then counts the linear formula\n"
+    "                   2*M*(P + Dv + 1)*(B*Hkv*Lk + B*Hq*Lq), P = D for favor, 0 for elu\n"
+    "                   (docs/linear-attention.md)\n"
+    "  --sparse SPEC, --sparse-layout L.npy --sparse-block BQ,BK\n"
+    "                   block-sparse attention, spelled as for qkv attention (docs/sparse.md);\n"
+    "                   eff GFLOP/s then counts the pairs the sparsity and causal allow (json:\n"
+    "                   \"pairs\", per batch and head)\n"
     "  --help           this text\n"
     "\n"
     "columns: median ms per call; GFLOP/s = 4*B*Hq*Lq*Lk*D / seconds (all pairs); eff GFLOP/s\n"
@@ -69,6 +79,8 @@ struct BenchOptions {
   int threads = 0;
   int repeats = 5;
   bool repeats_given = false;
+  std::optional<LinearAttentionParams> linear;  // --linear: time linear_attention instead
+  SparseCliOptions sparse;                      // --sparse, --sparse-layout, --sparse-block
 };
 
 Kernel parse_kernel(const std::string& name) {
@@ -142,6 +154,10 @@ BenchOptions parse_options(std::vector<std::string> argv, bool* help) {
         throw UsageError("--threads: expected 0 (default) to 4096, got " + std::to_string(threads));
       }
       options.threads = static_cast<int>(threads);
+    } else if (parse_sparse_option(arg, args, options.sparse)) {
+      // consumed: --sparse, --sparse-layout, --sparse-block (cli_sparse.h)
+    } else if (arg == "--linear") {
+      options.linear = parse_linear_spec(arg, args.value(arg));
     } else if (arg == "--repeats") {
       const std::int64_t repeats = parse_int(arg, args.value(arg));
       if (repeats < 1 || repeats > 1000) {
@@ -153,6 +169,7 @@ BenchOptions parse_options(std::vector<std::string> argv, bool* help) {
       throw UsageError("unknown option '" + arg + "' for bench (try 'qkv bench --help')");
     }
   }
+  check_sparse_options(options.sparse);
   return options;
 }
 
@@ -184,6 +201,8 @@ struct BenchResult {
   int repeats;
   int calls_per_repeat;
   double gflops, effective_gflops;
+  double pairs;               // (query, key) pairs per (batch, head) counted in effective_gflops
+  std::string sparse;         // "none", or the sparsity option as given
   tools::MemoryUsage memory;  // the largest peak over the repeats
 };
 
@@ -220,7 +239,28 @@ BenchResult run_case(const BenchCase& c, Kernel kernel, const BenchOptions& opti
 
   BenchResult result;
   result.kernel = resolved_kernel_name(params, outputs);
-  auto call = [&] { attention(q_view, k_view, v_view, outputs, params); };
+  io::NpyArray sparse_layout;  // --sparse-layout's file
+  SparseCliOptions sparse = options.sparse;
+  params.sparsity =
+      make_sparsity(sparse, sparse_layout, c.seq_q, c.seq_kv, c.num_heads_q, "from --shape");
+  result.sparse = !sparse.given()       ? "none"
+                  : sparse.spec.empty() ? "layout:" + sparse.layout_path
+                                        : sparse.spec;
+  for (char& ch : result.sparse) {
+    if (ch == '"' || ch == '\\' || static_cast<unsigned char>(ch) < 0x20) ch = '?';  // JSON-safe
+  }
+  LinearAttentionParams linear;  // after params is complete: --sparse with --linear is an error
+  if (options.linear) {
+    linear = linear_params_from(*options.linear, params);
+    result.kernel = linear_spec_name(linear);
+  }
+  auto call = [&] {
+    if (options.linear) {
+      linear_attention(q_view, k_view, v_view, outputs, linear);
+    } else {
+      attention(q_view, k_view, v_view, outputs, params);
+    }
+  };
 
   const auto warm_start = std::chrono::steady_clock::now();
   call();
@@ -251,10 +291,18 @@ BenchResult run_case(const BenchCase& c, Kernel kernel, const BenchOptions& opti
   result.seconds = median(times);
   const double all_pairs = static_cast<double>(c.seq_q) * static_cast<double>(c.seq_kv);
   const double flops = attention_flops(c.batch, c.num_heads_q, all_pairs, c.head_dim, c.head_dim);
-  const double effective_flops = attention_flops(
-      c.batch, c.num_heads_q, allowed_pairs(c.seq_q, c.seq_kv, params), c.head_dim, c.head_dim);
+  result.pairs = sparse_allowed_pairs(c.seq_q, c.seq_kv, c.num_heads_q, params);
+  const double effective_flops =
+      attention_flops(c.batch, c.num_heads_q, result.pairs, c.head_dim, c.head_dim);
   result.gflops = flops / result.seconds / 1e9;
   result.effective_gflops = effective_flops / result.seconds / 1e9;
+  if (options.linear) {
+    // Linear attention does the same work whatever the mask: one count (linear_attention.h).
+    result.gflops = result.effective_gflops =
+        linear_attention_flops(c.batch, c.num_heads_q, c.num_heads_kv, c.seq_q, c.seq_kv,
+                               c.head_dim, c.head_dim, linear) /
+        result.seconds / 1e9;
+  }
   return result;
 }
 
@@ -271,7 +319,8 @@ void print_json(const BenchCase& c, const BenchResult& r, int threads, const too
                 const tools::ReadBandwidth& bandwidth) {
   std::printf(
       "{\"kernel\": \"%s\", \"dtype\": \"f32\", \"B\": %lld, \"Hq\": %lld, \"Hkv\": %lld, "
-      "\"Lq\": %lld, \"Lk\": %lld, \"D\": %lld, \"causal\": %s, \"threads\": %d, "
+      "\"Lq\": %lld, \"Lk\": %lld, \"D\": %lld, \"causal\": %s, \"sparse\": \"%s\", "
+      "\"pairs\": %.17g, \"threads\": %d, "
       "\"seconds\": %.9g, \"repeats\": %d, \"calls_per_repeat\": %d, \"gflops\": %.6g, "
       "\"effective_gflops\": %.6g, \"peak_gflops\": %.6g, \"fraction_of_peak\": %.6g, "
       "\"effective_fraction_of_peak\": %.6g, \"peak_extra_rss_bytes\": %lld, "
@@ -280,9 +329,9 @@ void print_json(const BenchCase& c, const BenchResult& r, int threads, const too
       r.kernel.c_str(), static_cast<long long>(c.batch), static_cast<long long>(c.num_heads_q),
       static_cast<long long>(c.num_heads_kv), static_cast<long long>(c.seq_q),
       static_cast<long long>(c.seq_kv), static_cast<long long>(c.head_dim),
-      c.causal ? "true" : "false", threads, finite(r.seconds), r.repeats, r.calls_per_repeat,
-      finite(r.gflops), finite(r.effective_gflops), finite(peak.gflops),
-      finite(r.gflops / peak.gflops), finite(r.effective_gflops / peak.gflops),
+      c.causal ? "true" : "false", r.sparse.c_str(), finite(r.pairs), threads, finite(r.seconds),
+      r.repeats, r.calls_per_repeat, finite(r.gflops), finite(r.effective_gflops),
+      finite(peak.gflops), finite(r.gflops / peak.gflops), finite(r.effective_gflops / peak.gflops),
       static_cast<long long>(r.memory.peak_extra_bytes()),
       static_cast<long long>(r.memory.scratch_peak_extra), r.memory.method, peak.hwy_target.c_str(),
       finite(bandwidth.gbytes_per_second));
@@ -353,7 +402,8 @@ int run_bench(std::vector<std::string> args) {
     for (Kernel kernel : options.kernels) {
       ++index;
       std::fprintf(stderr, "qkv bench: [%zu/%zu] %s (%s)%s ...\n", index, total,
-                   kernel == Kernel::kAuto        ? "auto"
+                   options.linear                 ? linear_spec_name(*options.linear).c_str()
+                   : kernel == Kernel::kAuto      ? "auto"
                    : kernel == Kernel::kReference ? "reference"
                    : kernel == Kernel::kChunked   ? "chunked"
                                                   : "flash",

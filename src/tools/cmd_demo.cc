@@ -1,15 +1,18 @@
-// qkv demo: the main job. The seed article's scenario (8 heads, embed 512 -> head_dim 64,
-// self-attention) run through standard, chunked and flash attention at growing sequence lengths,
-// filling in the performance-comparison table the article leaves empty, measured on this machine
-// in this run.
+// qkv demo: the main job. The seed articles' scenario (8 heads, embed 512 -> head_dim 64,
+// self-attention) run through every attention method qkv has, at growing sequence lengths: the
+// performance-comparison table the first article leaves empty and the long-context trade-off
+// the second one describes, measured on this machine in this run.
 //
 //   q, k, v, out: [B=1, L, H=8, D=64] f32 (BSHD), Lq = Lk = L
 //
-// "standard" is the reference kernel: like the article's scaled_dot_product_attention it
-// materialises the L x L score matrix (the article's version holds B*H*L*L floats at once; ours
-// one per (batch, head) being computed). "chunked" is the article's MemoryEfficientAttention
-// (query chunks), "flash" the tiled online softmax. Each is checked against float64 attention
-// computed here, with plain double loops, on a sample of query rows.
+// Exact methods: "standard" is the article's scaled_dot_product_attention, which returns the
+// attention weights and so holds all B*H L x L probability matrices (here: attention() asked for
+// probs, which the chunked kernel writes), "chunked" the article's MemoryEfficientAttention
+// (query chunks), "flash" the tiled online softmax. Long-context methods: Longformer and BigBird (block-sparse, exact over the
+// pairs they keep) and the Linear Transformer (elu+1) and Performer (FAVOR+) approximations.
+// Every method is compared with float64 softmax attention computed here, with plain double
+// loops, on sampled query rows: the error of an exact method is rounding, that of a sparse or
+// linear one is what it gives up for reach.
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -17,11 +20,14 @@
 #include <cstdint>
 #include <cstdio>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "core/parallel.h"
 #include "qkv/attention.h"
+#include "qkv/linear_attention.h"
+#include "qkv/sparse.h"
 #include "qkv/tensor.h"
 #include "tools/cli.h"
 #include "tools/fma_probe.h"
@@ -39,20 +45,30 @@ constexpr std::int64_t kSampleRows = 32;               // float64-checked rows w
 
 constexpr const char* kDemoUsage =
     "usage: qkv demo [--max-len N | --lengths L1,L2,...] [--threads N] [--budget-mib M]\n"
-    "                [--causal]\n"
+    "                [--max-seconds S] [--causal]\n"
     "\n"
-    "The seed article's scenario: B=1, 8 heads, embed 512 -> head_dim 64, self-attention\n"
-    "(Lq = Lk = L), f32 random inputs. Runs standard (the reference kernel, which materialises\n"
-    "the L x L score matrix), chunked (query-chunked 'memory-efficient') and flash attention at\n"
-    "growing L and prints one table: time, GFLOP/s, fraction of this machine's FMA peak\n"
-    "(measured first, in the same process), peak extra memory and max error against float64.\n"
+    "The seed articles' scenario: B=1, 8 heads, embed 512 -> head_dim 64, self-attention\n"
+    "(Lq = Lk = L), f32 random inputs, through every method at growing L:\n"
+    "  standard    also returns the attention weights: all B*H L x L matrices, as the\n"
+    "              article's scaled_dot_product_attention does\n"
+    "  chunked     query-chunked 'memory-efficient' attention (exact)\n"
+    "  flash       tiled online softmax, O(L) memory (exact)\n"
+    "  longformer  sliding window w=512 plus global token 0 (block-sparse, exact on its pairs)\n"
+    "  bigbird     block 64, 3-block window, 2 global blocks, 3 random blocks, seed 1\n"
+    "  linear      Linear Transformer, feature map elu(x)+1\n"
+    "  performer   Performer FAVOR+, 256 positive orthogonal random features, seed 1\n"
+    "One table: time, GFLOP/s, fraction of this machine's FMA peak (measured first, in the same\n"
+    "process), peak extra memory, and the error against float64 softmax attention.\n"
     "\n"
     "options:\n"
-    "  --max-len N      lengths 256, 1024, 4096, ... (x4) up to N (default 16384)\n"
+    "  --max-len N      lengths 1024, 4096, ... (x4) up to N (default 65536)\n"
     "  --lengths a,b,c  these lengths instead (each >= 1)\n"
     "  --threads N      threads for the kernels and the peak probe (default 0 = OpenMP's default)\n"
     "  --budget-mib M   standard attention runs only where its score matrix, B*H*L*L*4 bytes as\n"
     "                   the article's implementation holds it, fits in M MiB (default 1024)\n"
+    "  --max-seconds S  skip a method at a length where its time, extrapolated from the previous\n"
+    "                   length (L^2 for exact methods, L for the others), exceeds S seconds\n"
+    "                   (default 60)\n"
     "  --causal         causal self-attention (GFLOP/s then count only the allowed pairs)\n"
     "  --help           this text\n"
     "\n"
@@ -62,12 +78,21 @@ struct DemoOptions {
   std::vector<std::int64_t> lengths;
   int threads = 0;
   double budget_mib = 1024.0;
+  double max_seconds = 60.0;
   bool causal = false;
 };
 
+double parse_non_negative(const std::string& option, const std::string& text) {
+  const double value = parse_double(option, text);
+  if (!(value >= 0.0) || !std::isfinite(value)) {
+    throw UsageError(option + ": expected a number >= 0, got '" + text + "'");
+  }
+  return value;
+}
+
 DemoOptions parse_options(std::vector<std::string> argv, bool* help) {
   DemoOptions options;
-  std::int64_t max_len = 16384;
+  std::int64_t max_len = 65536;
   bool lengths_given = false, max_len_given = false;
   Args args(std::move(argv));
   while (!args.done()) {
@@ -96,11 +121,9 @@ DemoOptions parse_options(std::vector<std::string> argv, bool* help) {
       }
       options.threads = static_cast<int>(threads);
     } else if (arg == "--budget-mib") {
-      const std::string text = args.value(arg);
-      options.budget_mib = parse_double(arg, text);
-      if (!(options.budget_mib >= 0.0) || !std::isfinite(options.budget_mib)) {
-        throw UsageError("--budget-mib: expected a number >= 0, got '" + text + "'");
-      }
+      options.budget_mib = parse_non_negative(arg, args.value(arg));
+    } else if (arg == "--max-seconds") {
+      options.max_seconds = parse_non_negative(arg, args.value(arg));
     } else {
       throw UsageError("unknown option '" + arg + "' for demo (try 'qkv demo --help')");
     }
@@ -109,7 +132,7 @@ DemoOptions parse_options(std::vector<std::string> argv, bool* help) {
     throw UsageError("--lengths and --max-len: give one or the other");
   }
   if (!lengths_given) {
-    for (std::int64_t length = 256; length <= max_len; length *= 4)
+    for (std::int64_t length = 1024; length <= max_len; length *= 4)
       options.lengths.push_back(length);
     if (options.lengths.empty()) options.lengths.push_back(max_len);
   }
@@ -154,62 +177,120 @@ std::vector<double> exact_rows(const std::vector<float>& q, const std::vector<fl
   return expected;
 }
 
-// Max |out - expected| over the sampled rows; NaN if any sampled output is not finite.
-double max_abs_error(const std::vector<float>& out, const std::vector<double>& expected,
-                     const std::vector<std::int64_t>& rows) {
-  double error = 0.0;
+struct Errors {
+  double max_abs = 0.0;   // NaN if any sampled output is not finite
+  double mean_abs = 0.0;
+  double relative = 0.0;  // |out - expected|_2 / |expected|_2 over the sampled rows
+};
+
+Errors errors_of(const std::vector<float>& out, const std::vector<double>& expected,
+                 const std::vector<std::int64_t>& rows) {
+  Errors e;
+  double sum_abs = 0.0, sum_sq = 0.0, norm_sq = 0.0;
   for (std::size_t r = 0; r < rows.size(); ++r) {
-    for (std::int64_t h = 0; h < kNumHeads; ++h) {
-      for (std::int64_t d = 0; d < kHeadDim; ++d) {
-        const float got = out[(rows[r] * kNumHeads + h) * kHeadDim + d];
-        if (!std::isfinite(got)) return std::numeric_limits<double>::quiet_NaN();
-        error =
-            std::max(error, std::abs(double{got} - expected[(r * kNumHeads + h) * kHeadDim + d]));
+    for (std::int64_t hd = 0; hd < kNumHeads * kHeadDim; ++hd) {
+      const float got = out[rows[r] * kNumHeads * kHeadDim + hd];
+      const double want = expected[r * kNumHeads * kHeadDim + hd];
+      if (!std::isfinite(got)) {
+        e.max_abs = e.mean_abs = e.relative = std::numeric_limits<double>::quiet_NaN();
+        return e;
       }
+      const double diff = std::abs(double{got} - want);
+      e.max_abs = std::max(e.max_abs, diff);
+      sum_abs += diff;
+      sum_sq += diff * diff;
+      norm_sq += want * want;
     }
   }
-  return error;
+  e.mean_abs = sum_abs / static_cast<double>(expected.size());
+  e.relative = norm_sq > 0 ? std::sqrt(sum_sq / norm_sq) : 0.0;
+  return e;
 }
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// One row of the table: how to call the library, and whether its cost grows as L^2.
 struct Method {
   const char* label;
-  Kernel kernel;
+  bool exact;      // softmax attention over all pairs (errors are rounding only)
+  bool quadratic;  // time ~ L^2 (for the --max-seconds estimate)
+  bool weights = false;  // also return the [B, H, L, L] probabilities (standard attention)
+  Kernel kernel = Kernel::kAuto;
+  std::optional<Sparsity> sparsity = {};
+  std::optional<LinearAttentionParams> linear = {};
 };
-constexpr Method kMethods[] = {
-    {"standard", Kernel::kReference}, {"chunked", Kernel::kChunked}, {"flash", Kernel::kFlash}};
+
+constexpr std::int64_t kLongformerGlobal[] = {0};
+
+std::vector<Method> methods() {
+  std::vector<Method> list;
+  list.push_back({.label = "standard", .exact = true, .quadratic = true, .weights = true});
+  list.push_back({.label = "chunked", .exact = true, .quadratic = true,
+                  .kernel = Kernel::kChunked});
+  list.push_back({.label = "flash", .exact = true, .quadratic = true, .kernel = Kernel::kFlash});
+  list.push_back({.label = "longformer", .exact = false, .quadratic = false,
+                  .kernel = Kernel::kFlash,
+                  .sparsity = LongformerSparsity{.window = 512, .global = kLongformerGlobal}});
+  list.push_back({.label = "bigbird", .exact = false, .quadratic = false, .kernel = Kernel::kFlash,
+                  .sparsity = BigBirdSparsity{.block = 64, .num_random_blocks = 3,
+                                              .num_global_blocks = 2, .seed = 1}});
+  list.push_back({.label = "linear", .exact = false, .quadratic = false,
+                  .linear = LinearAttentionParams{.feature_map = FeatureMap::kEluPlusOne}});
+  list.push_back({.label = "performer", .exact = false, .quadratic = false,
+                  .linear = LinearAttentionParams{.feature_map = FeatureMap::kFavorPositive,
+                                                  .nb_features = 256, .seed = 1}});
+  return list;
+}
 
 struct MethodResult {
   int runs = 0;
   double seconds = 0.0;       // median
   tools::MemoryUsage memory;  // the largest over the runs
-  double error = 0.0;
 };
 
 // Runs one method: a first run, then two more when the first took under a second (median of 3).
-MethodResult run_method(Kernel kernel, const TensorView& q, const TensorView& k,
+MethodResult run_method(const Method& method, const TensorView& q, const TensorView& k,
                         const TensorView& v, std::vector<float>& out, const DemoOptions& options,
-                        int threads, std::int64_t length, const char* label) {
+                        int threads, std::int64_t length) {
   std::fill(out.begin(), out.end(), 0.0f);  // a stale result must not pass the check
   AttentionOutputs outputs;
   outputs.out = TensorView::contiguous(out.data(), DType::kF32, q.sizes);
+  const std::array<std::int64_t, 4> probs_sizes = {q.sizes[0], q.sizes[2], q.sizes[1], k.sizes[1]};
   AttentionParams params;
   params.causal = options.causal;
-  params.kernel = kernel;
+  params.kernel = method.kernel;
   params.num_threads = threads;
+  params.sparsity = method.sparsity;
+  std::optional<LinearAttentionParams> linear = method.linear;
+  if (linear) {
+    linear->causal = options.causal;
+    linear->num_threads = threads;
+  }
 
   MethodResult result;
   std::vector<double> times;
   for (int run = 0; run < 3; ++run) {
-    std::fprintf(stderr, "qkv demo: L=%lld %s run %d...\n", static_cast<long long>(length), label,
-                 run + 1);
+    std::fprintf(stderr, "qkv demo: L=%lld %s run %d...\n", static_cast<long long>(length),
+                 method.label, run + 1);
     double seconds = 0.0;
     const tools::MemoryUsage memory = tools::measure_peak_memory([&] {
       const auto start = std::chrono::steady_clock::now();
-      attention(q, k, v, outputs, params);
+      // Standard attention's weights are allocated inside the measured call: they are its memory.
+      std::vector<float> probs(method.weights ? static_cast<std::size_t>(probs_sizes[0] *
+                                                                         probs_sizes[1] *
+                                                                         probs_sizes[2] *
+                                                                         probs_sizes[3])
+                                              : 0);
+      if (method.weights) {
+        outputs.probs = TensorView::contiguous(probs.data(), DType::kF32, probs_sizes);
+      }
+      if (linear) {
+        linear_attention(q, k, v, outputs, *linear);
+      } else {
+        attention(q, k, v, outputs, params);
+      }
       seconds = seconds_since(start);
     });
     times.push_back(seconds);
@@ -222,6 +303,23 @@ MethodResult run_method(Kernel kernel, const TensorView& q, const TensorView& k,
   result.runs = static_cast<int>(times.size());
   result.seconds = times[times.size() / 2];
   return result;
+}
+
+// FLOPs one call of `method` performs at length L: the pairs it computes for softmax methods
+// (all, causal-allowed or sparse-allowed), the linear formula for the feature-map methods.
+double method_flops(const Method& method, std::int64_t length, bool causal) {
+  if (method.linear) {
+    LinearAttentionParams params = *method.linear;
+    params.causal = causal;
+    return linear_attention_flops(kBatch, kNumHeads, kNumHeads, length, length, kHeadDim,
+                                  kHeadDim, params);
+  }
+  AttentionParams params;
+  params.causal = causal;
+  params.sparsity = method.sparsity;
+  return attention_flops(kBatch, kNumHeads,
+                         sparse_allowed_pairs(length, length, kNumHeads, params), kHeadDim,
+                         kHeadDim);
 }
 
 // "512.0 MiB", "8.0 GiB": the unit that keeps the number readable.
@@ -237,25 +335,20 @@ std::string size_text(double bytes) {
   return text;
 }
 
-std::string mib_text(std::int64_t bytes) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.1f", static_cast<double>(bytes) / (1024.0 * 1024.0));
-  return text;
-}
-
 void print_header(const DemoOptions& options, int threads, const tools::FmaPeak& peak) {
   std::printf(
-      "qkv demo: the seed article's scenario, measured here (its performance table, filled in)\n"
+      "qkv demo: the seed articles' scenario, measured here (their performance table, filled "
+      "in)\n"
       "  B=1, 8 heads, embed 512 -> head_dim 64, self-attention Lq = Lk = L, f32, %s\n"
       "  %d thread%s; fp32 FMA peak measured in this run: %.1f GFLOP/s (Highway %s)\n"
       "  memory: %s\n\n",
       options.causal ? "causal" : "no mask", threads, threads == 1 ? "" : "s", peak.gflops,
       peak.hwy_target.c_str(),
       tools::process_peak_available()
-          ? "peak RSS during the call above RSS before it (VmHWM), and kernel scratch"
+          ? "peak RSS during the call above RSS before it (VmHWM)"
           : "kernel scratch only (/proc/self/clear_refs not writable)");
-  std::printf("%7s  %-9s  %4s  %11s  %9s  %7s  %10s  %11s  %12s\n", "L", "method", "runs",
-              "median ms", "GFLOP/s", "% peak", "extra MiB", "scratch MiB", "max abs err");
+  std::printf("%7s  %-10s  %4s  %11s  %9s  %7s  %9s  %10s  %10s  %9s\n", "L", "method", "runs",
+              "median ms", "GFLOP/s", "% peak", "extra MiB", "max err", "mean err", "rel err");
   std::fflush(stdout);
 }
 
@@ -274,6 +367,9 @@ int run_demo(std::vector<std::string> args) {
   const tools::FmaPeak peak = tools::measure_fma_peak(threads);
   print_header(options, threads, peak);
 
+  const std::vector<Method> all = methods();
+  // Per method: the last length it ran at and its time there (for the --max-seconds estimate).
+  std::vector<std::optional<std::pair<std::int64_t, double>>> last(all.size());
   const auto demo_start = std::chrono::steady_clock::now();
   bool any_over_tolerance = false;
   for (std::size_t length_index = 0; length_index < options.lengths.size(); ++length_index) {
@@ -305,61 +401,72 @@ int run_demo(std::vector<std::string> args) {
     for (double value : expected) max_expected = std::max(max_expected, std::abs(value));
     const double tolerance = 2e-5 * std::max(1.0, max_expected);
 
-    AttentionParams pair_params;
-    pair_params.causal = options.causal;
-    const double flops = attention_flops(
-        kBatch, kNumHeads, allowed_pairs(length, length, pair_params), kHeadDim, kHeadDim);
-    for (const Method& method : kMethods) {
-      if (method.kernel == Kernel::kReference) {
+    for (std::size_t m = 0; m < all.size(); ++m) {
+      const Method& method = all[m];
+      const auto skip = [&](const std::string& why) {
+        std::printf("%7lld  %-10s  skipped: %s\n", static_cast<long long>(length), method.label,
+                    why.c_str());
+        std::fflush(stdout);
+      };
+      if (method.weights) {
         // What the article's standard implementation materialises: all B*H score matrices.
         const double score_bytes =
             4.0 * kBatch * kNumHeads * static_cast<double>(length) * static_cast<double>(length);
         if (score_bytes > options.budget_mib * 1024.0 * 1024.0) {
-          std::printf("%7lld  %-9s  skipped: score matrix would need %s > budget %s\n",
-                      static_cast<long long>(length), method.label, size_text(score_bytes).c_str(),
-                      size_text(options.budget_mib * 1024.0 * 1024.0).c_str());
-          std::fflush(stdout);
+          skip("score matrix would need " + size_text(score_bytes) + " > budget " +
+               size_text(options.budget_mib * 1024.0 * 1024.0) + " (--budget-mib)");
           continue;
         }
       }
-      MethodResult result = run_method(method.kernel, q_view, k_view, v_view, out, options, threads,
-                                       length, method.label);
-      result.error = max_abs_error(out, expected, rows);
-      const bool over = !(result.error <= tolerance);
+      if (last[m]) {
+        const double growth = static_cast<double>(length) / static_cast<double>(last[m]->first);
+        const double estimate = last[m]->second * (method.quadratic ? growth * growth : growth);
+        if (estimate > options.max_seconds) {
+          char why[160];
+          std::snprintf(why, sizeof(why), "estimated %.0f s from L=%lld > --max-seconds %.0f",
+                        estimate, static_cast<long long>(last[m]->first), options.max_seconds);
+          skip(why);
+          continue;
+        }
+      }
+      const MethodResult result =
+          run_method(method, q_view, k_view, v_view, out, options, threads, length);
+      last[m] = std::make_pair(length, result.seconds);
+      const Errors errors = errors_of(out, expected, rows);
+      const bool over = method.exact && !(errors.max_abs <= tolerance);
       any_over_tolerance = any_over_tolerance || over;
-      const double gflops = flops / result.seconds / 1e9;
-      std::printf(
-          "%7lld  %-9s  %4d  %11.3f  %9.2f  %6.1f%%  %10s  %11s  %11.2e%s\n",
-          static_cast<long long>(length), method.label, result.runs, result.seconds * 1e3, gflops,
-          100.0 * gflops / peak.gflops,
-          result.memory.has_process_peak ? mib_text(result.memory.process_peak_extra).c_str()
-                                         : "n/a",
-          mib_text(result.memory.scratch_peak_extra).c_str(), result.error, over ? " !" : "");
+      const double gflops = method_flops(method, length, options.causal) / result.seconds / 1e9;
+      std::printf("%7lld  %-10s  %4d  %11.3f  %9.2f  %6.1f%%  %9.1f  %10.2e  %10.2e  %9.2e%s\n",
+                  static_cast<long long>(length), method.label, result.runs, result.seconds * 1e3,
+                  gflops, 100.0 * gflops / peak.gflops,
+                  static_cast<double>(result.memory.peak_extra_bytes()) / (1024.0 * 1024.0),
+                  errors.max_abs, errors.mean_abs, errors.relative, over ? " !" : "");
       std::fflush(stdout);
     }
     if (length_index + 1 < options.lengths.size()) std::printf("\n");
   }
 
   std::printf(
-      "\nColumns: median ms is the median wall time of one attention call (runs: 3 when a call\n"
-      "takes under a second, else 1). GFLOP/s = 4*B*H*Lq*Lk*D / time; %% peak divides it by the\n"
-      "fp32 FMA peak measured at the start of this run on the same %d thread%s.%s\n"
-      "extra MiB is the peak resident memory during the call above the memory before it (inputs\n"
-      "and output were already allocated); scratch MiB is the most the kernel held in its own\n"
-      "buffers. max abs err compares the sampled output rows (all rows up to L=256, else 32\n"
-      "spread over L, every head) with float64 attention computed independently by this\n"
-      "command%s.\n"
-      "standard = the reference kernel: it materialises each head's L x L scores like the\n"
-      "article's code, but it is a scalar oracle with f64 accumulation, not a BLAS-speed\n"
-      "implementation, so its memory is representative and its time is not (it dominates the run\n"
-      "time). chunked = query chunks against all keys (an L x query-block score panel per\n"
-      "thread); flash = tiled online softmax over query and key tiles (a few tiles per thread).\n"
+      "\nColumns: median ms is the median wall time of one call (runs: 3 when a call takes under\n"
+      "a second, else 1). GFLOP/s counts the work each method does: 4*D per (query, key) pair it\n"
+      "computes for the softmax methods (all pairs for the exact ones%s; the pairs the sparsity\n"
+      "keeps for longformer and bigbird), and the linear formula of docs/linear-attention.md for\n"
+      "linear and performer. %% peak divides it by the fp32 FMA peak measured at the start of\n"
+      "this run on the same %d thread%s. extra MiB is the peak resident memory during the call\n"
+      "above the memory before it (inputs and output were already allocated). Errors compare\n"
+      "the sampled output rows (32 spread over L, every head) with float64 softmax attention\n"
+      "computed independently by this command: max and mean absolute error, and rel err =\n"
+      "|out - exact|_2 / |exact|_2. For the exact methods it is rounding%s; for the sparse and\n"
+      "linear ones it is the approximation (random inputs spread attention over all keys, the\n"
+      "hardest case for them).\n"
+      "standard = the article's scaled_dot_product_attention: it returns the attention weights,\n"
+      "so all B*H L x L probabilities are held at once (qkv computes them with the chunked\n"
+      "kernel and writes them out; the weights are the memory, allocated inside the call).\n"
       "All figures come from this run on this machine (%.1f s in total); on a shared machine they\n"
       "drift from run to run, fractions of peak less than times.\n",
-      threads, threads == 1 ? "" : "s",
-      options.causal ? "\nWith --causal, Lq*Lk counts only the pairs causal allows (L*(L+1)/2)."
-                     : "",
-      any_over_tolerance ? ";\n'!' marks an error above 2e-5 * max(1, max|expected|)" : "",
+      options.causal ? "; with --causal only the L*(L+1)/2 allowed ones" : "", threads,
+      threads == 1 ? "" : "s",
+      any_over_tolerance ? " ('!' marks an error above 2e-5 * max(1, max|expected|))" : "",
       seconds_since(demo_start));
   return 0;
 }

@@ -76,7 +76,9 @@ void ChunkedForward(const AttentionKernelParams& p) {
       const std::int64_t num_keys = qb.key_end - qb.key_begin;
       for (std::int64_t j0 = qb.key_begin; j0 < qb.key_end; j0 += kBlockK) {
         const std::int64_t num_k = std::min<std::int64_t>(kBlockK, qb.key_end - j0);
-        ScoreTile(p, qb, j0, num_k, panel + (j0 - qb.key_begin) * kBlockQ);
+        // Every tile takes the pair-by-pair sparsity (no skipping: the panel holds all keys).
+        ScoreTile(p, qb, j0, num_k, panel + (j0 - qb.key_begin) * kBlockQ,
+                  p.sparse.kind != SparseKernelParams::Kind::kNone);
       }
       PanelSoftmax(qb, num_keys, panel);
       if (p.probs != nullptr) WriteProbs(p, qb, panel);

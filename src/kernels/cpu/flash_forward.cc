@@ -1,8 +1,10 @@
 // Flash attention forward on the CPU: tiles over queries (kBlockQ) and keys (kBlockK) with the
 // online softmax (running max and sum, rescaling), never allocating Lq x Lk. Key tiles outside
 // the union of the block's allowed ranges (causal, window, key lengths) are skipped, so causal
-// costs about half. Threads split (batch, head, query block); every block is computed by one
-// thread in a fixed order, so results are identical whatever the thread count.
+// costs about half; so are key tiles a sparsity (Longformer, BigBird, a block layout) leaves
+// out, and tiles it covers in part take a pair-by-pair predicate (docs/sparse.md). Threads
+// split (batch, head, query block); every block is computed by one thread in a fixed order, so
+// results are identical whatever the thread count.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/flash_forward.cc"
 #include "core/aligned_buffer.h"
@@ -39,6 +41,8 @@ void FlashForward(const AttentionKernelParams& p) {
   AlignedBuffer float_scratch(sizeof(float) * floats * num_threads);
   AlignedBuffer int_scratch(sizeof(std::int64_t) * ints * num_threads);
 
+  const bool sparse = p.sparse.kind != SparseKernelParams::Kind::kNone;
+
   parallel_for(num_tasks, num_threads, [&](std::int64_t task, int thread) {
     float* mine = float_scratch.as<float>() + thread * floats;
     float* st = mine + per_task * block_floats;
@@ -59,14 +63,39 @@ void FlashForward(const AttentionKernelParams& p) {
         key_end = std::max(key_end, qb.key_end);
       }
     }
-    for (std::int64_t j0 = key_begin; j0 < key_end; j0 += kBlockK) {
+    // With a sparsity, the walk starts at the first tile some block's sparsity reaches, on the
+    // same tile grid as without it (so a layout that allows everything changes no bit).
+    std::int64_t first_tile = key_begin;
+    if (sparse && key_end > key_begin) {
+      std::int64_t sparse_begin = key_end, sparse_end = key_begin;
+      for (std::int64_t n = 0; n < count; ++n) {
+        const QueryBlock& qb = blocks[n];
+        const std::int64_t lo = std::max(qb.key_begin, qb.sparse_begin);
+        const std::int64_t hi = std::min(qb.key_end, qb.sparse_end);
+        if (hi <= lo) continue;
+        sparse_begin = std::min(sparse_begin, lo);
+        sparse_end = std::max(sparse_end, hi);
+      }
+      first_tile = key_begin + (std::max(sparse_begin, key_begin) - key_begin) / kBlockK * kBlockK;
+      key_end = std::min(key_end, sparse_end);
+    }
+    for (std::int64_t j0 = first_tile; j0 < key_end; j0 += kBlockK) {
       for (std::int64_t n = 0; n < count; ++n) {
         QueryBlock& qb = blocks[n];
         // This block's part of the tile; tiles outside its allowed keys are skipped.
-        const std::int64_t lo = std::max(j0, qb.key_begin);
-        const std::int64_t hi = std::min(j0 + kBlockK, qb.key_end);
+        std::int64_t lo = std::max(j0, qb.key_begin);
+        std::int64_t hi = std::min(j0 + kBlockK, qb.key_end);
         if (hi <= lo) continue;
-        ScoreTile(p, qb, lo, hi - lo, st);
+        bool predicate = false;
+        if (sparse) {
+          // Key tiles the sparsity leaves out are skipped; the rest trimmed to what it allows.
+          const SparseTile t = SparseTileKeys(p, qb, lo, hi);
+          if (t.hi <= t.lo) continue;
+          lo = t.lo;
+          hi = t.hi;
+          predicate = t.predicate;
+        }
+        ScoreTile(p, qb, lo, hi - lo, st, predicate);
         OnlineSoftmaxTile(qb, hi - lo, st);
         AccumulateValues(p, qb, lo, hi - lo, st, qb.alpha);
       }

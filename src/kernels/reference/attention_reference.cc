@@ -1,7 +1,8 @@
 // The oracle: DESIGN.md section 3 written out literally, one (batch, head) at a time, with f64
 // accumulation and the whole Lq x Lk score matrix materialised. Nobody optimises this file;
 // every fast kernel is tested against it. Pairs are checked one by one (no range arithmetic),
-// so it shares no masking logic with the fast kernels.
+// so it shares no masking logic with the fast kernels (the sparsity predicate is the shared
+// definition in kernels/sparse_pair.h, which the tests check on its own).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -10,6 +11,7 @@
 #include "core/aligned_buffer.h"
 #include "core/parallel.h"
 #include "kernels/kernels.h"
+#include "kernels/sparse_pair.h"
 
 namespace qkv {
 namespace {
@@ -20,6 +22,7 @@ bool pair_allowed(const AttentionKernelParams& p, std::int64_t b, std::int64_t h
   if (p.window_left >= 0 && j < diag - p.window_left) return false;
   if (p.window_right >= 0 && j > diag + p.window_right) return false;
   if (p.key_lengths != nullptr && j >= p.key_lengths[b]) return false;
+  if (!sparse_pair_allowed(p.sparse, p.diagonal_offset, h, i, j)) return false;
   if (p.mask != nullptr) {
     const std::int64_t at =
         b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2] + j * p.mask_stride[3];

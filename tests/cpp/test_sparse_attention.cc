@@ -1,0 +1,582 @@
+// Block-sparse attention (qkv/sparse.h): every layout against the dense kernels given the
+// equivalent explicit mask (built by qkv::sparse_mask from the shared per-pair predicate), with
+// causal/window, key lengths, masks, bias, softcap, GQA, Lq != Lk and odd sizes; the predicate
+// itself against hand-written matrices; layouts that allow everything against dense attention;
+// BigBird's draw; fully masked rows; every Highway target; thread invariance; validation.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <variant>
+
+#include "attention_case.h"
+#include "expect_error.h"
+#include "hwy/targets.h"
+#include "kernels/kernels.h"
+#include "qkv/sparse.h"
+
+namespace qkv::testing {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// A sparsity plus the storage its spans and views point into.
+struct SparseSpec {
+  std::string name = {};
+  enum class Kind { kLongformer, kBigBird, kBlock } kind = Kind::kLongformer;
+  std::int64_t window = 3, dilation = 1;
+  std::vector<std::int64_t> global = {};
+  BigBirdSparsity bigbird = {};
+  std::int64_t block_q = 16, block_k = 16;
+  bool per_head = false;
+  double density = 0.4;
+  std::vector<std::uint8_t> layout = {};  // kBlock: [1, Hq or 1, nqb, nkb]
+
+  Sparsity make(const Case& c) {
+    switch (kind) {
+      case Kind::kLongformer:
+        return LongformerSparsity{.window = window, .dilation = dilation, .global = global};
+      case Kind::kBigBird:
+        return bigbird;
+      case Kind::kBlock:
+        break;
+    }
+    const std::int64_t heads = per_head ? c.num_heads_q : 1;
+    const std::int64_t nqb = (c.seq_q + block_q - 1) / block_q;
+    const std::int64_t nkb = (c.seq_kv + block_k - 1) / block_k;
+    if (layout.empty()) {
+      std::mt19937_64 rng(c.seed * 7 + 1);
+      std::bernoulli_distribution keep(density);
+      layout.resize(static_cast<std::size_t>(heads * nqb * nkb));
+      for (auto& x : layout) x = density >= 1.0 || keep(rng) ? 1 : 0;
+      // A query block with no key block at all: fully masked rows.
+      if (density < 1.0 && nqb > 1) std::fill(layout.begin() + nkb, layout.begin() + 2 * nkb, 0);
+    }
+    return BlockSparsity{
+        .layout = TensorView::contiguous(layout.data(), DType::kU8, {1, heads, nqb, nkb}),
+        .block_q = block_q,
+        .block_k = block_k};
+  }
+};
+
+// The case's own mask (if any) AND the sparsity's pairs, as one full [B, Hq, Lq, Lk] mask.
+std::vector<std::uint8_t> equivalent_mask(const Problem& pr, const Sparsity& sparsity) {
+  const Case& c = pr.spec();
+  const std::vector<std::uint8_t> sparse =
+      sparse_mask(sparsity, c.seq_q, c.seq_kv, c.num_heads_q, c.align);
+  const AttentionParams base = pr.params();
+  std::vector<std::uint8_t> mask(static_cast<std::size_t>(c.batch) * sparse.size());
+  std::size_t at = 0;
+  for (std::int64_t b = 0; b < c.batch; ++b) {
+    for (std::size_t x = 0; x < sparse.size(); ++x, ++at) {
+      const std::int64_t j = static_cast<std::int64_t>(x) % c.seq_kv;
+      const std::int64_t i = static_cast<std::int64_t>(x) / c.seq_kv % c.seq_q;
+      const std::int64_t h = static_cast<std::int64_t>(x) / c.seq_kv / c.seq_q;
+      bool own = true;
+      if (!base.mask.empty()) {
+        const TensorView& m = base.mask;
+        own = static_cast<const std::uint8_t*>(
+                  m.data)[(m.sizes[0] == 1 ? 0 : b) * m.strides[0] +
+                          (m.sizes[1] == 1 ? 0 : h) * m.strides[1] +
+                          (m.sizes[2] == 1 ? 0 : i) * m.strides[2] + j * m.strides[3]] != 0;
+      }
+      mask[at] = own && sparse[x] != 0 ? 1 : 0;
+    }
+  }
+  return mask;
+}
+
+// Problem::run with a free choice of AttentionParams.
+Result run(const Problem& pr, AttentionParams params, Kernel kernel, int num_threads = 0,
+           bool with_probs = false) {
+  const Case& c = pr.spec();
+  auto& self = const_cast<Problem&>(pr);
+  Result r;
+  r.out.assign(static_cast<std::size_t>(c.batch * c.seq_q * c.num_heads_q * pr.head_dim_v()), 7.0f);
+  r.lse.assign(static_cast<std::size_t>(c.batch * c.num_heads_q * c.seq_q), 7.0f);
+  AttentionOutputs outputs;
+  outputs.out = pr.view(r.out, c.seq_q, c.num_heads_q, pr.head_dim_v());
+  outputs.lse =
+      TensorView::contiguous(r.lse.data(), DType::kF32, {c.batch, c.num_heads_q, c.seq_q, 1});
+  if (with_probs) {
+    r.probs.assign(static_cast<std::size_t>(c.batch * c.num_heads_q * c.seq_q * c.seq_kv), 7.0f);
+    outputs.probs = TensorView::contiguous(r.probs.data(), DType::kF32,
+                                           {c.batch, c.num_heads_q, c.seq_q, c.seq_kv});
+  }
+  params.kernel = kernel;
+  params.num_threads = num_threads;
+  attention(pr.view(self.q, c.seq_q, c.num_heads_q, c.head_dim),
+            pr.view(self.k, c.seq_kv, c.num_heads_kv, c.head_dim),
+            pr.view(self.v, c.seq_kv, c.num_heads_kv, pr.head_dim_v()), outputs, params);
+  return r;
+}
+
+bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+struct SparseCase {
+  Case c;
+  SparseSpec spec;
+  std::string name() const { return c.name() + "_" + spec.name; }
+};
+void PrintTo(const SparseCase& c, std::ostream* os) { *os << c.name(); }
+
+// Sparse vs dense-with-the-equivalent-mask on every kernel, and flash vs the reference.
+void check_sparse_case(SparseCase sc) {
+  const Problem pr(sc.c);
+  const Sparsity sparsity = sc.spec.make(sc.c);
+  std::vector<std::uint8_t> mask = equivalent_mask(pr, sparsity);
+  AttentionParams dense = pr.params();
+  dense.mask = TensorView::contiguous(mask.data(), DType::kU8,
+                                      {sc.c.batch, sc.c.num_heads_q, sc.c.seq_q, sc.c.seq_kv});
+  AttentionParams sparse = pr.params();
+  sparse.sparsity = sparsity;
+
+  const Result ref = run(pr, sparse, Kernel::kReference, 0, true);
+  const Result ref_dense = run(pr, dense, Kernel::kReference, 0, true);
+  // The reference sees the same pairs either way: identical bits.
+  EXPECT_TRUE(bit_equal(ref.out, ref_dense.out)) << "reference out";
+  EXPECT_TRUE(bit_equal(ref.lse, ref_dense.lse)) << "reference lse";
+  for (float x : ref.out) ASSERT_FALSE(std::isnan(x));
+
+  // flash: skipping tiles and trimming them to the allowed keys only drops exact zeros, on the
+  // same tile grid as the dense kernel: identical bits.
+  const Result flash = run(pr, sparse, Kernel::kFlash);
+  const Result flash_dense = run(pr, dense, Kernel::kFlash);
+  EXPECT_TRUE(bit_equal(flash.out, flash_dense.out))
+      << "flash out differs from dense flash + mask by "
+      << max_abs_diff(flash.out, flash_dense.out);
+  EXPECT_TRUE(bit_equal(flash.lse, flash_dense.lse))
+      << "flash lse differs by " << max_abs_diff(flash.lse, flash_dense.lse);
+  // And within DESIGN.md section 5 of the f64 reference (unit-scale inputs: the 2e-5 term).
+  const double tol = 2e-5 * std::max(1.0, max_abs(ref.out));
+  EXPECT_LE(max_abs_diff(flash.out, ref.out), tol) << "flash out vs reference";
+  EXPECT_LE(max_abs_diff(flash.lse, ref.lse), 2e-5 * std::max(1.0, max_abs(ref.lse)))
+      << "flash lse vs reference";
+
+  // chunked applies the predicate pair by pair on every tile: identical to its masked run.
+  const Result chunked = run(pr, sparse, Kernel::kChunked, 0, true);
+  const Result chunked_dense = run(pr, dense, Kernel::kChunked, 0, true);
+  EXPECT_TRUE(bit_equal(chunked.out, chunked_dense.out)) << "chunked out";
+  EXPECT_TRUE(bit_equal(chunked.probs, chunked_dense.probs)) << "chunked probs";
+  EXPECT_LE(max_abs_diff(chunked.probs, ref.probs), 2e-5) << "chunked probs vs reference";
+}
+
+std::vector<SparseCase> sparse_cases() {
+  std::vector<SparseCase> cases;
+  std::uint64_t seed = 500;
+  auto add = [&](Case c, SparseSpec s) {
+    c.seed = seed++;
+    cases.push_back({c, s});
+  };
+  SparseSpec longformer{.name = "lf_w3", .window = 3};
+  SparseSpec dilated{.name = "lf_w9_dil3_g", .window = 9, .dilation = 3, .global = {0}};
+  SparseSpec lf_global{.name = "lf_w40_g", .window = 40, .global = {130, 0, 5, 5}};
+  SparseSpec bigbird{.name = "bb_b16_r2_g1", .kind = SparseSpec::Kind::kBigBird};
+  bigbird.bigbird = {.block = 16, .num_random_blocks = 2, .num_global_blocks = 1, .seed = 3};
+  SparseSpec bigbird7{.name = "bb_b7_r3_g2", .kind = SparseSpec::Kind::kBigBird};
+  bigbird7.bigbird = {.block = 7, .num_random_blocks = 3, .num_global_blocks = 2, .seed = 9};
+  SparseSpec block{.name = "blk16x16", .kind = SparseSpec::Kind::kBlock};
+  SparseSpec block_odd{.name = "blk100x7_heads",
+                       .kind = SparseSpec::Kind::kBlock,
+                       .block_q = 100,
+                       .block_k = 7,
+                       .per_head = true};
+  SparseSpec block_one{.name = "blk1x1",
+                       .kind = SparseSpec::Kind::kBlock,
+                       .block_q = 1,
+                       .block_k = 1,
+                       .density = 0.3};
+  SparseSpec block_wide{.name = "blk64x128_heads",
+                        .kind = SparseSpec::Kind::kBlock,
+                        .block_q = 64,
+                        .block_k = 128,
+                        .per_head = true,
+                        .density = 0.6};
+
+  // Odd sizes, square and not, every pattern.
+  for (std::int64_t lq : {1, 7, 63, 65, 200, 517}) {
+    for (std::int64_t lk : {1, 7, 63, 65, 200, 517}) {
+      if (lq * lk > 100000 && lq != lk) continue;  // keep the reference's time down
+      Case c;
+      c.seq_q = lq;
+      c.seq_kv = lk;
+      c.head_dim = 16;
+      for (const SparseSpec& s : {longformer, dilated, lf_global, bigbird7, block_odd, block_one}) {
+        SparseSpec spec = s;
+        if (spec.kind == SparseSpec::Kind::kLongformer) {
+          std::erase_if(spec.global, [&](std::int64_t g) { return g >= lk; });  // bottom-right
+        }
+        add(c, spec);
+      }
+    }
+  }
+  // Every pattern with causal (both alignments), window, key lengths, mask, bias, softcap,
+  // GQA, batches.
+  for (const SparseSpec& spec :
+       {longformer, dilated, lf_global, bigbird, bigbird7, block, block_odd, block_wide}) {
+    for (Align align : {Align::kBottomRight, Align::kTopLeft}) {
+      Case c;
+      c.batch = 2;
+      c.seq_q = 150;
+      c.seq_kv = 200;
+      c.num_heads_q = 4;
+      c.num_heads_kv = 2;
+      c.head_dim = 24;
+      c.causal = true;
+      c.align = align;
+      c.key_lengths = true;
+      c.nan_padding = true;
+      add(c, spec);
+    }
+    Case c;
+    c.batch = 2;
+    c.seq_q = 200;
+    c.seq_kv = 140;
+    c.num_heads_q = 6;
+    c.num_heads_kv = 3;
+    c.head_dim = 32;
+    c.head_dim_v = 20;
+    c.mask = MaskKind::kRandom;
+    c.bias = BiasKind::kWithNegInf;
+    c.softcap = 10.0f;
+    c.window_left = 80;
+    c.window_right = 30;
+    c.bhsd = true;
+    add(c, spec);
+    // Decoding: few queries, a GQA group's heads in one query block.
+    c = Case{};
+    c.batch = 2;
+    c.seq_q = 3;
+    c.seq_kv = 300;
+    c.num_heads_q = 12;
+    c.num_heads_kv = 3;
+    c.head_dim = 16;
+    c.causal = true;
+    c.key_lengths = true;
+    c.bias = BiasKind::kPerHeadRow;
+    add(c, spec);
+  }
+  // Many query blocks per task, long enough for several key tiles on each side of the band.
+  {
+    Case c;
+    c.seq_q = 700;
+    c.seq_kv = 700;
+    c.num_heads_q = 2;
+    c.head_dim = 16;
+    SparseSpec wide{.name = "lf_w150_g", .window = 150, .global = {3, 400, 699}};
+    add(c, wide);
+    SparseSpec wide_dil{.name = "lf_w200_dil130", .window = 200, .dilation = 130};
+    add(c, wide_dil);
+    SparseSpec bb{.name = "bb_b64_r3_g2", .kind = SparseSpec::Kind::kBigBird};
+    bb.bigbird = {.block = 64, .num_random_blocks = 3, .num_global_blocks = 2, .seed = 1};
+    add(c, bb);
+  }
+  return cases;
+}
+
+class SparseSweep : public ::testing::TestWithParam<SparseCase> {};
+
+TEST_P(SparseSweep, MatchesDenseWithEquivalentMask) { check_sparse_case(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(Cases, SparseSweep, ::testing::ValuesIn(sparse_cases()),
+                         [](const auto& info) {
+                           std::string name = info.param.name();
+                           for (char& ch : name) {
+                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           }
+                           return name + "_" + std::to_string(info.index);
+                         });
+
+// The shared predicate against matrices written out by hand (Lq = Lk = 6, so i' = i).
+TEST(SparsePredicate, LongformerByHand) {
+  const std::int64_t global[] = {4};
+  const auto mask = sparse_mask(LongformerSparsity{.window = 1, .dilation = 1, .global = global}, 6,
+                                6, 1, Align::kBottomRight);
+  const char* want =
+      "110010"
+      "111010"
+      "011110"
+      "001110"
+      "111111"
+      "000011";
+  for (int x = 0; x < 36; ++x)
+    EXPECT_EQ(mask[x], want[x] - '0') << "pair " << x / 6 << "," << x % 6;
+  // Dilation 2, window 4, no globals: |i - j| <= 4 and even.
+  const auto dilated =
+      sparse_mask(LongformerSparsity{.window = 4, .dilation = 2}, 6, 6, 1, Align::kTopLeft);
+  for (int i = 0; i < 6; ++i)
+    for (int j = 0; j < 6; ++j)
+      EXPECT_EQ(dilated[i * 6 + j], std::abs(i - j) <= 4 && (i - j) % 2 == 0) << i << "," << j;
+  // Bottom-right, Lq = 2 < Lk = 5: queries sit at positions 3 and 4.
+  const auto decode = sparse_mask(LongformerSparsity{.window = 1}, 2, 5, 1, Align::kBottomRight);
+  const std::vector<std::uint8_t> want_decode = {0, 0, 1, 1, 1, 0, 0, 0, 1, 1};
+  EXPECT_EQ(decode, want_decode);
+}
+
+TEST(SparsePredicate, BlockLayoutByHand) {
+  // Lq = 5, Lk = 4, blocks (2, 3): 3 x 2 block matrix.
+  std::uint8_t layout[] = {1, 0, 0, 1, 1, 1};
+  const auto mask =
+      sparse_mask(BlockSparsity{.layout = TensorView::contiguous(layout, DType::kU8, {1, 1, 3, 2}),
+                                .block_q = 2,
+                                .block_k = 3},
+                  5, 4, 1, Align::kBottomRight);
+  const std::vector<std::uint8_t> want = {1, 1, 1, 0, 1, 1, 1, 0, 0, 0,
+                                          0, 1, 0, 0, 0, 1, 1, 1, 1, 1};
+  EXPECT_EQ(mask, want);
+}
+
+// BigBird's layout: global rows and columns, the 3-block window, exactly r random blocks per
+// other row, reproducible from the seed and different for another seed or head.
+TEST(SparseBigBird, LayoutStructureAndSeed) {
+  const BigBirdSparsity s{.block = 16, .num_random_blocks = 3, .num_global_blocks = 2, .seed = 1};
+  const std::int64_t heads = 2, n = 1024, nb = n / 16;
+  const auto layout = bigbird_layout(s, n, n, heads);
+  ASSERT_EQ(layout.size(), static_cast<std::size_t>(heads * nb * nb));
+  for (std::int64_t h = 0; h < heads; ++h) {
+    for (std::int64_t qb = 0; qb < nb; ++qb) {
+      const std::uint8_t* row = layout.data() + (h * nb + qb) * nb;
+      std::int64_t fixed = 0, ones = 0;
+      for (std::int64_t kb = 0; kb < nb; ++kb) {
+        const bool must = qb < 2 || kb < 2 || std::abs(qb - kb) <= 1;
+        if (must) {
+          EXPECT_EQ(row[kb], 1) << h << " " << qb << " " << kb;
+        }
+        fixed += must;
+        ones += row[kb];
+      }
+      EXPECT_EQ(ones, qb < 2 ? nb : fixed + 3) << "head " << h << " row " << qb;
+    }
+  }
+  EXPECT_EQ(layout, bigbird_layout(s, n, n, heads));
+  BigBirdSparsity other = s;
+  other.seed = 2;
+  EXPECT_NE(layout, bigbird_layout(other, n, n, heads));
+  EXPECT_NE(std::vector<std::uint8_t>(layout.begin(), layout.begin() + nb * nb),
+            std::vector<std::uint8_t>(layout.begin() + nb * nb, layout.end()));
+  // Fewer candidates than r: every block is attended.
+  const auto small =
+      bigbird_layout({.block = 4, .num_random_blocks = 9, .num_global_blocks = 1}, 20, 20, 1);
+  for (std::uint8_t x : small) EXPECT_EQ(x, 1);
+}
+
+// The first draws, written down so docs/sparse.md's description stays honest: seed 1, head 0,
+// query block 2 of a 10 x 10 grid (block 8, Lq = Lk = 80), g = 1, r = 2.
+TEST(SparseBigBird, DocumentedDraw) {
+  const auto layout = bigbird_layout(
+      {.block = 8, .num_random_blocks = 2, .num_global_blocks = 1, .seed = 1}, 80, 80, 1);
+  // Re-derive: candidates {4..9} (0 global; 1, 2, 3 window), stream state = 1 ^ (2 * C).
+  std::uint64_t state = 1ull ^ (2ull * 0xD1B54A32D192ED03ull);
+  const auto next = [&] {
+    state += 0x9E3779B97F4A7C15ull;
+    std::uint64_t z = state;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
+  std::vector<std::int64_t> cand = {4, 5, 6, 7, 8, 9};
+  std::vector<std::uint8_t> want(10, 0);
+  want[0] = want[1] = want[2] = want[3] = 1;
+  for (int t = 0; t < 2; ++t) {
+    const std::size_t pick = t + next() % (cand.size() - t);
+    std::swap(cand[t], cand[pick]);
+    want[cand[t]] = 1;
+  }
+  EXPECT_EQ(std::vector<std::uint8_t>(layout.begin() + 20, layout.begin() + 30), want);
+}
+
+// A pattern that allows every pair gives exactly the dense result, bit for bit.
+TEST(SparseEdges, CoveringEverythingEqualsDense) {
+  for (bool causal : {false, true}) {
+    Case c;
+    c.batch = 2;
+    c.seq_q = 333;
+    c.seq_kv = 517;
+    c.num_heads_q = 4;
+    c.num_heads_kv = 2;
+    c.head_dim = 32;
+    c.causal = causal;
+    c.key_lengths = true;
+    c.bias = BiasKind::kRandom;
+    const Problem pr(c);
+    SparseSpec full{.kind = SparseSpec::Kind::kBlock, .block_q = 64, .block_k = 64, .density = 1.0};
+    const std::int64_t all[] = {0, 1};
+    const Sparsity patterns[] = {
+        full.make(c), LongformerSparsity{.window = 100000},
+        LongformerSparsity{.window = 0, .global = all},  // not everything: control below
+        BigBirdSparsity{.block = 64, .num_random_blocks = 0, .num_global_blocks = 9}};
+    for (Kernel kernel : {Kernel::kFlash, Kernel::kChunked, Kernel::kReference}) {
+      const Result dense = run(pr, pr.params(), kernel);
+      for (int n = 0; n < 4; ++n) {
+        AttentionParams params = pr.params();
+        params.sparsity = patterns[n];
+        const Result sparse = run(pr, params, kernel);
+        const bool equal = bit_equal(sparse.out, dense.out) && bit_equal(sparse.lse, dense.lse);
+        EXPECT_EQ(equal, n != 2) << "pattern " << n << " kernel " << static_cast<int>(kernel);
+      }
+    }
+  }
+}
+
+// Rows the sparsity leaves without keys: out exactly 0, lse exactly -inf, never NaN.
+TEST(SparseEdges, FullyMaskedRows) {
+  Case c;
+  c.seq_q = 130;
+  c.seq_kv = 130;
+  c.num_heads_q = 2;
+  const Problem pr(c);
+  std::vector<std::uint8_t> layout = {1, 0, 0,  // query block 1 (rows 64..127) attends nothing
+                                      0, 0, 0,  //
+                                      0, 0, 1};
+  AttentionParams params = pr.params();
+  params.sparsity =
+      BlockSparsity{.layout = TensorView::contiguous(layout.data(), DType::kU8, {1, 1, 3, 3}),
+                    .block_q = 64,
+                    .block_k = 64};
+  for (Kernel kernel : {Kernel::kFlash, Kernel::kChunked, Kernel::kReference}) {
+    const Result r = run(pr, params, kernel);
+    for (std::int64_t h = 0; h < 2; ++h) {
+      for (std::int64_t i = 0; i < 130; ++i) {
+        const bool empty = i >= 64 && i < 128;
+        EXPECT_EQ(r.lse[h * 130 + i] == kNegInf, empty) << h << "," << i;
+        if (!empty) continue;
+        for (std::int64_t e = 0; e < c.head_dim; ++e) {
+          EXPECT_EQ(r.out[(i * 2 + h) * c.head_dim + e], 0.0f);
+        }
+      }
+    }
+    for (float x : r.out) EXPECT_FALSE(std::isnan(x));
+  }
+}
+
+// Each compiled Highway target this CPU supports, over a subset of the sweep.
+TEST(SparseTargets, EveryTargetMatchesDense) {
+  const std::vector<std::int64_t> targets = hwy::SupportedAndGeneratedTargets();
+  const std::vector<SparseCase> cases = sparse_cases();
+  for (std::int64_t target : targets) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    EXPECT_STREQ(attention_cpu_target_name(), hwy::TargetName(target));
+    for (std::size_t i = 0; i < cases.size(); i += 7) {
+      SCOPED_TRACE(cases[i].name());
+      check_sparse_case(cases[i]);
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
+}
+
+TEST(SparseThreads, BitIdenticalWhateverTheThreadCount) {
+  Case c;
+  c.batch = 2;
+  c.seq_q = 600;
+  c.seq_kv = 640;
+  c.num_heads_q = 4;
+  c.num_heads_kv = 2;
+  c.head_dim = 32;
+  c.causal = true;
+  c.key_lengths = true;
+  const Problem pr(c);
+  const std::int64_t global[] = {0, 300};
+  const Sparsity patterns[] = {
+      LongformerSparsity{.window = 100, .dilation = 2, .global = global},
+      BigBirdSparsity{.block = 32, .num_random_blocks = 3, .num_global_blocks = 1, .seed = 5}};
+  for (const Sparsity& sparsity : patterns) {
+    AttentionParams params = pr.params();
+    params.sparsity = sparsity;
+    for (Kernel kernel : {Kernel::kFlash, Kernel::kChunked}) {
+      const Result one = run(pr, params, kernel, 1);
+      for (int threads : {2, 3, 5}) {
+        const Result many = run(pr, params, kernel, threads);
+        EXPECT_TRUE(bit_equal(one.out, many.out)) << "threads " << threads;
+        EXPECT_TRUE(bit_equal(one.lse, many.lse)) << "threads " << threads;
+      }
+    }
+  }
+}
+
+// Pairs counted for effective GFLOP/s agree with the dense mask's count.
+TEST(SparsePairs, AllowedPairsMatchTheMask) {
+  const std::int64_t global[] = {2, 50, 51};
+  SparseSpec block{.kind = SparseSpec::Kind::kBlock, .block_q = 10, .block_k = 7, .per_head = true};
+  Case shape;
+  shape.seq_q = 90;
+  shape.seq_kv = 120;
+  shape.num_heads_q = 3;
+  const Sparsity patterns[] = {
+      LongformerSparsity{.window = 9, .dilation = 4, .global = global},
+      LongformerSparsity{.window = 30, .global = global},
+      BigBirdSparsity{.block = 8, .num_random_blocks = 2, .num_global_blocks = 1, .seed = 4},
+      block.make(shape)};
+  for (const Sparsity& sparsity : patterns) {
+    for (bool causal : {false, true}) {
+      AttentionParams params;
+      params.sparsity = sparsity;
+      params.causal = causal;
+      params.window_left = causal ? 40 : -1;
+      const auto mask = sparse_mask(sparsity, 90, 120, 3, params.align);
+      double count = 0;
+      for (std::int64_t h = 0; h < 3; ++h)
+        for (std::int64_t i = 0; i < 90; ++i)
+          for (std::int64_t j = 0; j < 120; ++j) {
+            const std::int64_t diag = i + 30;
+            const bool range = (!causal || j <= diag) && (!causal || j >= diag - 40);
+            count += range && mask[(h * 90 + i) * 120 + j] != 0;
+          }
+      EXPECT_DOUBLE_EQ(sparse_allowed_pairs(90, 120, 3, params), count / 3);
+    }
+  }
+}
+
+TEST(SparseValidation, NamesTheArgumentAndSizes) {
+  Case c;
+  c.seq_q = 100;
+  c.seq_kv = 130;
+  const Problem pr(c);
+  const auto attempt = [&](Sparsity sparsity) {
+    AttentionParams params = pr.params();
+    params.sparsity = sparsity;
+    run(pr, params, Kernel::kAuto);
+  };
+  expect_error([&] { attempt(LongformerSparsity{.window = -1}); },
+               "sparsity: Longformer window w = -1 must be >= 0");
+  expect_error([&] { attempt(LongformerSparsity{.window = 3, .dilation = 0}); },
+               "sparsity: Longformer dilation = 0 must be >= 1");
+  const std::int64_t bad_global[] = {5, 130};
+  expect_error([&] { attempt(LongformerSparsity{.window = 3, .global = bad_global}); },
+               "global position 130 is outside [0, 130) (Lq = 100, Lk = 130)");
+  expect_error([&] { attempt(BigBirdSparsity{.block = 0}); }, "sparsity: BigBird block = 0");
+  expect_error([&] { attempt(BigBirdSparsity{.block = 8, .num_random_blocks = -2}); },
+               "BigBird random = -2 must be >= 0");
+  std::vector<std::uint8_t> layout(2 * 3);
+  expect_error(
+      [&] {
+        attempt(
+            BlockSparsity{.layout = TensorView::contiguous(layout.data(), DType::kU8, {1, 1, 3, 2}),
+                          .block_q = 64,
+                          .block_k = 64});
+      },
+      "sparsity: block layout shape (1, 1, 3, 2) does not match (1, 1 or Hq = 1, "
+      "ceil(Lq / block_q) = 2, ceil(Lk / block_k) = 3)");
+  expect_error(
+      [&] {
+        attempt(
+            BlockSparsity{.layout = TensorView::contiguous(layout.data(), DType::kU8, {1, 1, 2, 3}),
+                          .block_q = 0,
+                          .block_k = 64});
+      },
+      "block sizes (block_q, block_k) = (0, 64) must be >= 1");
+  std::vector<float> f32_layout(6);
+  expect_error(
+      [&] {
+        attempt(BlockSparsity{
+            .layout = TensorView::contiguous(f32_layout.data(), DType::kF32, {1, 1, 2, 3}),
+            .block_q = 64,
+            .block_k = 64});
+      },
+      "sparsity: block layout dtype f32 is not supported");
+}
+
+}  // namespace
+}  // namespace qkv::testing
