@@ -5,20 +5,10 @@
 #include <string>
 
 #include "core/parallel.h"
+#include "core/splitmix64.h"
 #include "qkv/error.h"
 
 namespace qkv {
-namespace {
-
-// splitmix64's finaliser: a bijection on 64 bits with full avalanche.
-std::uint64_t mix(std::uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-}  // namespace
-
 void dropout(float* x, std::int64_t n, float p, std::uint64_t seed, std::uint64_t stream) {
   if (!(p >= 0.0f && p < 1.0f)) {
     throw Error("dropout: p = " + std::to_string(p) + " must be in [0, 1)");
@@ -28,12 +18,12 @@ void dropout(float* x, std::int64_t n, float p, std::uint64_t seed, std::uint64_
   // Keep iff the top 24 bits, as an integer, are >= p * 2^24 (exact for that resolution).
   const std::uint64_t threshold = static_cast<std::uint64_t>(std::ceil(double(p) * (1 << 24)));
   const float scale = 1.0f / (1.0f - p);
-  const std::uint64_t key = mix(seed ^ mix(stream + 0x9E3779B97F4A7C15ull));
+  const std::uint64_t key = splitmix64_mix(seed ^ splitmix64_mix(stream + kSplitMix64Gamma));
   constexpr std::int64_t kChunk = 1 << 14;
   parallel_for((n + kChunk - 1) / kChunk, resolve_num_threads(0), [&](std::int64_t chunk, int) {
     const std::int64_t end = std::min(n, (chunk + 1) * kChunk);
     for (std::int64_t i = chunk * kChunk; i < end; ++i) {
-      const std::uint64_t bits = mix(key + static_cast<std::uint64_t>(i) * 0xD1B54A32D192ED03ull);
+      const std::uint64_t bits = splitmix64_mix(key + static_cast<std::uint64_t>(i) * 0xD1B54A32D192ED03ull);
       x[i] = (bits >> 40) >= threshold ? x[i] * scale : 0.0f;
     }
   });

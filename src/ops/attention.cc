@@ -10,83 +10,20 @@
 #include "core/parallel.h"
 #include "kernels/kernels.h"
 #include "ops/sparse_layout.h"
+#include "ops/validate.h"
 #include "qkv/error.h"
 
 namespace qkv {
 namespace {
 
-constexpr const char* kDimNames[4] = {"batch", "seq", "heads", "head_dim"};
+using ops::broadcast_strides;
+using ops::describe;
+using ops::require_data;
+using ops::require_shape;
+using ops::require_writable_strides;
 
-std::string describe(const char* name, const TensorView& view) {
-  return std::string(name) + ": shape " + shape_string(view.sizes);
-}
-
-void require_data(const char* name, const TensorView& view) {
-  if (view.data == nullptr) throw Error(std::string(name) + ": data pointer is null");
-}
-
-void require_dtype(const char* name, const TensorView& view, DType want) {
-  if (view.dtype != want) {
-    throw Error(std::string(name) + ": dtype " + dtype_name(view.dtype) + " is not supported (" +
-                (view.dtype == DType::kBF16 || view.dtype == DType::kF16
-                     ? "bf16/f16 storage is not implemented yet; round to f32"
-                     : std::string("expected ") + dtype_name(want)) +
-                ")");
-  }
-}
-
-void require_positive_sizes(const char* name, const TensorView& view) {
-  for (int d = 0; d < 4; ++d) {
-    if (view.sizes[d] < 1) {
-      throw Error(describe(name, view) + " has size " + std::to_string(view.sizes[d]) + " in dim " +
-                  std::to_string(d) + "; every size must be >= 1");
-    }
-  }
-}
-
-// a.sizes[dim_a] == b.sizes[dim_b], else an error naming both shapes.
-void require_same(const char* name_a, const TensorView& a, int dim_a, const char* name_b,
-                  const TensorView& b, int dim_b, const char* what) {
-  if (a.sizes[dim_a] != b.sizes[dim_b]) {
-    throw Error(describe(name_a, a) + " does not match " + describe(name_b, b) + ": " + what +
-                " differs (" + std::to_string(a.sizes[dim_a]) + " vs " +
-                std::to_string(b.sizes[dim_b]) + ")");
-  }
-}
-
-void require_shape(const char* name, const TensorView& view,
-                   const std::array<std::int64_t, 4>& want, const char* want_text) {
-  if (view.sizes != want) {
-    throw Error(describe(name, view) + " must be " + shape_string(want) + " " + want_text);
-  }
-}
-
-// Outputs are written by several threads: a zero stride on a dim of size > 1 would make them
-// race on one element.
-void require_writable_strides(const char* name, const TensorView& view) {
-  for (int d = 0; d < 4; ++d) {
-    if (view.sizes[d] > 1 && view.strides[d] == 0) {
-      throw Error(std::string(name) + ": stride 0 in dim " + std::to_string(d) +
-                  " of an output with size " + std::to_string(view.sizes[d]));
-    }
-  }
-}
-
-// mask / bias: each size 1 (broadcast: stride 0) or the full size of [B, Hq, Lq, Lk].
-void broadcast_strides(const char* name, const TensorView& view,
-                       const std::array<std::int64_t, 4>& full, std::int64_t out[4]) {
-  for (int d = 0; d < 4; ++d) {
-    if (view.sizes[d] == full[d]) {
-      out[d] = full[d] == 1 ? 0 : view.strides[d];
-    } else if (view.sizes[d] == 1) {
-      out[d] = 0;
-    } else {
-      throw Error(describe(name, view) +
-                  " is not broadcastable to (B, Hq, Lq, Lk) = " + shape_string(full) + ": dim " +
-                  std::to_string(d) + " must be 1 or " + std::to_string(full[d]));
-    }
-  }
-}
+// The dtypes of attention operands today, and what to do about others.
+const char* const kDtypeHint = "expected f32; bf16/f16 storage is not implemented yet: round to f32";
 
 // The bias may hold -inf (a mask), but +inf or NaN would turn a softmax row into NaN.
 void require_no_nan_or_pos_inf(const TensorView& bias) {
@@ -130,41 +67,23 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
                const AttentionOutputs& outputs, const AttentionParams& params) {
   // q: [B, Lq, Hq, D]  k: [B, Lk, Hkv, D]  v: [B, Lk, Hkv, Dv]  out: [B, Lq, Hq, Dv]
   const TensorView& out = outputs.out;
-  const std::pair<const char*, const TensorView*> operands[] = {
-      {"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}};
-  for (const auto& [name, view] : operands) {
-    require_data(name, *view);
-    require_dtype(name, *view, DType::kF32);
-    require_positive_sizes(name, *view);
-  }
-  require_same("q", q, 0, "k", k, 0, "batch (dim 0)");
-  require_same("k", k, 0, "v", v, 0, "batch (dim 0)");
-  require_same("k", k, 1, "v", v, 1, "seq_kv (dim 1)");
-  require_same("k", k, 2, "v", v, 2, "num_heads_kv (dim 2)");
-  require_same("q", q, 3, "k", k, 3, "head_dim (dim 3)");
-  const std::int64_t batch = q.sizes[0], seq_q = q.sizes[1], num_heads_q = q.sizes[2];
-  const std::int64_t head_dim = q.sizes[3], seq_kv = k.sizes[1], num_heads_kv = k.sizes[2];
-  const std::int64_t head_dim_v = v.sizes[3];
-  if (num_heads_q % num_heads_kv != 0) {
-    throw Error(describe("q", q) + " has " + std::to_string(num_heads_q) +
-                " heads, not a multiple of the " + std::to_string(num_heads_kv) + " heads of " +
-                describe("k", k) + " (num_heads_q % num_heads_kv must be 0)");
-  }
-  require_shape("out", out, {batch, seq_q, num_heads_q, head_dim_v}, "(B, Lq, Hq, Dv)");
-  require_writable_strides("out", out);
+  const ops::AttentionShape shape = ops::validate_operands(q, k, v, out, kDtypeHint);
+  const std::int64_t batch = shape.batch, seq_q = shape.seq_q, num_heads_q = shape.num_heads_q;
+  const std::int64_t head_dim = shape.head_dim, seq_kv = shape.seq_kv;
+  const std::int64_t num_heads_kv = shape.num_heads_kv, head_dim_v = shape.head_dim_v;
 
   const std::array<std::int64_t, 4> score_shape = {batch, num_heads_q, seq_q, seq_kv};
   const TensorView& lse = outputs.lse;
   if (!lse.empty()) {
     require_data("lse", lse);
-    require_dtype("lse", lse, DType::kF32);
+    ops::require_dtype("lse", lse, DType::kF32, "expected f32");
     require_shape("lse", lse, {batch, num_heads_q, seq_q, 1}, "(B, Hq, Lq, 1)");
     require_writable_strides("lse", lse);
   }
   const TensorView& probs = outputs.probs;
   const Kernel kernel = resolve_kernel(params.kernel, !probs.empty());
   if (!probs.empty()) {
-    require_dtype("probs", probs, DType::kF32);
+    ops::require_dtype("probs", probs, DType::kF32, "expected f32");
     require_shape("probs", probs, score_shape, "(B, Hq, Lq, Lk)");
     require_writable_strides("probs", probs);
     if (kernel == Kernel::kFlash) {
@@ -186,25 +105,8 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
     throw Error("window: (" + std::to_string(params.window_left) + ", " +
                 std::to_string(params.window_right) + ") has a side below -1 (-1 = unbounded)");
   }
-  if (!params.key_lengths.empty()) {
-    if (static_cast<std::int64_t>(params.key_lengths.size()) != batch) {
-      throw Error("key_lengths: has " + std::to_string(params.key_lengths.size()) +
-                  " entries, expected batch = " + std::to_string(batch) + " (q: shape " +
-                  shape_string(q.sizes) + ")");
-    }
-    for (std::size_t b = 0; b < params.key_lengths.size(); ++b) {
-      const std::int64_t length = params.key_lengths[b];
-      if (length < 0 || length > seq_kv) {
-        throw Error("key_lengths: entry " + std::to_string(b) + " is " + std::to_string(length) +
-                    ", outside [0, seq_kv = " + std::to_string(seq_kv) + "] (k: shape " +
-                    shape_string(k.sizes) + ")");
-      }
-    }
-  }
-  if (params.num_threads < 0) {
-    throw Error("num_threads: must be >= 0 (0 = default), got " +
-                std::to_string(params.num_threads));
-  }
+  ops::validate_key_lengths(params.key_lengths, q, k);
+  ops::validate_num_threads(params.num_threads);
   if (params.chunk_size < 1) {
     throw Error("chunk_size: must be >= 1, got " + std::to_string(params.chunk_size));
   }
@@ -254,7 +156,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
     p.mask = static_cast<const std::uint8_t*>(params.mask.data);
   }
   if (!params.bias.empty()) {
-    require_dtype("bias", params.bias, DType::kF32);
+    ops::require_dtype("bias", params.bias, DType::kF32, "expected f32");
     require_data("bias", params.bias);
     broadcast_strides("bias", params.bias, score_shape, p.bias_stride);
     require_no_nan_or_pos_inf(params.bias);

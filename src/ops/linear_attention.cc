@@ -9,7 +9,9 @@
 #include <utility>
 
 #include "core/parallel.h"
+#include "core/splitmix64.h"
 #include "kernels/kernels.h"
+#include "ops/validate.h"
 #include "qkv/error.h"
 
 namespace qkv {
@@ -17,33 +19,6 @@ namespace {
 
 constexpr std::int64_t kMaxFeatures = 65536;
 constexpr std::int64_t kMaxChunk = 4096;
-
-std::string describe(const char* name, const TensorView& view) {
-  return std::string(name) + ": shape " + shape_string(view.sizes);
-}
-
-void require_operand(const char* name, const TensorView& view) {
-  if (view.data == nullptr) throw Error(std::string(name) + ": data pointer is null");
-  if (view.dtype != DType::kF32) {
-    throw Error(std::string(name) + ": dtype " + dtype_name(view.dtype) +
-                " is not supported (linear attention computes f32)");
-  }
-  for (int d = 0; d < 4; ++d) {
-    if (view.sizes[d] < 1) {
-      throw Error(describe(name, view) + " has size " + std::to_string(view.sizes[d]) + " in dim " +
-                  std::to_string(d) + "; every size must be >= 1");
-    }
-  }
-}
-
-void require_same(const char* name_a, const TensorView& a, int dim_a, const char* name_b,
-                  const TensorView& b, int dim_b, const char* what) {
-  if (a.sizes[dim_a] != b.sizes[dim_b]) {
-    throw Error(describe(name_a, a) + " does not match " + describe(name_b, b) + ": " + what +
-                " differs (" + std::to_string(a.sizes[dim_a]) + " vs " +
-                std::to_string(b.sizes[dim_b]) + ")");
-  }
-}
 
 // The options of AttentionParams that phi(q).phi(k) cannot express.
 void reject_exact_only_options(const LinearAttentionParams& params) {
@@ -65,26 +40,18 @@ void reject_exact_only_options(const LinearAttentionParams& params) {
   }
 }
 
-// splitmix64 (Steele, Lea, Flood 2014): 64 random bits per step from a 64-bit state.
-class SplitMix64 {
+// Standard normal draws by Box-Muller on splitmix64 uniforms: each pair (u1, u2) gives
+// r cos(2 pi u2), then r sin(2 pi u2), with r = sqrt(-2 log(1 - u1)) (1 - u1 is in (0, 1]: no
+// log(0)).
+class NormalDraws {
  public:
-  explicit SplitMix64(std::uint64_t seed) : state_(seed) {}
-  std::uint64_t next() {
-    std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  // Uniform in [0, 1) with 53 random bits.
-  double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
-  // Standard normal by Box-Muller: each pair of uniforms (u1, u2) gives r cos(2 pi u2), then
-  // r sin(2 pi u2), with r = sqrt(-2 log(1 - u1)) (1 - u1 is in (0, 1]: no log(0)).
+  explicit NormalDraws(std::uint64_t seed) : rng_(seed) {}
   double normal() {
     if (has_spare_) {
       has_spare_ = false;
       return spare_;
     }
-    const double u1 = uniform(), u2 = uniform();
+    const double u1 = rng_.uniform53(), u2 = rng_.uniform53();
     const double r = std::sqrt(-2.0 * std::log(1.0 - u1));
     spare_ = r * std::sin(2.0 * std::numbers::pi * u2);
     has_spare_ = true;
@@ -92,7 +59,7 @@ class SplitMix64 {
   }
 
  private:
-  std::uint64_t state_;
+  SplitMix64 rng_;
   double spare_ = 0.0;
   bool has_spare_ = false;
 };
@@ -107,7 +74,7 @@ std::vector<float> favor_projection(std::int64_t head_dim, std::int64_t nb_featu
                 std::to_string(nb_features));
   }
   const std::int64_t d = head_dim, m = nb_features;
-  SplitMix64 rng(seed);
+  NormalDraws rng(seed);
   // Directions: ceil(M / D) blocks, each D x D Gaussian (row-major draw) orthonormalised row by
   // row with modified Gram-Schmidt in f64; the last block keeps its first M mod D rows.
   std::vector<double> directions(static_cast<std::size_t>(m * d));
@@ -153,33 +120,11 @@ void linear_attention(const TensorView& q, const TensorView& k, const TensorView
                       const AttentionOutputs& outputs, const LinearAttentionParams& params) {
   // q: [B, Lq, Hq, D]  k: [B, Lk, Hkv, D]  v: [B, Lk, Hkv, Dv]  out: [B, Lq, Hq, Dv]
   const TensorView& out = outputs.out;
-  const std::pair<const char*, const TensorView*> operands[] = {
-      {"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}};
-  for (const auto& [name, view] : operands) require_operand(name, *view);
-  require_same("q", q, 0, "k", k, 0, "batch (dim 0)");
-  require_same("k", k, 0, "v", v, 0, "batch (dim 0)");
-  require_same("k", k, 1, "v", v, 1, "seq_kv (dim 1)");
-  require_same("k", k, 2, "v", v, 2, "num_heads_kv (dim 2)");
-  require_same("q", q, 3, "k", k, 3, "head_dim (dim 3)");
-  const std::int64_t batch = q.sizes[0], seq_q = q.sizes[1], num_heads_q = q.sizes[2];
-  const std::int64_t head_dim = q.sizes[3], seq_kv = k.sizes[1], num_heads_kv = k.sizes[2];
-  const std::int64_t head_dim_v = v.sizes[3];
-  if (num_heads_q % num_heads_kv != 0) {
-    throw Error(describe("q", q) + " has " + std::to_string(num_heads_q) +
-                " heads, not a multiple of the " + std::to_string(num_heads_kv) + " heads of " +
-                describe("k", k) + " (num_heads_q % num_heads_kv must be 0)");
-  }
-  const std::array<std::int64_t, 4> out_shape = {batch, seq_q, num_heads_q, head_dim_v};
-  if (out.sizes != out_shape) {
-    throw Error(describe("out", out) + " must be " + shape_string(out_shape) + " (B, Lq, Hq, Dv)");
-  }
-  for (int d = 0; d < 4; ++d) {
-    // Threads write different rows: a zero stride on a dim of size > 1 would make them race.
-    if (out.sizes[d] > 1 && out.strides[d] == 0) {
-      throw Error("out: stride 0 in dim " + std::to_string(d) + " of an output with size " +
-                  std::to_string(out.sizes[d]));
-    }
-  }
+  const ops::AttentionShape shape =
+      ops::validate_operands(q, k, v, out, "linear attention computes f32");
+  const std::int64_t batch = shape.batch, seq_q = shape.seq_q, num_heads_q = shape.num_heads_q;
+  const std::int64_t head_dim = shape.head_dim, seq_kv = shape.seq_kv;
+  const std::int64_t num_heads_kv = shape.num_heads_kv, head_dim_v = shape.head_dim_v;
   if (!outputs.lse.empty()) {
     throw Error("lse: linear attention has no softmax normaliser to report; leave lse empty");
   }
@@ -206,25 +151,8 @@ void linear_attention(const TensorView& q, const TensorView& k, const TensorView
                 " given, but the elu+1 feature map has no score scale (phi(q).phi(k) is used as "
                 "is); leave it unset, or use FAVOR+, where scale sets exp(scale * q.k)");
   }
-  if (!params.key_lengths.empty()) {
-    if (static_cast<std::int64_t>(params.key_lengths.size()) != batch) {
-      throw Error("key_lengths: has " + std::to_string(params.key_lengths.size()) +
-                  " entries, expected batch = " + std::to_string(batch) + " (q: shape " +
-                  shape_string(q.sizes) + ")");
-    }
-    for (std::size_t b = 0; b < params.key_lengths.size(); ++b) {
-      const std::int64_t length = params.key_lengths[b];
-      if (length < 0 || length > seq_kv) {
-        throw Error("key_lengths: entry " + std::to_string(b) + " is " + std::to_string(length) +
-                    ", outside [0, seq_kv = " + std::to_string(seq_kv) + "] (k: shape " +
-                    shape_string(k.sizes) + ")");
-      }
-    }
-  }
-  if (params.num_threads < 0) {
-    throw Error("num_threads: must be >= 0 (0 = default), got " +
-                std::to_string(params.num_threads));
-  }
+  ops::validate_key_lengths(params.key_lengths, q, k);
+  ops::validate_num_threads(params.num_threads);
   if (params.chunk_size < 1 || params.chunk_size > kMaxChunk) {
     throw Error("chunk_size: must be in [1, " + std::to_string(kMaxChunk) + "], got " +
                 std::to_string(params.chunk_size));

@@ -8,6 +8,7 @@
 
 #include "kernels/sparse_pair.h"
 #include "qkv/attention.h"
+#include "core/splitmix64.h"
 #include "qkv/error.h"
 
 namespace qkv {
@@ -21,14 +22,6 @@ std::string sizes_text(std::int64_t seq_q, std::int64_t seq_kv) {
   return "(Lq = " + str(seq_q) + ", Lk = " + str(seq_kv) + ")";
 }
 
-// splitmix64 (Steele, Lea and Flood 2014): one step of the counter-based generator.
-std::uint64_t splitmix64(std::uint64_t& state) {
-  state += 0x9E3779B97F4A7C15ull;
-  std::uint64_t z = state;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
 
 void validate_bigbird(const BigBirdSparsity& s, std::int64_t seq_q, std::int64_t seq_kv,
                       std::int64_t num_heads_q) {
@@ -83,7 +76,7 @@ std::vector<std::uint8_t> bigbird_layout(const BigBirdSparsity& s, std::int64_t 
       const std::int64_t draws = std::min(s.num_random_blocks, n);
       for (std::int64_t t = 0; t < draws; ++t) {
         const std::int64_t pick =
-            t + static_cast<std::int64_t>(splitmix64(state) % static_cast<std::uint64_t>(n - t));
+            t + static_cast<std::int64_t>(splitmix64_next(state) % static_cast<std::uint64_t>(n - t));
         std::swap(candidates[t], candidates[pick]);
         row[candidates[t]] = 1;
       }

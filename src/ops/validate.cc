@@ -1,0 +1,130 @@
+#include "ops/validate.h"
+
+#include <utility>
+
+#include "qkv/error.h"
+
+namespace qkv::ops {
+
+std::string describe(const char* name, const TensorView& view) {
+  return std::string(name) + ": shape " + shape_string(view.sizes);
+}
+
+void require_data(const char* name, const TensorView& view) {
+  if (view.data == nullptr) throw Error(std::string(name) + ": data pointer is null");
+}
+
+void require_dtype(const char* name, const TensorView& view, DType want,
+                   const std::string& what_else) {
+  if (view.dtype != want) {
+    throw Error(std::string(name) + ": dtype " + dtype_name(view.dtype) + " is not supported (" +
+                what_else + ")");
+  }
+}
+
+void require_positive_sizes(const char* name, const TensorView& view) {
+  for (int d = 0; d < 4; ++d) {
+    if (view.sizes[d] < 1) {
+      throw Error(describe(name, view) + " has size " + std::to_string(view.sizes[d]) + " in dim " +
+                  std::to_string(d) + "; every size must be >= 1");
+    }
+  }
+}
+
+void require_same(const char* name_a, const TensorView& a, int dim_a, const char* name_b,
+                  const TensorView& b, int dim_b, const char* what) {
+  if (a.sizes[dim_a] != b.sizes[dim_b]) {
+    throw Error(describe(name_a, a) + " does not match " + describe(name_b, b) + ": " + what +
+                " differs (" + std::to_string(a.sizes[dim_a]) + " vs " +
+                std::to_string(b.sizes[dim_b]) + ")");
+  }
+}
+
+void require_shape(const char* name, const TensorView& view,
+                   const std::array<std::int64_t, 4>& want, const char* want_text) {
+  if (view.sizes != want) {
+    throw Error(describe(name, view) + " must be " + shape_string(want) + " " + want_text);
+  }
+}
+
+void require_writable_strides(const char* name, const TensorView& view) {
+  for (int d = 0; d < 4; ++d) {
+    if (view.sizes[d] > 1 && view.strides[d] == 0) {
+      throw Error(std::string(name) + ": stride 0 in dim " + std::to_string(d) +
+                  " of an output with size " + std::to_string(view.sizes[d]));
+    }
+  }
+}
+
+void broadcast_strides(const char* name, const TensorView& view,
+                       const std::array<std::int64_t, 4>& full, std::int64_t out[4]) {
+  for (int d = 0; d < 4; ++d) {
+    if (view.sizes[d] == full[d]) {
+      out[d] = full[d] == 1 ? 0 : view.strides[d];
+    } else if (view.sizes[d] == 1) {
+      out[d] = 0;
+    } else {
+      throw Error(describe(name, view) +
+                  " is not broadcastable to (B, Hq, Lq, Lk) = " + shape_string(full) + ": dim " +
+                  std::to_string(d) + " must be 1 or " + std::to_string(full[d]));
+    }
+  }
+}
+
+AttentionShape validate_operands(const TensorView& q, const TensorView& k, const TensorView& v,
+                                 const TensorView& out, const std::string& dtype_hint) {
+  const std::pair<const char*, const TensorView*> operands[] = {
+      {"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}};
+  for (const auto& [name, view] : operands) {
+    require_data(name, *view);
+    require_dtype(name, *view, DType::kF32, dtype_hint);
+    require_positive_sizes(name, *view);
+  }
+  require_same("q", q, 0, "k", k, 0, "batch (dim 0)");
+  require_same("k", k, 0, "v", v, 0, "batch (dim 0)");
+  require_same("k", k, 1, "v", v, 1, "seq_kv (dim 1)");
+  require_same("k", k, 2, "v", v, 2, "num_heads_kv (dim 2)");
+  require_same("q", q, 3, "k", k, 3, "head_dim (dim 3)");
+  const AttentionShape s{.batch = q.sizes[0],
+                         .seq_q = q.sizes[1],
+                         .seq_kv = k.sizes[1],
+                         .num_heads_q = q.sizes[2],
+                         .num_heads_kv = k.sizes[2],
+                         .head_dim = q.sizes[3],
+                         .head_dim_v = v.sizes[3]};
+  if (s.num_heads_q % s.num_heads_kv != 0) {
+    throw Error(describe("q", q) + " has " + std::to_string(s.num_heads_q) +
+                " heads, not a multiple of the " + std::to_string(s.num_heads_kv) + " heads of " +
+                describe("k", k) + " (num_heads_q % num_heads_kv must be 0)");
+  }
+  require_shape("out", out, {s.batch, s.seq_q, s.num_heads_q, s.head_dim_v}, "(B, Lq, Hq, Dv)");
+  require_writable_strides("out", out);
+  return s;
+}
+
+void validate_key_lengths(std::span<const std::int64_t> key_lengths, const TensorView& q,
+                          const TensorView& k) {
+  if (key_lengths.empty()) return;
+  const std::int64_t batch = q.sizes[0], seq_kv = k.sizes[1];
+  if (static_cast<std::int64_t>(key_lengths.size()) != batch) {
+    throw Error("key_lengths: has " + std::to_string(key_lengths.size()) +
+                " entries, expected batch = " + std::to_string(batch) + " (q: shape " +
+                shape_string(q.sizes) + ")");
+  }
+  for (std::size_t b = 0; b < key_lengths.size(); ++b) {
+    const std::int64_t length = key_lengths[b];
+    if (length < 0 || length > seq_kv) {
+      throw Error("key_lengths: entry " + std::to_string(b) + " is " + std::to_string(length) +
+                  ", outside [0, seq_kv = " + std::to_string(seq_kv) + "] (k: shape " +
+                  shape_string(k.sizes) + ")");
+    }
+  }
+}
+
+void validate_num_threads(int num_threads) {
+  if (num_threads < 0) {
+    throw Error("num_threads: must be >= 0 (0 = default), got " + std::to_string(num_threads));
+  }
+}
+
+}  // namespace qkv::ops

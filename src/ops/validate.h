@@ -1,0 +1,52 @@
+// Boundary checks shared by the ops (attention(), linear_attention()): every message names the
+// argument and, for shapes, both shapes (DESIGN.md section 4 and STYLE.md 7). Kernels never
+// re-check what passed here.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "qkv/tensor.h"
+
+namespace qkv::ops {
+
+// "q: shape (2, 5, 4, 8)".
+std::string describe(const char* name, const TensorView& view);
+
+void require_data(const char* name, const TensorView& view);
+// `what_else` ends the message: "q: dtype bf16 is not supported (<what_else>)".
+void require_dtype(const char* name, const TensorView& view, DType want,
+                   const std::string& what_else);
+void require_positive_sizes(const char* name, const TensorView& view);
+// a.sizes[dim_a] == b.sizes[dim_b], else an error naming both shapes.
+void require_same(const char* name_a, const TensorView& a, int dim_a, const char* name_b,
+                  const TensorView& b, int dim_b, const char* what);
+void require_shape(const char* name, const TensorView& view,
+                   const std::array<std::int64_t, 4>& want, const char* want_text);
+// Outputs are written by several threads: a zero stride on a dim of size > 1 would make them
+// race on one element.
+void require_writable_strides(const char* name, const TensorView& view);
+// mask / bias: each size 1 (broadcast: stride 0) or the full size of [B, Hq, Lq, Lk].
+void broadcast_strides(const char* name, const TensorView& view,
+                       const std::array<std::int64_t, 4>& full, std::int64_t out[4]);
+
+// The sizes of one attention problem, read from validated operands.
+struct AttentionShape {
+  std::int64_t batch, seq_q, seq_kv, num_heads_q, num_heads_kv, head_dim, head_dim_v;
+};
+
+// q: [B, Lq, Hq, D]  k: [B, Lk, Hkv, D]  v: [B, Lk, Hkv, Dv]  out: [B, Lq, Hq, Dv]
+// Each present, f32 (else the error ends with `dtype_hint`), sizes >= 1, consistent, Hq a
+// multiple of Hkv, out writable.
+AttentionShape validate_operands(const TensorView& q, const TensorView& k, const TensorView& v,
+                                 const TensorView& out, const std::string& dtype_hint);
+
+// key_lengths: empty, or [B] entries each in [0, Lk].
+void validate_key_lengths(std::span<const std::int64_t> key_lengths, const TensorView& q,
+                          const TensorView& k);
+
+void validate_num_threads(int num_threads);
+
+}  // namespace qkv::ops
