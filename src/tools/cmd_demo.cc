@@ -68,7 +68,7 @@ constexpr const char* kDemoUsage =
     "                   the article's implementation holds it, fits in M MiB (default 1024)\n"
     "  --max-seconds S  skip a method at a length where its time, extrapolated from the previous\n"
     "                   length (L^2 for exact methods, L for the others), exceeds S seconds\n"
-    "                   (default 60)\n"
+    "                   (default 120)\n"
     "  --causal         causal self-attention (GFLOP/s then count only the allowed pairs)\n"
     "  --help           this text\n"
     "\n"
@@ -78,7 +78,7 @@ struct DemoOptions {
   std::vector<std::int64_t> lengths;
   int threads = 0;
   double budget_mib = 1024.0;
-  double max_seconds = 60.0;
+  double max_seconds = 120.0;
   bool causal = false;
 };
 
