@@ -33,7 +33,6 @@ fi
 
 echo "peers_venv.sh: installing ${packages[*]} into $venv (a few GB, several minutes)" >&2
 # shellcheck disable=SC2086  # PEERS_PIP_ARGS is a list of words on purpose
-"$python" -m pip install --quiet --upgrade pip >&2
 "$python" -m pip install --quiet ${PEERS_PIP_ARGS:-} "${packages[@]}" >&2
 if ! "$python" -c "$check" >&2; then
   echo "peers_venv.sh: the modules still do not import after installing" >&2

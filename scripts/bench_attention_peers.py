@@ -1,0 +1,577 @@
+#!/usr/bin/env python3
+"""Times qkv's attention against its peers in one run: same shapes, same thread count.
+
+    python3 scripts/bench_attention_peers.py [--quick] [--threads N] [--png FILE] [--json FILE]
+
+Peers (DESIGN.md section 6: timed in the same run, reported as ratios):
+  torch-f32, torch-bf16  torch.nn.functional.scaled_dot_product_attention on CPU, inputs
+                         (B, H, L, D) contiguous; GQA through enable_gqa=True
+  torch-mm-f32/-bf16     decode only (Lq = 1): softmax(q k^T) v as two batched matmuls with the
+                         query heads of one KV head stacked as rows (how hand-written decoders
+                         do GQA without copying K/V); SDPA is slow at Lq = 1 on CPU
+  ort-mha-f32            ONNX Runtime com.microsoft MultiHeadAttention, BSH-packed (B, L, H*D)
+                         inputs, unidirectional=1 for causal (its CPU kernel is float only; with
+                         a mask it materialises (B, H, Lq, Lk) scores, so it is skipped where
+                         that exceeds --ort-max-mib). GQA: K/V repeated to Hq heads beforehand
+  ort-gqa-f32            decode only: com.microsoft GroupQueryAttention appending one token to a
+                         KV cache of Lk - 1 keys, past and present bound to one buffer
+  qkv-f32, qkv-bf16      `qkv bench --json --shape B,Hq,Hkv,Lq,Lk,D [--causal] --dtype T
+                         --threads N`, one process per round; its JSON carries the fp32 FMA
+                         peak (peak_gflops) and read bandwidth measured in the same process
+
+Shapes (issue 4): B=1, H=8, D in {64, 128}, Lq = Lk = L in {1024, 4096, 16384}, causal and
+not; decode Lq=1, Lk=32768, Hq=32, Hkv=8, D=128. --quick drops L=16384.
+
+Method: each implementation is warmed up, then timed once per round; rounds interleave the
+implementations (rotating their order) so that they share the machine's noise, and the median
+over rounds is reported. A call under 20 ms is repeated to fill 20 ms and divided. Cases where
+one call takes over 2 s get 3 rounds instead of --rounds.
+
+Columns: median ms; GFLOP/s = 4 * B * Hq * Lq * Lk * D / time, counting only the pairs the causal
+mask allows (bottom-right aligned; "effective" GFLOP/s, DESIGN.md section 6); %peak = GFLOP/s /
+qkv's measured fp32 FMA peak (median over the qkv processes of this run; bf16 rows use the
+peak qkv reports for bf16 when it reports one); decode rows add GB/s = bytes of K and V in the
+row's dtype (B * Hkv * Lk * D * 2 tensors) / time, and %bw = that / qkv's measured streaming
+read bandwidth. After each shape: qkv / best peer speed ratio per dtype (> 1: qkv faster).
+
+Needs nothing installed: it re-runs itself in .cache/venv-peers (scripts/peers_venv.sh).
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MIN_SAMPLE_S = 0.02  # fast calls are repeated to fill this, so timer overhead stays < 0.1%
+SLOW_CALL_S = 2.0  # cases slower than this per call get 3 rounds
+
+
+def ensure_venv():
+    """Re-runs this script inside .cache/venv-peers (created by scripts/peers_venv.sh)."""
+    try:
+        import onnxruntime  # noqa: F401
+        import torch  # noqa: F401
+        return
+    except ImportError:
+        pass
+    python = subprocess.run(["bash", str(ROOT / "scripts" / "peers_venv.sh")], check=True,
+                            capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    os.execv(python, [python, __file__, *sys.argv[1:]])
+
+
+@dataclass(frozen=True)
+class Case:
+    B: int
+    Hq: int
+    Hkv: int
+    Lq: int
+    Lk: int
+    D: int
+    causal: bool
+
+    def name(self):
+        return f"({self.B},{self.Hq},{self.Hkv},{self.Lq},{self.Lk},{self.D})" + (
+            " causal" if self.causal else "")
+
+    def allowed_pairs(self):
+        """Query-key pairs per (batch, head) that the mask allows; causal is bottom-right
+        aligned (query i sees keys j <= i + Lk - Lq), as in qkv."""
+        if not self.causal:
+            return self.Lq * self.Lk
+        return sum(max(0, min(self.Lk, i + self.Lk - self.Lq + 1)) for i in range(self.Lq))
+
+    def flops(self):
+        return 4 * self.B * self.Hq * self.allowed_pairs() * self.D
+
+    def kv_bytes(self, dtype):
+        return 2 * self.B * self.Hkv * self.Lk * self.D * (4 if dtype == "f32" else 2)
+
+    def is_decode(self):
+        return self.Lq == 1
+
+
+def default_cases(lengths):
+    cases = [Case(1, 8, 8, L, L, D, causal) for D in (64, 128) for causal in (False, True)
+             for L in lengths]
+    return cases + [Case(1, 32, 8, 1, 32768, 128, False)]
+
+
+class Skip(Exception):
+    """An implementation that cannot run a case (the message says why)."""
+
+
+class NotApplicable(Exception):
+    """An implementation made for other cases (decode-only peers); left out of the table."""
+
+
+def make_inputs(case):
+    """q: [B, Lq, Hq, D], k, v: [B, Lk, Hkv, D] float32 ~ N(0, 1), one fixed seed per case;
+    every implementation gets these same values (in its own layout and dtype)."""
+    import numpy as np
+    rng = np.random.default_rng(abs(hash((case.Lq, case.Lk, case.D, case.Hq))) % 2**32)
+    q = rng.standard_normal((case.B, case.Lq, case.Hq, case.D), dtype=np.float32)
+    k, v = (rng.standard_normal((case.B, case.Lk, case.Hkv, case.D), dtype=np.float32)
+            for _ in range(2))
+    return q, k, v
+
+
+# ---- peers in this process: each prepare() returns a no-argument callable --------------------
+
+
+def to_torch_bhsd(x, dtype):
+    """[B, L, H, D] float32 numpy -> contiguous [B, H, L, D] torch tensor in dtype."""
+    import torch
+    dt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    return torch.from_numpy(x).transpose(1, 2).contiguous().to(dt)
+
+
+class TorchSdpa:
+    def __init__(self, dtype):
+        self.dtype, self.label = dtype, f"torch-{dtype}"
+
+    def prepare(self, case, data, threads):
+        import torch
+        import torch.nn.functional as F
+        if case.causal and case.Lq != case.Lk:
+            raise Skip("is_causal is top-left aligned; qkv is bottom-right")
+        torch.set_num_threads(threads)
+        q, k, v = (to_torch_bhsd(x, self.dtype) for x in data)
+        gqa = {"enable_gqa": True} if case.Hq != case.Hkv else {}
+
+        def call():
+            with torch.inference_mode():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, **gqa)
+
+        return call, lambda out: out.float().transpose(1, 2).numpy()  # -> (B, Lq, Hq, D)
+
+
+class TorchMatmulDecode:
+    def __init__(self, dtype):
+        self.dtype, self.label = dtype, f"torch-mm-{dtype}"
+
+    def prepare(self, case, data, threads):
+        import torch
+        if not case.is_decode():
+            raise NotApplicable
+        torch.set_num_threads(threads)
+        q, k, v = (to_torch_bhsd(x, self.dtype) for x in data)
+        # q: [B, Hkv, group * Lq, D] -- the query heads sharing one KV head, stacked as rows
+        # (query head h uses KV head h // group, so heads h = j * group + g are adjacent)
+        q = q.reshape(case.B, case.Hkv, (case.Hq // case.Hkv) * case.Lq, case.D)
+        scale = 1.0 / math.sqrt(case.D)
+
+        def call():
+            with torch.inference_mode():
+                p = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, dim=-1)
+                return torch.matmul(p, v)
+
+        return call, lambda out: out.float().reshape(case.B, case.Hq, case.Lq, case.D).transpose(
+            1, 2).numpy()
+
+
+def ort_session(graph_nodes, inputs, outputs, threads):
+    import onnxruntime as ort
+    from onnx import helper
+    graph = helper.make_graph(graph_nodes, "attention", inputs, outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), options,
+                                providers=["CPUExecutionProvider"])
+
+
+class OrtMha:
+    dtype, label = "f32", "ort-mha-f32"
+
+    def __init__(self, max_mib):
+        self.max_mib = max_mib
+
+    def prepare(self, case, data, threads):
+        import numpy as np
+        from onnx import TensorProto, helper
+        if case.causal and case.Lq != case.Lk:
+            raise Skip("unidirectional is top-left aligned")
+        # Its CPU kernel runs a fused flash path only without masks; with unidirectional=1 it
+        # materialises the scores (measured: +700 MiB at L=4096).
+        scores_mib = 4 * case.B * case.Hq * case.Lq * case.Lk / 2**20
+        if case.causal and scores_mib > self.max_mib:
+            raise Skip(f"unfused causal path needs ~{scores_mib:.0f} MiB of scores "
+                       f"(> --ort-max-mib {self.max_mib})")
+        hidden = case.Hq * case.D
+        node = helper.make_node("MultiHeadAttention", ["q", "k", "v"], ["o"],
+                                domain="com.microsoft", num_heads=case.Hq,
+                                unidirectional=int(case.causal))
+        vi = helper.make_tensor_value_info
+        session = ort_session(
+            [node], [vi("q", TensorProto.FLOAT, [case.B, case.Lq, hidden]),
+                     vi("k", TensorProto.FLOAT, [case.B, case.Lk, hidden]),
+                     vi("v", TensorProto.FLOAT, [case.B, case.Lk, hidden])],
+            [vi("o", TensorProto.FLOAT, [case.B, case.Lq, hidden])], threads)
+        q = data[0].reshape(case.B, case.Lq, hidden)
+        # K/V repeated from Hkv to Hq heads (MHA has no GQA) before timing starts.
+        k, v = (np.ascontiguousarray(np.repeat(x, case.Hq // case.Hkv, axis=2)).reshape(
+            case.B, case.Lk, hidden) for x in data[1:])
+        feeds = {"q": q, "k": k, "v": v}
+        return (lambda: session.run(None, feeds)[0],
+                lambda out: out.reshape(case.B, case.Lq, case.Hq, case.D))
+
+
+class OrtGqaDecode:
+    dtype, label = "f32", "ort-gqa-f32"
+
+    def prepare(self, case, data, threads):
+        import numpy as np
+        import onnxruntime as ort
+        from onnx import TensorProto, helper
+        if not case.is_decode():
+            raise NotApplicable
+        F, I32 = TensorProto.FLOAT, TensorProto.INT32
+        B, Hq, Hkv, Lk, D = case.B, case.Hq, case.Hkv, case.Lk, case.D
+        node = helper.make_node(
+            "GroupQueryAttention",
+            ["q", "k", "v", "past_key", "past_value", "seqlens_k", "total_sequence_length"],
+            ["o", "present_key", "present_value"], domain="com.microsoft", num_heads=Hq,
+            kv_num_heads=Hkv)
+        vi = helper.make_tensor_value_info
+        cache = [B, Hkv, Lk, D]  # BNSH, max_sequence_length = Lk: the buffer-sharing layout
+        session = ort_session(
+            [node], [vi("q", F, [B, 1, Hq * D]), vi("k", F, [B, 1, Hkv * D]),
+                     vi("v", F, [B, 1, Hkv * D]), vi("past_key", F, cache),
+                     vi("past_value", F, cache), vi("seqlens_k", I32, [B]),
+                     vi("total_sequence_length", I32, [])],
+            [vi("o", F, [B, 1, Hq * D]), vi("present_key", F, cache),
+             vi("present_value", F, cache)], threads)
+        q, k, v = data
+        binding = session.io_binding()
+        # The cache holds keys 0 .. Lk-2, the step appends key Lk-1 (rewriting the same value
+        # on every call), so the result is attention over the same Lk keys as the others.
+        binding.bind_cpu_input("q", q.reshape(B, 1, Hq * D))
+        binding.bind_cpu_input("k", np.ascontiguousarray(k[:, -1:]).reshape(B, 1, Hkv * D))
+        binding.bind_cpu_input("v", np.ascontiguousarray(v[:, -1:]).reshape(B, 1, Hkv * D))
+        binding.bind_cpu_input("seqlens_k", np.full((B,), Lk - 1, np.int32))
+        binding.bind_cpu_input("total_sequence_length", np.array(Lk, np.int32))
+        # past and present share one buffer, so a step appends one token in place instead of
+        # copying the whole cache (the way ORT's generate loop runs it).
+        self.caches = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(
+            x.transpose(0, 2, 1, 3))) for x in (k, v)]
+        binding.bind_ortvalue_input("past_key", self.caches[0])
+        binding.bind_ortvalue_input("past_value", self.caches[1])
+        binding.bind_ortvalue_output("present_key", self.caches[0])
+        binding.bind_ortvalue_output("present_value", self.caches[1])
+        binding.bind_output("o")
+
+        def call():
+            session.run_with_iobinding(binding)
+            return binding
+
+        return call, lambda out: out.copy_outputs_to_cpu()[2].reshape(B, 1, Hq, D)
+
+
+# ---- qkv: one `qkv bench` process per round ---------------------------------------------------
+
+
+class Qkv:
+    def __init__(self, dtype, binary):
+        self.dtype, self.label, self.binary = dtype, f"qkv-{dtype}", binary
+
+    def command(self, case, threads, repeats):
+        shape = f"{case.B},{case.Hq},{case.Hkv},{case.Lq},{case.Lk},{case.D}"
+        return [str(self.binary), "bench", "--json", "--shape", shape, "--dtype", self.dtype,
+                "--threads", str(threads), "--repeats", str(repeats)] + (
+                    ["--causal"] if case.causal else [])
+
+    def run(self, case, threads, repeats):
+        """Returns qkv bench's JSON object for the case; raises Skip when qkv refuses it."""
+        proc = subprocess.run(self.command(case, threads, repeats), capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            lines = proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"]
+            raise Skip(lines[-1])
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---- timing -----------------------------------------------------------------------------------
+
+
+def time_call(call, calls):
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - start) / calls
+
+
+def bench_case(case, impls, args, log):
+    """Times every implementation on one case; returns {label: result dict}."""
+    results, runners, outputs = {}, {}, {}
+    data = make_inputs(case)
+    for impl in impls:
+        if isinstance(impl, Qkv):
+            runners[impl.label] = impl
+            continue
+        try:
+            call, to_bshd = impl.prepare(case, data, args.threads)
+            warm = time.perf_counter()
+            out = call()
+            warm = time.perf_counter() - warm
+            outputs[impl.label] = to_bshd(out)
+            if warm < SLOW_CALL_S:  # a second warm-up where it is cheap
+                call()
+            runners[impl.label] = (call, max(1, math.ceil(MIN_SAMPLE_S / max(warm, 1e-6))), warm)
+        except NotApplicable:
+            pass
+        except Skip as why:
+            results[impl.label] = {"skipped": str(why)}
+        except (RuntimeError, TypeError, ValueError) as error:  # a peer's own refusal
+            results[impl.label] = {"skipped": f"{type(error).__name__}: {str(error)[:120]}"}
+    slow = any(not isinstance(r, Qkv) and r[2] > SLOW_CALL_S for r in runners.values())
+    rounds = 3 if slow else args.rounds
+    samples = {label: [] for label in runners}
+    qkv_json = {label: [] for label in runners}
+    order = list(runners)
+    for round_index in range(rounds):
+        shift = round_index % len(order)
+        for label in order[shift:] + order[:shift]:
+            runner = runners[label]
+            if label in results:  # a qkv that refused in an earlier round
+                continue
+            time.sleep(0.05)  # let the previous implementation's spinning threads go idle
+            if isinstance(runner, Qkv):
+                try:
+                    row = runner.run(case, args.threads, 1 if slow else 3)
+                except Skip as why:
+                    results[label] = {"skipped": str(why)}
+                    continue
+                samples[label].append(row["seconds"])
+                qkv_json[label].append(row)
+            else:
+                call, calls, _ = runner
+                samples[label].append(time_call(call, calls))
+        log(f"  round {round_index + 1}/{rounds} done")
+    for label in runners:
+        if label in results:
+            continue
+        seconds = statistics.median(samples[label])
+        result = {"seconds": seconds, "rounds": len(samples[label]),
+                  "gflops": case.flops() / seconds / 1e9}
+        if qkv_json[label]:
+            rows = qkv_json[label]
+            result["peak_gflops"] = statistics.median(r["peak_gflops"] for r in rows)
+            if "read_gbytes_per_second" in rows[0]:
+                result["read_gbytes_per_second"] = statistics.median(
+                    r["read_gbytes_per_second"] for r in rows)
+        results[label] = result
+    agreement = peer_agreement(outputs)
+    return {i.label: results[i.label] for i in impls if i.label in results}, agreement
+
+
+def peer_agreement(outputs):
+    """Max |difference| of the f32 peers' outputs against torch-f32 (a sanity check that the
+    peers compute the same attention, causal alignment included)."""
+    import numpy as np
+    base = outputs.get("torch-f32")
+    if base is None:
+        return {}
+    return {label: float(np.abs(out.astype(np.float32) - base).max())
+            for label, out in outputs.items() if label != "torch-f32"}
+
+
+# ---- report -----------------------------------------------------------------------------------
+
+
+def peaks(all_results, dtype):
+    values = [r["peak_gflops"] for res in all_results.values() for label, r in res.items()
+              if label == f"qkv-{dtype}" and "peak_gflops" in r]
+    return statistics.median(values) if values else None
+
+
+def bandwidth(all_results):
+    values = [r["read_gbytes_per_second"] for res in all_results.values() for r in res.values()
+              if "read_gbytes_per_second" in r]
+    return statistics.median(values) if values else None
+
+
+def ratios(results):
+    """{dtype: (qkv / best peer speed ratio, best peer label)} and the overall ratio."""
+    out = {}
+    fastest = {}
+    for label, r in results.items():
+        if "seconds" in r:
+            fastest[label] = r["seconds"]
+    peers = {k: v for k, v in fastest.items() if not k.startswith("qkv-")}
+    for dtype in ("f32", "bf16"):
+        mine = fastest.get(f"qkv-{dtype}")
+        same = {k: v for k, v in peers.items() if k.endswith(dtype)}
+        if mine and same:
+            best = min(same, key=same.get)
+            out[dtype] = (same[best] / mine, best)
+    mine = [v for k, v in fastest.items() if k.startswith("qkv-")]
+    if mine and peers:
+        best = min(peers, key=peers.get)
+        out["any"] = (peers[best] / min(mine), best)
+    return out
+
+
+def report(all_results, agreements):
+    peak = {d: peaks(all_results, d) for d in ("f32", "bf16")}
+    read_bw = bandwidth(all_results)
+    lines = []
+    if peak["f32"]:
+        lines.append(f"qkv measured: fp32 FMA peak {peak['f32']:.1f} GFLOP/s"
+                     + (f", bf16 peak {peak['bf16']:.1f}" if peak["bf16"] else "")
+                     + (f", streaming read {read_bw:.1f} GB/s" if read_bw else ""))
+    header = (f"{'shape (B,Hq,Hkv,Lq,Lk,D)':<32} {'impl':<13} {'median ms':>10} "
+              f"{'GFLOP/s':>8} {'%peak':>6} {'GB/s':>6} {'%bw':>5}")
+    lines += [header, "-" * len(header)]
+    for case, results in all_results.items():
+        for label, r in results.items():
+            if "skipped" in r:
+                lines.append(f"{case.name():<32} {label:<13} skipped: {r['skipped']}")
+                continue
+            dtype = label.rsplit("-", 1)[1]
+            row_peak = peak.get(dtype) or peak["f32"]
+            pct = f"{100 * r['gflops'] / row_peak:5.0f}%" if row_peak else "   n/a"
+            gbs = bw = ""
+            if case.is_decode():
+                rate = case.kv_bytes(dtype) / r["seconds"] / 1e9
+                gbs = f"{rate:6.1f}"
+                bw = f"{100 * rate / read_bw:4.0f}%" if read_bw else ""
+            lines.append(f"{case.name():<32} {label:<13} {1e3 * r['seconds']:10.2f} "
+                         f"{r['gflops']:8.1f} {pct:>6} {gbs:>6} {bw:>5}")
+        summary = ", ".join(f"{dtype}: {ratio:.2f}x vs {best}"
+                            for dtype, (ratio, best) in ratios(results).items())
+        if summary:
+            lines.append(f"{'':<32} qkv / best peer  {summary}")
+        if agreements.get(case):
+            lines.append(f"{'':<32} peers vs torch-f32 max|diff|: " + ", ".join(
+                f"{k} {v:.1e}" for k, v in agreements[case].items()))
+    return "\n".join(lines)
+
+
+class OtherLoad:
+    """CPU time that other processes used while the benchmark ran (all CPUs' busy time from
+    /proc/stat minus this process's and its children's): they shift the ratios."""
+
+    def __init__(self):
+        self.start = self.sample()
+
+    @staticmethod
+    def sample():
+        try:
+            with open("/proc/stat") as stat:
+                fields = [int(x) for x in stat.readline().split()[1:]]
+        except OSError:
+            return None
+        busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+        own = os.times()
+        return time.monotonic(), busy - (own.user + own.system + own.children_user +
+                                         own.children_system)
+
+    def note(self):
+        end = self.sample()
+        if self.start is None or end is None:
+            return "other processes' CPU use: unknown (no /proc/stat)"
+        cores = (end[1] - self.start[1]) / (end[0] - self.start[0])
+        note = f"other processes used {max(cores, 0):.2f} cores on average during the run"
+        if cores > 0.1:
+            note += ": treat the figures as noisy and rerun on a quiet machine"
+        return note
+
+
+def plot(all_results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    groups = sorted({(c.D, c.causal) for c in all_results if not c.is_decode()})
+    labels = sorted({k for res in all_results.values() for k, r in res.items() if "gflops" in r})
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 4), squeeze=False)
+    for ax, (D, causal) in zip(axes[0], groups):
+        cases = sorted((c for c in all_results if (c.D, c.causal) == (D, causal)
+                        and not c.is_decode()), key=lambda c: c.Lk)
+        for index, label in enumerate(labels):
+            pts = [(c.Lk, all_results[c][label]["gflops"]) for c in cases
+                   if "gflops" in all_results[c].get(label, {})]
+            if pts:  # one colour per implementation across panels
+                ax.plot(*zip(*pts), marker="o", label=label, color=f"C{index}",
+                        linestyle="-" if label.startswith("qkv") else "--")
+        ax.set_ylim(bottom=0)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("L (= Lq = Lk)")
+        ax.set_ylabel("effective GFLOP/s" if causal else "GFLOP/s")
+        ax.set_title(f"D={D}{' causal' if causal else ''}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description="qkv attention vs PyTorch SDPA and ONNX Runtime, same run, same threads.")
+    parser.add_argument("--quick", action="store_true", help="L in {1024, 4096} + decode")
+    parser.add_argument("--lengths", help="comma list of L instead of the default set")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per case")
+    parser.add_argument("--impls", help="comma list of implementation labels to run")
+    parser.add_argument("--no-decode", action="store_true", help="skip the decode case")
+    parser.add_argument("--ort-max-mib", type=float, default=3072,
+                        help="skip ORT's unfused (causal) path above this many MiB of scores")
+    parser.add_argument("--qkv", default=str(ROOT / "build" / "release" / "qkv"))
+    parser.add_argument("--png", help="write GFLOP/s against L per implementation")
+    parser.add_argument("--json", help="write every measurement as JSON")
+    args = parser.parse_args()
+    ensure_venv()
+    import onnxruntime
+    import torch
+
+    lengths = ([int(x) for x in args.lengths.split(",")] if args.lengths
+               else [1024, 4096] if args.quick else [1024, 4096, 16384])
+    cases = default_cases(lengths)
+    if args.no_decode:
+        cases = [c for c in cases if not c.is_decode()]
+    impls = [TorchSdpa("f32"), TorchSdpa("bf16"), TorchMatmulDecode("f32"),
+             TorchMatmulDecode("bf16"), OrtMha(args.ort_max_mib), OrtGqaDecode()]
+    if Path(args.qkv).exists():
+        impls += [Qkv("f32", args.qkv), Qkv("bf16", args.qkv)]
+    else:
+        print(f"note: {args.qkv} not found (scripts/build.sh builds it); timing peers only")
+    if args.impls:
+        wanted = set(args.impls.split(","))
+        impls = [i for i in impls if i.label in wanted]
+
+    def log(message):
+        print(message, file=sys.stderr, flush=True)
+
+    log(f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, "
+        f"{args.threads} threads, {len(cases)} cases")
+    others = OtherLoad()
+    all_results, agreements = {}, {}
+    for index, case in enumerate(cases):
+        log(f"[{index + 1}/{len(cases)}] {case.name()}")
+        all_results[case], agreements[case] = bench_case(case, impls, args, log)
+    print(report(all_results, agreements))
+    print(others.note())
+    if args.png:
+        plot(all_results, args.png)
+        print(f"wrote {args.png}")
+    if args.json:
+        rows = [{"B": c.B, "Hq": c.Hq, "Hkv": c.Hkv, "Lq": c.Lq, "Lk": c.Lk, "D": c.D,
+                 "causal": c.causal, "impl": label, "threads": args.threads, **r}
+                for c, res in all_results.items() for label, r in res.items()]
+        meta = {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
+                "threads": args.threads, "peak_gflops_f32": peaks(all_results, "f32"),
+                "read_gbytes_per_second": bandwidth(all_results)}
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
