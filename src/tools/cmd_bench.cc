@@ -64,7 +64,10 @@ constexpr const char* kBenchUsage =
     "\n"
     "columns: median ms per call; GFLOP/s = 4*B*Hq*Lq*Lk*D / seconds (all pairs); eff GFLOP/s\n"
     "counts only the pairs the mask allows; %peak = GFLOP/s / measured FMA peak; extra MiB =\n"
-    "peak resident memory during a call above the memory before it. See docs/cli-bench-demo.md.\n";
+    "peak resident memory during a call above the memory before it. Decode shapes (Lq <= 16)\n"
+    "add a line: K/V read = 2*B*Hkv*Lk*D*4 bytes / seconds, and its fraction of the streaming\n"
+    "read bandwidth measured in the same run (json: kv_gbytes_per_second,\n"
+    "kv_fraction_of_read_bandwidth, on every shape). See docs/cli-bench-demo.md.\n";
 
 struct BenchCase {
   std::int64_t batch, num_heads_q, num_heads_kv, seq_q, seq_kv, head_dim;
@@ -315,6 +318,17 @@ std::string shape_text(const BenchCase& c) {
 // JSON numbers must be finite.
 double finite(double value) { return std::isfinite(value) ? value : 0.0; }
 
+// GB/s of K and V read once per call (2 * B * Hkv * Lk * D f32 values): what bounds a decode
+// step (Lq small), quoted against the streaming read bandwidth measured in the same run.
+double kv_gbytes_per_second(const BenchCase& c, const BenchResult& r) {
+  const double kv_bytes = 2.0 * static_cast<double>(c.batch * c.num_heads_kv) *
+                          static_cast<double>(c.seq_kv) * static_cast<double>(c.head_dim) *
+                          sizeof(float);
+  return kv_bytes / r.seconds / 1e9;
+}
+// Decode-like shapes get the K/V bandwidth line in the table.
+constexpr std::int64_t kDecodeMaxSeqQ = 16;
+
 void print_json(const BenchCase& c, const BenchResult& r, int threads, const tools::FmaPeak& peak,
                 const tools::ReadBandwidth& bandwidth) {
   std::printf(
@@ -325,7 +339,8 @@ void print_json(const BenchCase& c, const BenchResult& r, int threads, const too
       "\"effective_gflops\": %.6g, \"peak_gflops\": %.6g, \"fraction_of_peak\": %.6g, "
       "\"effective_fraction_of_peak\": %.6g, \"peak_extra_rss_bytes\": %lld, "
       "\"scratch_peak_bytes\": %lld, \"memory_method\": \"%s\", \"hwy_target\": \"%s\", "
-      "\"read_gbytes_per_second\": %.6g}\n",
+      "\"read_gbytes_per_second\": %.6g, \"kv_gbytes_per_second\": %.6g, "
+      "\"kv_fraction_of_read_bandwidth\": %.6g}\n",
       r.kernel.c_str(), static_cast<long long>(c.batch), static_cast<long long>(c.num_heads_q),
       static_cast<long long>(c.num_heads_kv), static_cast<long long>(c.seq_q),
       static_cast<long long>(c.seq_kv), static_cast<long long>(c.head_dim),
@@ -334,7 +349,8 @@ void print_json(const BenchCase& c, const BenchResult& r, int threads, const too
       finite(peak.gflops), finite(r.gflops / peak.gflops), finite(r.effective_gflops / peak.gflops),
       static_cast<long long>(r.memory.peak_extra_bytes()),
       static_cast<long long>(r.memory.scratch_peak_extra), r.memory.method, peak.hwy_target.c_str(),
-      finite(bandwidth.gbytes_per_second));
+      finite(bandwidth.gbytes_per_second), finite(kv_gbytes_per_second(c, r)),
+      finite(kv_gbytes_per_second(c, r) / bandwidth.gbytes_per_second));
   std::fflush(stdout);
 }
 
@@ -356,12 +372,17 @@ void print_table_header(int threads, const tools::FmaPeak& peak,
 }
 
 void print_table_row(const BenchCase& c, const BenchResult& r, int threads,
-                     const tools::FmaPeak& peak) {
+                     const tools::FmaPeak& peak, const tools::ReadBandwidth& bandwidth) {
   std::printf("%-9s  %-24s  %-6s  %3d  %10.3f  %8.2f  %8.2f  %8.1f  %5.1f%%  %5.1f%%  %9.1f\n",
               r.kernel.c_str(), shape_text(c).c_str(), c.causal ? "yes" : "no", threads,
               r.seconds * 1e3, r.gflops, r.effective_gflops, peak.gflops,
               100.0 * r.gflops / peak.gflops, 100.0 * r.effective_gflops / peak.gflops,
               static_cast<double>(r.memory.peak_extra_bytes()) / (1024.0 * 1024.0));
+  if (c.seq_q <= kDecodeMaxSeqQ) {
+    std::printf("%-9s  K/V read %.1f GB/s = %.1f%% of the read bandwidth\n", "",
+                kv_gbytes_per_second(c, r),
+                100.0 * kv_gbytes_per_second(c, r) / bandwidth.gbytes_per_second);
+  }
   std::fflush(stdout);
 }
 
@@ -412,7 +433,7 @@ int run_bench(std::vector<std::string> args) {
       if (options.json) {
         print_json(c, result, threads, peak, bandwidth);
       } else {
-        print_table_row(c, result, threads, peak);
+        print_table_row(c, result, threads, peak, bandwidth);
       }
     }
   }

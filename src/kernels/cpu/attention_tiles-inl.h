@@ -407,12 +407,20 @@ inline void StartQueryBlock(const AttentionKernelParams& p, std::int64_t b, std:
 // st[j][:] = scores of keys [j0, j0 + num_k) against the block's queries, with softcap, bias
 // and every mask applied: not-allowed pairs are exactly -inf. sparse_predicate: apply the
 // sparsity pair by pair (tiles SparseTileKeys found partly covered; every tile in chunked).
+inline void MaskScoreTile(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
+                          std::int64_t num_k, float* HWY_RESTRICT st, bool sparse_predicate);
 inline void ScoreTile(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
                       std::int64_t num_k, float* HWY_RESTRICT st, bool sparse_predicate) {
-  const DF df;
   OuterProduct(qb.qt, qb.k + j0 * p.k_stride[1], num_k, p.k_stride[1], p.k_stride[3], p.head_dim,
                st, nullptr, false);
+  MaskScoreTile(p, qb, j0, num_k, st, sparse_predicate);
+}
 
+// The masking half of ScoreTile, for st holding raw scores q.k * scale (the flash kernel's
+// decode path computes them its own way: flash_forward.cc).
+inline void MaskScoreTile(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
+                          std::int64_t num_k, float* HWY_RESTRICT st, bool sparse_predicate) {
+  const DF df;
   if (p.softcap > 0.0f) {
     // "s = softcap * tanh(s / softcap)"; scale is already folded into q.
     const VF cap = hn::Set(df, p.softcap), inv_cap = hn::Set(df, 1.0f / p.softcap);
@@ -498,10 +506,12 @@ HWY_INLINE VF ExpInPlaceAndSum(DF df, float* HWY_RESTRICT st, std::int64_t num_k
 }
 
 // Flash step over one tile: st becomes p = exp(s - m_new) in place; alpha = exp(m_old - m_new);
-// row_sum = row_sum * alpha + sum_j p.
-inline void OnlineSoftmaxTile(QueryBlock& qb, std::int64_t num_k, float* HWY_RESTRICT st) {
+// row_sum = row_sum * alpha + sum_j p. Only the first num_vecs query vectors (the flash
+// kernel's decode path uses fewer lanes; the others are left as they are).
+inline void OnlineSoftmaxTile(QueryBlock& qb, std::int64_t num_k, float* HWY_RESTRICT st,
+                              int num_vecs = kQueryVecs) {
   const DF df;
-  for (int x = 0; x < kQueryVecs; ++x) {
+  for (int x = 0; x < num_vecs; ++x) {
     const std::int64_t lane0 = x * kLanes;
     const VF old_max = hn::Load(df, qb.row_max + lane0);
     const VF new_max = hn::Max(old_max, ColumnMax(df, st, num_k, lane0));

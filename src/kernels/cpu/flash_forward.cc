@@ -2,11 +2,20 @@
 // online softmax (running max and sum, rescaling), never allocating Lq x Lk. Key tiles outside
 // the union of the block's allowed ranges (causal, window, key lengths) are skipped, so causal
 // costs about half; so are key tiles a sparsity (Longformer, BigBird, a block layout) leaves
-// out, and tiles it covers in part take a pair-by-pair predicate (docs/sparse.md). Threads
-// split (batch, head, query block); every block is computed by one thread in a fixed order, so
-// results are identical whatever the thread count.
+// out, and tiles it covers in part take a pair-by-pair predicate (docs/sparse.md).
+//
+// Work: tasks are groups of query blocks that share one walk over the keys. When the blocks are
+// too few to keep the threads busy and the keys are long (decoding: Lq = 1 against a KV cache),
+// the keys are split as well (flash-decoding): each (group, split) task leaves a partial result
+// per row (unnormalised out, running max and sum), and a merge combines the splits of every row
+// in a fixed order. Blocks with few rows (decoding) compute their products row by row instead of
+// on kBlockQ lanes (the decode path below). Every choice depends on the shape only and every
+// task is computed by one thread in a fixed order, so results are identical whatever the thread
+// count. docs/kernels.md explains the plan.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/flash_forward.cc"
+#include <cmath>
+
 #include "core/aligned_buffer.h"
 #include "core/parallel.h"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -17,47 +26,478 @@
 HWY_BEFORE_NAMESPACE();
 namespace qkv {
 namespace HWY_NAMESPACE {
+namespace {
+
+using namespace tiles;
+
+// ---------------------------------------------------------------------------------------------
+// The work plan: a function of the shape only (never of the thread count).
+
+constexpr std::int64_t kMinTasks = 8;          // tasks the block grouping keeps, when it can
+constexpr std::int64_t kSplitBelowItems = 32;  // fewer query blocks than this: split the keys
+constexpr std::int64_t kSplitTasks = 16;       // tasks a key split aims for
+constexpr std::int64_t kMinSplitKeys = 1024;   // keys per split, at least (a multiple of kBlockK)
+constexpr std::int64_t kMaxSplits = 16;
+constexpr std::int64_t kMergeRows = 64;  // output rows per merge task
+
+struct WorkPlan {
+  std::int64_t blocks_per_kv_head;
+  std::int64_t items;       // query blocks, flattened (b, kv_head, block)
+  std::int64_t per_task;    // consecutive blocks that share one walk over the keys
+  std::int64_t groups;      // ceil(items / per_task)
+  std::int64_t splits;      // key ranges per group; 1: no split
+  std::int64_t split_keys;  // keys per split, a multiple of kBlockK (the last may be shorter)
+};
+
+WorkPlan PlanWork(const AttentionKernelParams& p) {
+  WorkPlan w;
+  w.blocks_per_kv_head = BlocksPerKvHead(p);
+  w.items = p.batch * p.num_heads_kv * w.blocks_per_kv_head;
+  // A group takes up to kMaxBlocksPerTask consecutive blocks and walks the key tiles once for all
+  // of them, so each K/V tile is fetched once per group rather than once per block (at long Lk
+  // one head's K/V rows span many pages and re-walking them per block is TLB-bound); fewer
+  // blocks per group while that leaves under kMinTasks groups.
+  w.per_task = std::clamp<std::int64_t>(w.items / kMinTasks, 1, kMaxBlocksPerTask);
+  w.splits = 1;
+  w.split_keys = p.seq_kv;
+  const std::int64_t max_splits = std::min(kMaxSplits, p.seq_kv / kMinSplitKeys);
+  if (w.items < kSplitBelowItems && max_splits >= 2) {
+    // Few blocks, long keys (decoding): the splits supply the parallelism, so a group can take
+    // more blocks (all kv heads of a decode step: each key tile is then one contiguous stretch of
+    // K and V in BSHD, read once); keep >= kMinTasks tasks when the splits alone cannot.
+    const std::int64_t groups_needed = (kMinTasks + max_splits - 1) / max_splits;
+    w.per_task = std::clamp<std::int64_t>(w.items / groups_needed, 1, kMaxBlocksPerTask);
+    const std::int64_t groups = (w.items + w.per_task - 1) / w.per_task;
+    const std::int64_t splits =
+        std::clamp<std::int64_t>((kSplitTasks + groups - 1) / groups, 1, max_splits);
+    const std::int64_t keys = (p.seq_kv + splits - 1) / splits;
+    w.split_keys = (keys + kBlockK - 1) / kBlockK * kBlockK;
+    w.splits = (p.seq_kv + w.split_keys - 1) / w.split_keys;
+  }
+  w.groups = (w.items + w.per_task - 1) / w.per_task;
+  return w;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The decode path. A block with at most kNarrowRows rows (the GQA group of one decode step:
+// Lq = 1, 4 heads per kv head) would use 4 of 64 lanes of the transposed micro-kernel and do 16x
+// the work it needs; it computes its products row by row instead, vectorised along head_dim:
+//   s[j][r] = qr[r] . k[j]               (K dot products at once, then a lane sum)
+//   o[r][:] = alpha[r] * o[r][:] + sum_j p[j][r] * v[j][:]
+// with qr: [rows][D] (q * scale) and o: [rows][Dv] in its own scratch. The scores still land in
+// the block's st[key][lane] tile, so masks and the online softmax are the shared ones
+// (MaskScoreTile, OnlineSoftmaxTile); at the end o is transposed into qb.ot for the shared
+// finish. It needs unit strides along head_dim (true for BSHD and BHSD).
+
+constexpr std::int64_t kNarrowRows = kBlockQ / 4;
+constexpr int kDotRows = kNarrowRows < 4 ? static_cast<int>(kNarrowRows) : 4;
+// Keys per dot-product step: kDotRows x kDotKeys accumulators (16 of AVX-512's 32 registers;
+// 8 of AVX2's 16).
+constexpr int kDotKeys = kLanes >= 16 ? 4 : 2;
+// Keys per value chunk in BSHD (see NarrowTile; 8 measured best of 1, 2, 4, 8, 16, 32).
+constexpr std::int64_t kValueKeys = 8;
+
+#if HWY_TARGET != HWY_SCALAR  // (one lane: no blocks to add)
+// out[0 : 4] = the sums of the 128-bit blocks of v (a vector of 4 floats per block).
+template <class D>
+HWY_INLINE void StoreBlockSum(D d, hn::Vec<D> v, float* HWY_RESTRICT out) {
+  if constexpr (hn::MaxLanes(D()) > 4) {
+    const hn::Half<D> dh;
+    StoreBlockSum(dh, hn::Add(hn::LowerHalf(dh, v), hn::UpperHalf(dh, v)), out);
+  } else {
+    hn::StoreU(v, d, out);
+  }
+}
+
+// out[r] = sum of the lanes of acc[r], r < 4: a transposing tree (two interleave levels leave
+// each 128-bit block holding the 4 rows' partial sums, then the blocks are added), about 13
+// operations for 4 sums where 4 separate lane sums take about 40.
+HWY_INLINE void StoreLaneSums4(const VF* acc, float* HWY_RESTRICT out) {
+  const DF df;
+  const hn::Repartition<double, DF> dd;
+  // Per block: {a0 + a2, b0 + b2, a1 + a3, b1 + b3} of a = acc[0], b = acc[1]; the same for 2, 3.
+  const VF t01 =
+      hn::Add(hn::InterleaveLower(df, acc[0], acc[1]), hn::InterleaveUpper(df, acc[0], acc[1]));
+  const VF t23 =
+      hn::Add(hn::InterleaveLower(df, acc[2], acc[3]), hn::InterleaveUpper(df, acc[2], acc[3]));
+  // Per block: the sums of its 4 lanes of acc[0], acc[1], acc[2], acc[3].
+  const auto w01 = hn::BitCast(dd, t01), w23 = hn::BitCast(dd, t23);
+  const VF u = hn::Add(hn::BitCast(df, hn::InterleaveLower(dd, w01, w23)),
+                       hn::BitCast(df, hn::InterleaveUpper(dd, w01, w23)));
+  StoreBlockSum(df, u, out);
+}
+
+#endif  // HWY_TARGET != HWY_SCALAR
+
+// st[kk * kBlockQ + r] = q[r] . k[kk] for r < R, kk < K.
+//   q: [R][head_dim] (row stride head_dim)   k: [K][head_dim] (row stride k_row_stride)
+template <int R, int K>
+HWY_INLINE void NarrowDots(const float* HWY_RESTRICT q, const float* HWY_RESTRICT k,
+                           std::int64_t k_row_stride, std::int64_t head_dim,
+                           float* HWY_RESTRICT st) {
+  const DF df;
+  const std::int64_t vec_end = head_dim / kLanes * kLanes;
+  VF acc[R][K];
+  HWY_UNROLL(4)
+  for (int r = 0; r < R; ++r) {
+    HWY_UNROLL(4)
+    for (int kk = 0; kk < K; ++kk) acc[r][kk] = hn::Zero(df);
+  }
+  for (std::int64_t d = 0; d < vec_end; d += kLanes) {
+    VF key[K];
+    HWY_UNROLL(4)
+    for (int kk = 0; kk < K; ++kk) key[kk] = hn::LoadU(df, k + kk * k_row_stride + d);
+    HWY_UNROLL(4)
+    for (int r = 0; r < R; ++r) {
+      const VF query = hn::LoadU(df, q + r * head_dim + d);
+      HWY_UNROLL(4)
+      for (int kk = 0; kk < K; ++kk) acc[r][kk] = hn::MulAdd(query, key[kk], acc[r][kk]);
+    }
+  }
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (R == 4) {
+    if (vec_end == head_dim) {
+      for (int kk = 0; kk < K; ++kk) {
+        const VF rows[4] = {acc[0][kk], acc[1][kk], acc[2][kk], acc[3][kk]};
+        StoreLaneSums4(rows, st + kk * kBlockQ);
+      }
+      return;
+    }
+  }
+#endif
+  for (int r = 0; r < R; ++r) {
+    for (int kk = 0; kk < K; ++kk) {
+      float s = hn::GetLane(hn::SumOfLanes(df, acc[r][kk]));
+      for (std::int64_t d = vec_end; d < head_dim; ++d) {
+        s += q[r * head_dim + d] * k[kk * k_row_stride + d];
+      }
+      st[kk * kBlockQ + r] = s;
+    }
+  }
+}
+
+// q . k for rows [0, num_q) and K keys at k, into st[kk * kBlockQ + r].
+template <int K>
+HWY_INLINE void NarrowDotKeys(const float* q_rows, std::int64_t num_q, const float* k,
+                              std::int64_t ks, std::int64_t d, float* st) {
+  std::int64_t r = 0;
+  for (; r + kDotRows <= num_q; r += kDotRows) {
+    NarrowDots<kDotRows, K>(q_rows + r * d, k, ks, d, st + r);
+  }
+  for (; r < num_q; ++r) NarrowDots<1, K>(q_rows + r * d, k, ks, d, st + r);
+}
+
+// o[r][0 : E * kLanes] += sum_j p[j][r] * v[j][0 : E * kLanes], r < R.
+//   p: st[j * kBlockQ + r]   v: [num_k][...] (row stride v_row_stride)   o: row stride o_stride
+template <int R, int E>
+HWY_INLINE void NarrowValueRows(const float* HWY_RESTRICT st, const float* HWY_RESTRICT v,
+                                std::int64_t v_row_stride, std::int64_t num_k,
+                                float* HWY_RESTRICT o, std::int64_t o_stride) {
+  const DF df;
+  VF acc[R][E];
+  HWY_UNROLL(4)
+  for (int r = 0; r < R; ++r) {
+    HWY_UNROLL(4)
+    for (int e = 0; e < E; ++e) acc[r][e] = hn::LoadU(df, o + r * o_stride + e * kLanes);
+  }
+  for (std::int64_t j = 0; j < num_k; ++j) {
+    VF value[E];
+    HWY_UNROLL(4)
+    for (int e = 0; e < E; ++e) value[e] = hn::LoadU(df, v + j * v_row_stride + e * kLanes);
+    HWY_UNROLL(4)
+    for (int r = 0; r < R; ++r) {
+      const VF prob = hn::Set(df, st[j * kBlockQ + r]);
+      HWY_UNROLL(4)
+      for (int e = 0; e < E; ++e) acc[r][e] = hn::MulAdd(prob, value[e], acc[r][e]);
+    }
+  }
+  HWY_UNROLL(4)
+  for (int r = 0; r < R; ++r) {
+    HWY_UNROLL(4)
+    for (int e = 0; e < E; ++e) hn::StoreU(acc[r][e], df, o + r * o_stride + e * kLanes);
+  }
+}
+
+// Value columns [0, E * kLanes) of rows [0, num_q).
+template <int E>
+HWY_INLINE void NarrowValueColumns(std::int64_t num_q, const float* st, const float* v,
+                                   std::int64_t v_row_stride, std::int64_t num_k, float* o,
+                                   std::int64_t o_stride) {
+  std::int64_t r = 0;
+  for (; r + kDotRows <= num_q; r += kDotRows) {
+    NarrowValueRows<kDotRows, E>(st + r, v, v_row_stride, num_k, o + r * o_stride, o_stride);
+  }
+  for (; r < num_q; ++r) {
+    NarrowValueRows<1, E>(st + r, v, v_row_stride, num_k, o + r * o_stride, o_stride);
+  }
+}
+
+// o += v[0 : num_k]^T p for rows [0, num_q)   (o: [num_q][Dv], p: st[j * kBlockQ + r]).
+inline void NarrowValueKeys(const AttentionKernelParams& p, std::int64_t num_q, const float* v,
+                            std::int64_t num_k, const float* HWY_RESTRICT st,
+                            float* HWY_RESTRICT o) {
+  const std::int64_t vs = p.v_stride[1], dv = p.head_dim_v;
+  constexpr std::int64_t kWide = kQueryVecs * kLanes;
+  std::int64_t e = 0;
+  for (; e + kWide <= dv; e += kWide) {
+    NarrowValueColumns<kQueryVecs>(num_q, st, v + e, vs, num_k, o + e, dv);
+  }
+  for (; e + kLanes <= dv; e += kLanes) {
+    NarrowValueColumns<1>(num_q, st, v + e, vs, num_k, o + e, dv);
+  }
+  for (; e < dv; ++e) {  // a head_dim_v that is not a multiple of the lanes
+    for (std::int64_t r = 0; r < num_q; ++r) {
+      float acc = o[r * dv + e];
+      for (std::int64_t j = 0; j < num_k; ++j) acc += st[j * kBlockQ + r] * v[j * vs + e];
+      o[r * dv + e] = acc;
+    }
+  }
+}
+
+// A block's part of the current key tile: keys [lo, hi) (empty: skip it), and whether the
+// sparsity must be applied pair by pair.
+struct TilePart {
+  std::int64_t lo = 0, hi = 0;
+  bool predicate = false;
+};
+
+// A narrow block and its own scratch (see NarrowFloats).
+struct NarrowBlock {
+  QueryBlock* qb = nullptr;
+  float* q_rows = nullptr;  // [num_q][D]   q * scale
+  float* o = nullptr;       // [num_q][Dv]  unnormalised out
+  float* st = nullptr;      // [kBlockK][kBlockQ]  its own score tile: NarrowTile computes the
+                            // scores of every narrow block before any softmax
+  TilePart part;
+};
+
+// q and o rows, rounded up to whole kBlockQ so that st (and the next block's scratch) stays
+// aligned for full-vector loads.
+inline std::int64_t NarrowRowFloats(const AttentionKernelParams& p) {
+  return (kNarrowRows * (p.head_dim + p.head_dim_v) + kBlockQ - 1) / kBlockQ * kBlockQ;
+}
+inline std::int64_t NarrowFloats(const AttentionKernelParams& p) {
+  return NarrowRowFloats(p) + kBlockK * kBlockQ;
+}
+
+inline NarrowBlock StartNarrow(const AttentionKernelParams& p, QueryBlock& qb, float* scratch) {
+  NarrowBlock nb;
+  nb.qb = &qb;
+  nb.q_rows = scratch;
+  nb.o = nb.q_rows + kNarrowRows * p.head_dim;
+  nb.st = scratch + NarrowRowFloats(p);
+  for (std::int64_t r = 0; r < qb.num_q; ++r) {
+    for (std::int64_t d = 0; d < p.head_dim; ++d) {
+      nb.q_rows[r * p.head_dim + d] = qb.qt[d * kBlockQ + r];
+    }
+  }
+  std::fill(nb.o, nb.o + qb.num_q * p.head_dim_v, 0.0f);
+  // The softmax runs on the query vectors holding the rows; their lanes past num_q are never
+  // written by the scores: keep them finite.
+  const std::int64_t lanes = (qb.num_q + kLanes - 1) / kLanes * kLanes;
+  for (std::int64_t j = 0; j < kBlockK; ++j) {
+    std::fill(nb.st + j * kBlockQ + qb.num_q, nb.st + j * kBlockQ + lanes, 0.0f);
+  }
+  return nb;
+}
+
+// One key tile for every narrow block of a task. In BSHD the rows of neighbouring kv heads for
+// one key are neighbours in memory, so the walk goes keys outermost: the scores one key at a
+// time for all blocks (K is then read as one ascending stream, which the hardware prefetchers
+// follow; a 4-key dot product block by block read 512-byte runs on 4 pages at once and was ~15%
+// slower at Lk = 32768), the values kValueKeys keys at a time (o does not fit in registers: it
+// is loaded and stored once per chunk). In BHSD each head's rows are already one ascending run,
+// read a whole tile at a time per block (key-outermost was slower there). Each block's
+// arithmetic is the same either way; only the order of blocks interleaves. Software prefetch
+// (of the next block's tile, or rows 16-64 keys ahead) did not help on top of this.
+inline void NarrowTile(const AttentionKernelParams& p, NarrowBlock* narrow, std::int64_t count) {
+  std::int64_t j_lo = p.seq_kv, j_hi = 0;
+  for (std::int64_t n = 0; n < count; ++n) {
+    if (narrow[n].part.hi <= narrow[n].part.lo) continue;
+    j_lo = std::min(j_lo, narrow[n].part.lo);
+    j_hi = std::max(j_hi, narrow[n].part.hi);
+  }
+  const std::int64_t ks = p.k_stride[1], vs = p.v_stride[1], d = p.head_dim;
+  const bool heads_inner = p.k_stride[2] < p.k_stride[1] && p.v_stride[2] < p.v_stride[1];
+  const std::int64_t score_chunk = heads_inner ? 1 : kBlockK;
+  const std::int64_t value_chunk = heads_inner ? kValueKeys : kBlockK;
+  for (std::int64_t j = j_lo; j < j_hi; j += score_chunk) {
+    for (std::int64_t n = 0; n < count; ++n) {
+      const NarrowBlock& nb = narrow[n];
+      const std::int64_t a = std::max(j, nb.part.lo), b = std::min(j + score_chunk, nb.part.hi);
+      std::int64_t x = a;
+      for (; x + kDotKeys <= b; x += kDotKeys) {
+        NarrowDotKeys<kDotKeys>(nb.q_rows, nb.qb->num_q, nb.qb->k + x * ks, ks, d,
+                                nb.st + (x - nb.part.lo) * kBlockQ);
+      }
+      for (; x < b; ++x) {
+        NarrowDotKeys<1>(nb.q_rows, nb.qb->num_q, nb.qb->k + x * ks, ks, d,
+                         nb.st + (x - nb.part.lo) * kBlockQ);
+      }
+    }
+  }
+  // Masks and the online softmax, block by block; o *= alpha before this tile's values.
+  for (std::int64_t n = 0; n < count; ++n) {
+    const NarrowBlock& nb = narrow[n];
+    const std::int64_t num_k = nb.part.hi - nb.part.lo;
+    if (num_k <= 0) continue;
+    QueryBlock& qb = *nb.qb;
+    MaskScoreTile(p, qb, nb.part.lo, num_k, nb.st, nb.part.predicate);
+    OnlineSoftmaxTile(qb, num_k, nb.st, static_cast<int>((qb.num_q + kLanes - 1) / kLanes));
+    for (std::int64_t r = 0; r < qb.num_q; ++r) {
+      float* row = nb.o + r * p.head_dim_v;
+      for (std::int64_t e = 0; e < p.head_dim_v; ++e) row[e] *= qb.alpha[r];
+    }
+  }
+  for (std::int64_t j = j_lo; j < j_hi; j += value_chunk) {
+    for (std::int64_t n = 0; n < count; ++n) {
+      const NarrowBlock& nb = narrow[n];
+      const std::int64_t a = std::max(j, nb.part.lo), b = std::min(j + value_chunk, nb.part.hi);
+      if (b <= a) continue;
+      NarrowValueKeys(p, nb.qb->num_q, nb.qb->v + a * vs, b - a, nb.st + (a - nb.part.lo) * kBlockQ,
+                      nb.o);
+    }
+  }
+}
+
+// qb.ot (the layout FinishQueryBlock reads) from the o rows.
+inline void FinishNarrow(const AttentionKernelParams& p, const NarrowBlock& nb) {
+  for (std::int64_t r = 0; r < nb.qb->num_q; ++r) {
+    for (std::int64_t e = 0; e < p.head_dim_v; ++e) {
+      nb.qb->ot[e * kBlockQ + r] = nb.o[r * p.head_dim_v + e];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Key splits: partial results and their merge.
+
+// Per split s and output row (row = (b * Hq + head) * Lq + query): the unnormalised out, and
+// the running max and sum of that split's keys (max -inf, sum 0 and out 0 when it had none).
+struct SplitPartials {
+  float* out;  // [splits][rows][Dv]
+  float* max;  // [splits][rows]
+  float* sum;  // [splits][rows]
+  std::int64_t rows;
+};
+
+inline void WritePartial(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t split,
+                         const SplitPartials& partials) {
+  for (std::int64_t l = 0; l < qb.num_q; ++l) {
+    const std::int64_t at =
+        split * partials.rows + (qb.b * p.num_heads_q + qb.head[l]) * p.seq_q + qb.query[l];
+    partials.max[at] = qb.row_max[l];
+    partials.sum[at] = qb.row_sum[l];
+    float* out = partials.out + at * p.head_dim_v;
+    for (std::int64_t e = 0; e < p.head_dim_v; ++e) out[e] = qb.ot[e * kBlockQ + l];
+  }
+}
+
+// out and lse of rows [row0, row1) from the splits, combined in split order 0, 1, 2, ...:
+//   M = max_s m_s,  w_s = exp(m_s - M),  out = sum_s w_s o_s / sum_s w_s l_s,
+//   lse = M + log(sum_s w_s l_s).
+// Splits with no allowed key (l_s = 0) take no part; a row with none anywhere gets out 0 and
+// lse -inf, as in FinishQueryBlock (no (-inf) - (-inf), no 0 / 0).
+void MergeSplits(const AttentionKernelParams& p, const SplitPartials& partials, std::int64_t splits,
+                 std::int64_t row0, std::int64_t row1, float* acc) {
+  const std::int64_t dv = p.head_dim_v;
+  for (std::int64_t row = row0; row < row1; ++row) {
+    const std::int64_t b = row / (p.num_heads_q * p.seq_q);
+    const std::int64_t head = row / p.seq_q % p.num_heads_q;
+    const std::int64_t query = row % p.seq_q;
+    float row_max = kNegInf;
+    for (std::int64_t s = 0; s < splits; ++s) {
+      const std::int64_t at = s * partials.rows + row;
+      if (partials.sum[at] > 0.0f) row_max = std::max(row_max, partials.max[at]);
+    }
+    float row_sum = 0.0f;
+    std::fill(acc, acc + dv, 0.0f);
+    if (row_max != kNegInf) {
+      for (std::int64_t s = 0; s < splits; ++s) {
+        const std::int64_t at = s * partials.rows + row;
+        if (!(partials.sum[at] > 0.0f)) continue;
+        const float weight = std::exp(partials.max[at] - row_max);
+        row_sum += weight * partials.sum[at];
+        const float* out = partials.out + at * dv;
+        for (std::int64_t e = 0; e < dv; ++e) acc[e] += weight * out[e];
+      }
+    }
+    const bool has_keys = row_sum > 0.0f;
+    const float inv_sum = has_keys ? 1.0f / row_sum : 0.0f;
+    float* out = p.out + b * p.out_stride[0] + query * p.out_stride[1] + head * p.out_stride[2];
+    for (std::int64_t e = 0; e < dv; ++e) out[e * p.out_stride[3]] = acc[e] * inv_sum;
+    if (p.lse != nullptr) {
+      p.lse[b * p.lse_stride[0] + head * p.lse_stride[1] + query * p.lse_stride[2]] =
+          has_keys ? row_max + std::log(row_sum) : kNegInf;
+    }
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
 
 void FlashForward(const AttentionKernelParams& p) {
-  using namespace tiles;
-  // Work items are the query blocks of one kv head (see QueryBlock: rows of the flattened
-  // (head in GQA group, query) space); a task takes up to `per_task` consecutive blocks of one
-  // kv head and walks the key tiles once for all of them, so each K/V tile is fetched once per task
-  // rather than once per block (at long Lk the K/V rows of one head span many pages and re-walking
-  // them per block is TLB-bound). The grouping depends on the shape only, never on the thread
-  // count, so results stay bit-identical.
-  const std::int64_t items_per_kv_head = BlocksPerKvHead(p);
-  const std::int64_t total_items = p.batch * p.num_heads_kv * items_per_kv_head;
-  const std::int64_t per_task = std::clamp<std::int64_t>(total_items / 8, 1, kMaxBlocksPerTask);
-  const std::int64_t tasks_per_kv_head = (items_per_kv_head + per_task - 1) / per_task;
-  const std::int64_t num_tasks = p.batch * p.num_heads_kv * tasks_per_kv_head;
+  // q: [B, Lq, Hq, D]   k: [B, Lk, Hkv, D]   v: [B, Lk, Hkv, Dv]   out: [B, Lq, Hq, Dv]
+  // lse: [B, Hq, Lq] (nullable)
+  const WorkPlan plan = PlanWork(p);
+  const std::int64_t num_tasks = plan.groups * plan.splits;
   const int num_threads = static_cast<int>(std::min<std::int64_t>(p.num_threads, num_tasks));
+  // Narrow blocks: rows the last block of a kv head holds (all others hold kBlockQ).
+  const std::int64_t last_rows = (p.num_heads_q / p.num_heads_kv * p.seq_q - 1) % kBlockQ + 1;
+  const bool narrow_ok = p.k_stride[3] == 1 && p.v_stride[3] == 1 && last_rows <= kNarrowRows;
 
-  // Per-thread scratch, sized once: per_task QueryBlock states + one score tile
-  // st [kBlockK][kBlockQ].
-  const std::int64_t block_floats = ScratchFloats(p);
-  const std::int64_t floats = per_task * block_floats + kBlockK * kBlockQ;
-  const std::int64_t ints = per_task * kScratchInts;
+  // Per-thread scratch, sized once: per_task QueryBlock states (each followed by its narrow
+  // scratch when blocks can be narrow), then one score tile st [kBlockK][kBlockQ].
+  const std::int64_t block_floats = ScratchFloats(p) + (narrow_ok ? NarrowFloats(p) : 0);
+  const std::int64_t floats = plan.per_task * block_floats + kBlockK * kBlockQ;
+  const std::int64_t ints = plan.per_task * kScratchInts;
   AlignedBuffer float_scratch(sizeof(float) * floats * num_threads);
   AlignedBuffer int_scratch(sizeof(std::int64_t) * ints * num_threads);
+  // The splits' partial results: [splits][rows] x (Dv + 2) floats (only when splitting).
+  const std::int64_t rows = p.batch * p.num_heads_q * p.seq_q;
+  const std::int64_t partial_floats = plan.splits > 1 ? plan.splits * rows * (p.head_dim_v + 2) : 0;
+  AlignedBuffer partial_scratch(sizeof(float) * partial_floats);
+  SplitPartials partials{partial_scratch.as<float>(), nullptr, nullptr, rows};
+  if (plan.splits > 1) {
+    partials.max = partials.out + plan.splits * rows * p.head_dim_v;
+    partials.sum = partials.max + plan.splits * rows;
+  }
 
   const bool sparse = p.sparse.kind != SparseKernelParams::Kind::kNone;
 
   parallel_for(num_tasks, num_threads, [&](std::int64_t task, int thread) {
     float* mine = float_scratch.as<float>() + thread * floats;
-    float* st = mine + per_task * block_floats;
+    float* st = mine + plan.per_task * block_floats;
     QueryBlock blocks[kMaxBlocksPerTask];
+    NarrowBlock narrow[kMaxBlocksPerTask];
+    QueryBlock* wide[kMaxBlocksPerTask];
+    std::int64_t num_narrow = 0, num_wide = 0;
 
-    const std::int64_t b = task / (p.num_heads_kv * tasks_per_kv_head);
-    const std::int64_t kv_head = task / tasks_per_kv_head % p.num_heads_kv;
-    const std::int64_t first = task % tasks_per_kv_head * per_task;
-    const std::int64_t count = std::min(per_task, items_per_kv_head - first);
+    // This task: blocks [first, first + count) and keys [split_lo, split_hi).
+    const std::int64_t split = task % plan.splits;
+    const std::int64_t first = task / plan.splits * plan.per_task;
+    const std::int64_t count = std::min(plan.per_task, plan.items - first);
+    const std::int64_t split_lo = split * plan.split_keys;
+    const std::int64_t split_hi = std::min(p.seq_kv, split_lo + plan.split_keys);
+
     std::int64_t key_begin = p.seq_kv, key_end = 0;
     for (std::int64_t n = 0; n < count; ++n) {
       QueryBlock& qb = blocks[n];
+      const std::int64_t item = first + n;
+      const std::int64_t b = item / (p.num_heads_kv * plan.blocks_per_kv_head);
+      const std::int64_t kv_head = item / plan.blocks_per_kv_head % p.num_heads_kv;
       BindScratch(p, mine + n * block_floats,
                   int_scratch.as<std::int64_t>() + thread * ints + n * kScratchInts, qb);
-      StartQueryBlock(p, b, kv_head, first + n, qb);
+      StartQueryBlock(p, b, kv_head, item % plan.blocks_per_kv_head, qb);
+      // This split's part of the block's keys (all of them without a split).
+      qb.key_begin = std::max(qb.key_begin, split_lo);
+      qb.key_end = std::min(qb.key_end, split_hi);
+      if (narrow_ok && qb.num_q <= kNarrowRows) {
+        narrow[num_narrow++] = StartNarrow(p, qb, mine + n * block_floats + ScratchFloats(p));
+      } else {
+        wide[num_wide++] = &qb;
+      }
       if (qb.key_end > qb.key_begin) {
         key_begin = std::min(key_begin, qb.key_begin);
         key_end = std::max(key_end, qb.key_end);
@@ -79,29 +519,51 @@ void FlashForward(const AttentionKernelParams& p) {
       first_tile = key_begin + (std::max(sparse_begin, key_begin) - key_begin) / kBlockK * kBlockK;
       key_end = std::min(key_end, sparse_end);
     }
+    // A block's part of tile j0; tiles outside its allowed keys, and (sparse) key tiles the
+    // sparsity leaves out, are skipped; the rest is trimmed to what the sparsity allows.
+    const auto tile_part = [&](const QueryBlock& qb, std::int64_t j0) {
+      TilePart part{std::max(j0, qb.key_begin), std::min(j0 + kBlockK, qb.key_end), false};
+      if (part.hi <= part.lo) return TilePart{};
+      if (sparse) {
+        const SparseTile t = SparseTileKeys(p, qb, part.lo, part.hi);
+        if (t.hi <= t.lo) return TilePart{};
+        part = {t.lo, t.hi, t.predicate};
+      }
+      return part;
+    };
     for (std::int64_t j0 = first_tile; j0 < key_end; j0 += kBlockK) {
-      for (std::int64_t n = 0; n < count; ++n) {
-        QueryBlock& qb = blocks[n];
-        // This block's part of the tile; tiles outside its allowed keys are skipped.
-        std::int64_t lo = std::max(j0, qb.key_begin);
-        std::int64_t hi = std::min(j0 + kBlockK, qb.key_end);
-        if (hi <= lo) continue;
-        bool predicate = false;
-        if (sparse) {
-          // Key tiles the sparsity leaves out are skipped; the rest trimmed to what it allows.
-          const SparseTile t = SparseTileKeys(p, qb, lo, hi);
-          if (t.hi <= t.lo) continue;
-          lo = t.lo;
-          hi = t.hi;
-          predicate = t.predicate;
-        }
-        ScoreTile(p, qb, lo, hi - lo, st, predicate);
-        OnlineSoftmaxTile(qb, hi - lo, st);
-        AccumulateValues(p, qb, lo, hi - lo, st, qb.alpha);
+      for (std::int64_t n = 0; n < num_wide; ++n) {
+        QueryBlock& qb = *wide[n];
+        const TilePart t = tile_part(qb, j0);
+        if (t.hi <= t.lo) continue;
+        ScoreTile(p, qb, t.lo, t.hi - t.lo, st, t.predicate);
+        OnlineSoftmaxTile(qb, t.hi - t.lo, st);
+        AccumulateValues(p, qb, t.lo, t.hi - t.lo, st, qb.alpha);
+      }
+      if (num_narrow == 0) continue;
+      for (std::int64_t n = 0; n < num_narrow; ++n) narrow[n].part = tile_part(*narrow[n].qb, j0);
+      NarrowTile(p, narrow, num_narrow);
+    }
+    for (std::int64_t n = 0; n < num_narrow; ++n) FinishNarrow(p, narrow[n]);
+    for (std::int64_t n = 0; n < count; ++n) {
+      if (plan.splits == 1) {
+        FinishQueryBlock(p, blocks[n]);
+      } else {
+        WritePartial(p, blocks[n], split, partials);
       }
     }
-    for (std::int64_t n = 0; n < count; ++n) FinishQueryBlock(p, blocks[n]);
   });
+
+  if (plan.splits > 1) {
+    const std::int64_t merge_tasks = (rows + kMergeRows - 1) / kMergeRows;
+    const int merge_threads = static_cast<int>(std::min<std::int64_t>(p.num_threads, merge_tasks));
+    AlignedBuffer merge_scratch(sizeof(float) * p.head_dim_v * merge_threads);
+    parallel_for(merge_tasks, merge_threads, [&](std::int64_t task, int thread) {
+      MergeSplits(p, partials, plan.splits, task * kMergeRows,
+                  std::min(rows, (task + 1) * kMergeRows),
+                  merge_scratch.as<float>() + thread * p.head_dim_v);
+    });
+  }
 }
 
 // Name of the Highway target this dispatch lands on (tests force each target and check).
