@@ -70,7 +70,6 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   const ops::AttentionShape shape = ops::validate_operands(q, k, v, out, kDtypeHint);
   const std::int64_t batch = shape.batch, seq_q = shape.seq_q, num_heads_q = shape.num_heads_q;
   const std::int64_t head_dim = shape.head_dim, seq_kv = shape.seq_kv;
-  const std::int64_t num_heads_kv = shape.num_heads_kv, head_dim_v = shape.head_dim_v;
 
   const std::array<std::int64_t, 4> score_shape = {batch, num_heads_q, seq_q, seq_kv};
   const TensorView& lse = outputs.lse;
@@ -112,23 +111,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   }
 
   AttentionKernelParams p{};
-  p.batch = batch;
-  p.seq_q = seq_q;
-  p.seq_kv = seq_kv;
-  p.num_heads_q = num_heads_q;
-  p.num_heads_kv = num_heads_kv;
-  p.head_dim = head_dim;
-  p.head_dim_v = head_dim_v;
-  p.q = static_cast<const float*>(q.data);
-  p.k = static_cast<const float*>(k.data);
-  p.v = static_cast<const float*>(v.data);
-  p.out = static_cast<float*>(out.data);
-  for (int d = 0; d < 4; ++d) {
-    p.q_stride[d] = q.strides[d];
-    p.k_stride[d] = k.strides[d];
-    p.v_stride[d] = v.strides[d];
-    p.out_stride[d] = out.strides[d];
-  }
+  ops::set_operands(p, shape, q, k, v, out);
   if (!lse.empty()) {
     p.lse = static_cast<float*>(lse.data);
     for (int d = 0; d < 3; ++d) p.lse_stride[d] = lse.strides[d];

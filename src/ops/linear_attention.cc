@@ -122,9 +122,7 @@ void linear_attention(const TensorView& q, const TensorView& k, const TensorView
   const TensorView& out = outputs.out;
   const ops::AttentionShape shape =
       ops::validate_operands(q, k, v, out, "linear attention computes f32");
-  const std::int64_t batch = shape.batch, seq_q = shape.seq_q, num_heads_q = shape.num_heads_q;
-  const std::int64_t head_dim = shape.head_dim, seq_kv = shape.seq_kv;
-  const std::int64_t num_heads_kv = shape.num_heads_kv, head_dim_v = shape.head_dim_v;
+  const std::int64_t seq_q = shape.seq_q, head_dim = shape.head_dim, seq_kv = shape.seq_kv;
   if (!outputs.lse.empty()) {
     throw Error("lse: linear attention has no softmax normaliser to report; leave lse empty");
   }
@@ -161,24 +159,8 @@ void linear_attention(const TensorView& q, const TensorView& k, const TensorView
   const std::vector<float> projection =
       favor ? favor_projection(head_dim, params.nb_features, params.seed) : std::vector<float>();
   LinearKernelParams p{};
-  p.batch = batch;
-  p.seq_q = seq_q;
-  p.seq_kv = seq_kv;
-  p.num_heads_q = num_heads_q;
-  p.num_heads_kv = num_heads_kv;
-  p.head_dim = head_dim;
-  p.head_dim_v = head_dim_v;
+  ops::set_operands(p, shape, q, k, v, out);
   p.num_features = favor ? params.nb_features : head_dim;
-  p.q = static_cast<const float*>(q.data);
-  p.k = static_cast<const float*>(k.data);
-  p.v = static_cast<const float*>(v.data);
-  p.out = static_cast<float*>(out.data);
-  for (int d = 0; d < 4; ++d) {
-    p.q_stride[d] = q.strides[d];
-    p.k_stride[d] = k.strides[d];
-    p.v_stride[d] = v.strides[d];
-    p.out_stride[d] = out.strides[d];
-  }
   p.favor = favor;
   p.projection = favor ? projection.data() : nullptr;
   p.feature_scale = std::sqrt(scale);

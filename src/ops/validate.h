@@ -43,6 +43,30 @@ struct AttentionShape {
 AttentionShape validate_operands(const TensorView& q, const TensorView& k, const TensorView& v,
                                  const TensorView& out, const std::string& dtype_hint);
 
+// Copies the sizes, data pointers and strides of validated operands into a kernel's params
+// struct (AttentionKernelParams, LinearKernelParams: the same field names).
+template <typename KernelParams>
+void set_operands(KernelParams& p, const AttentionShape& s, const TensorView& q,
+                  const TensorView& k, const TensorView& v, const TensorView& out) {
+  p.batch = s.batch;
+  p.seq_q = s.seq_q;
+  p.seq_kv = s.seq_kv;
+  p.num_heads_q = s.num_heads_q;
+  p.num_heads_kv = s.num_heads_kv;
+  p.head_dim = s.head_dim;
+  p.head_dim_v = s.head_dim_v;
+  p.q = static_cast<const float*>(q.data);
+  p.k = static_cast<const float*>(k.data);
+  p.v = static_cast<const float*>(v.data);
+  p.out = static_cast<float*>(out.data);
+  for (int d = 0; d < 4; ++d) {
+    p.q_stride[d] = q.strides[d];
+    p.k_stride[d] = k.strides[d];
+    p.v_stride[d] = v.strides[d];
+    p.out_stride[d] = out.strides[d];
+  }
+}
+
 // key_lengths: empty, or [B] entries each in [0, Lk].
 void validate_key_lengths(std::span<const std::int64_t> key_lengths, const TensorView& q,
                           const TensorView& k);
