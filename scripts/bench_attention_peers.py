@@ -47,22 +47,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from peers_env import ensure_venv  # scripts/peers_env.py (this folder is on sys.path)
+
 ROOT = Path(__file__).resolve().parent.parent
 MIN_SAMPLE_S = 0.02  # fast calls are repeated to fill this, so timer overhead stays < 0.1%
 SLOW_CALL_S = 2.0  # cases slower than this per call get 3 rounds
-
-
-def ensure_venv():
-    """Re-runs this script inside .cache/venv-peers (created by scripts/peers_venv.sh)."""
-    try:
-        import onnxruntime  # noqa: F401
-        import torch  # noqa: F401
-        return
-    except ImportError:
-        pass
-    python = subprocess.run(["bash", str(ROOT / "scripts" / "peers_venv.sh")], check=True,
-                            capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    os.execv(python, [python, __file__, *sys.argv[1:]])
 
 
 @dataclass(frozen=True)
@@ -528,7 +517,7 @@ def main():
     parser.add_argument("--png", help="write GFLOP/s against L per implementation")
     parser.add_argument("--json", help="write every measurement as JSON")
     args = parser.parse_args()
-    ensure_venv()
+    ensure_venv(__file__, ["onnxruntime", "torch"])
     import onnxruntime
     import torch
 

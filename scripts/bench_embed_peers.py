@@ -74,26 +74,8 @@ PHRASES = [
 
 
 sys.path.insert(0, str(ROOT / "scripts"))
+from peers_env import ensure_venv, model_dir  # noqa: E402
 from bench_attention_peers import OtherLoad  # noqa: E402  (one copy of the CPU-use meter)
-
-
-def ensure_venv():
-    """Re-runs this script inside .cache/venv-peers (created by scripts/peers_venv.sh)."""
-    try:
-        import onnxruntime  # noqa: F401
-        import sentence_transformers  # noqa: F401
-        return
-    except ImportError:
-        pass
-    python = subprocess.run(["bash", str(ROOT / "scripts" / "peers_venv.sh")], check=True,
-                            capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    os.execv(python, [python, __file__, *sys.argv[1:]])
-
-
-def model_dir():
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "fetch_model.sh")], check=True,
-                         capture_output=True, text=True).stdout.strip().splitlines()
-    return Path(out[-1])
 
 
 def fast_tokenizer(directory):
@@ -341,7 +323,7 @@ def main():
     parser.add_argument("--qkv", default=str(ROOT / "build" / "release" / "qkv"))
     args = parser.parse_args()
     os.environ["HF_HUB_OFFLINE"] = "1"
-    ensure_venv()
+    ensure_venv(__file__, ["onnxruntime", "sentence_transformers"])
     import json
 
     import onnxruntime

@@ -26,9 +26,9 @@ surrogate pairs above U+FFFF; floats are written with %.9g, enough to round-trip
 import hashlib
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+from peers_env import ensure_venv, model_dir  # scripts/peers_env.py (this folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "fixtures" / "embeddings_minilm.json"
@@ -108,25 +108,6 @@ TEXTS = [
 ]
 
 
-def ensure_venv():
-    """Re-runs this script inside .cache/venv-peers (created by scripts/peers_venv.sh)."""
-    try:
-        import sentence_transformers  # noqa: F401
-        import torch  # noqa: F401
-        return
-    except ImportError:
-        pass
-    python = subprocess.run(["bash", str(ROOT / "scripts" / "peers_venv.sh")], check=True,
-                            capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    os.execv(python, [python, __file__, *sys.argv[1:]])
-
-
-def model_dir():
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "fetch_model.sh")], check=True,
-                         capture_output=True, text=True).stdout.strip().splitlines()
-    return Path(out[-1])
-
-
 def float_rows(rows):
     """[[float]] as JSON text, one row a line, %.9g (round-trips float32)."""
     return "[\n" + ",\n".join(
@@ -135,7 +116,7 @@ def float_rows(rows):
 
 def main():
     os.environ["HF_HUB_OFFLINE"] = "1"
-    ensure_venv()
+    ensure_venv(__file__, ["sentence_transformers", "torch"])
     import numpy as np
     import sentence_transformers
     import tokenizers

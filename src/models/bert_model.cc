@@ -132,12 +132,6 @@ BertModel BertModel::from_safetensors(const BertConfig& config,
       Encoder(std::move(layers)));
 }
 
-BertModel BertModel::load(const std::string& dir) {
-  const BertConfig config = read_bert_config(dir + "/config.json");
-  const io::SafetensorsFile weights(dir + "/model.safetensors");
-  return from_safetensors(config, weights);
-}
-
 void BertModel::forward(std::span<const std::int32_t> ids, std::span<const std::int64_t> lengths,
                         std::int64_t batch, std::int64_t seq, float* hidden) const {
   std::string shape = "[";  // built with += (GCC 12 warns falsely on "[" + std::string&&)

@@ -34,8 +34,6 @@ class BertModel {
   // Builds the model from `config` and the tensors of `weights`; throws qkv::Error naming the
   // file and tensor when one is missing or has the wrong shape or dtype.
   static BertModel from_safetensors(const BertConfig& config, const io::SafetensorsFile& weights);
-  // Reads config.json and model.safetensors from a Hugging Face model folder.
-  static BertModel load(const std::string& dir);
 
   const BertConfig& config() const { return config_; }
   std::int64_t hidden_size() const { return config_.hidden_size; }

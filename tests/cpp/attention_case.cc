@@ -145,6 +145,14 @@ AttentionParams Problem::params() const {
 
 Result Problem::run(Kernel kernel, bool with_probs, int num_threads,
                     std::int64_t chunk_size) const {
+  AttentionParams p = params();
+  p.kernel = kernel;
+  p.num_threads = num_threads;
+  p.chunk_size = chunk_size;
+  return run_with(p, with_probs);
+}
+
+Result Problem::run_with(const AttentionParams& params, bool with_probs) const {
   const Case& c = c_;
   auto& self = const_cast<Problem&>(*this);
   Result r;
@@ -159,14 +167,14 @@ Result Problem::run(Kernel kernel, bool with_probs, int num_threads,
     outputs.probs = TensorView::contiguous(r.probs.data(), DType::kF32,
                                            {c.batch, c.num_heads_q, c.seq_q, c.seq_kv});
   }
-  AttentionParams p = params();
-  p.kernel = kernel;
-  p.num_threads = num_threads;
-  p.chunk_size = chunk_size;
   attention(view(self.q, c.seq_q, c.num_heads_q, c.head_dim),
             view(self.k, c.seq_kv, c.num_heads_kv, c.head_dim),
-            view(self.v, c.seq_kv, c.num_heads_kv, head_dim_v()), outputs, p);
+            view(self.v, c.seq_kv, c.num_heads_kv, head_dim_v()), outputs, params);
   return r;
+}
+
+bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 Result Problem::plain_f32() const {

@@ -49,6 +49,9 @@ class Problem {
   // Runs qkv::attention with `kernel`; with_probs asks for the probabilities too.
   Result run(Kernel kernel, bool with_probs, int num_threads = 0,
              std::int64_t chunk_size = 128) const;
+  // The same with any AttentionParams (e.g. params() plus a sparsity); kernel and threads set
+  // in `params` are used as given.
+  Result run_with(const AttentionParams& params, bool with_probs) const;
   // Naive float32 loops of the same semantics (the tolerance yardstick).
   Result plain_f32() const;
   const Case& spec() const { return c_; }
@@ -70,6 +73,8 @@ class Problem {
 // Max |a - b| over elements; inf vs inf (same sign) counts as 0; NaN anywhere counts as inf.
 double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b);
 double max_abs(const std::vector<float>& a);
+// Same size and the same bits (thread invariance, sparse == dense with the equivalent mask).
+bool bit_equal(const std::vector<float>& a, const std::vector<float>& b);
 
 // DESIGN.md section 5: max(2e-5 * max(1, max|ref|), 4 * error of the plain f32 implementation).
 double tolerance(const std::vector<float>& reference, const std::vector<float>& plain);

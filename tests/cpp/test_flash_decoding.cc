@@ -49,26 +49,10 @@ AttentionParams params_of(const Problem& pr, const DecodeCase& dc) {
 
 // qkv::attention with the case's params (and sparsity) on `kernel` and `num_threads`.
 Result run(const Problem& pr, const DecodeCase& dc, Kernel kernel, int num_threads = 0) {
-  const Case& c = pr.spec();
-  auto& self = const_cast<Problem&>(pr);
-  Result r;
-  r.out.assign(static_cast<std::size_t>(c.batch * c.seq_q * c.num_heads_q * pr.head_dim_v()), 7.0f);
-  r.lse.assign(static_cast<std::size_t>(c.batch * c.num_heads_q * c.seq_q), 7.0f);
-  AttentionOutputs outputs;
-  outputs.out = pr.view(r.out, c.seq_q, c.num_heads_q, pr.head_dim_v());
-  outputs.lse =
-      TensorView::contiguous(r.lse.data(), DType::kF32, {c.batch, c.num_heads_q, c.seq_q, 1});
   AttentionParams params = params_of(pr, dc);
   params.kernel = kernel;
   params.num_threads = num_threads;
-  attention(pr.view(self.q, c.seq_q, c.num_heads_q, c.head_dim),
-            pr.view(self.k, c.seq_kv, c.num_heads_kv, c.head_dim),
-            pr.view(self.v, c.seq_kv, c.num_heads_kv, pr.head_dim_v()), outputs, params);
-  return r;
-}
-
-bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  return pr.run_with(params, /*with_probs=*/false);
 }
 
 std::vector<DecodeCase> decode_cases() {

@@ -89,30 +89,9 @@ std::vector<std::uint8_t> equivalent_mask(const Problem& pr, const Sparsity& spa
 // Problem::run with a free choice of AttentionParams.
 Result run(const Problem& pr, AttentionParams params, Kernel kernel, int num_threads = 0,
            bool with_probs = false) {
-  const Case& c = pr.spec();
-  auto& self = const_cast<Problem&>(pr);
-  Result r;
-  r.out.assign(static_cast<std::size_t>(c.batch * c.seq_q * c.num_heads_q * pr.head_dim_v()), 7.0f);
-  r.lse.assign(static_cast<std::size_t>(c.batch * c.num_heads_q * c.seq_q), 7.0f);
-  AttentionOutputs outputs;
-  outputs.out = pr.view(r.out, c.seq_q, c.num_heads_q, pr.head_dim_v());
-  outputs.lse =
-      TensorView::contiguous(r.lse.data(), DType::kF32, {c.batch, c.num_heads_q, c.seq_q, 1});
-  if (with_probs) {
-    r.probs.assign(static_cast<std::size_t>(c.batch * c.num_heads_q * c.seq_q * c.seq_kv), 7.0f);
-    outputs.probs = TensorView::contiguous(r.probs.data(), DType::kF32,
-                                           {c.batch, c.num_heads_q, c.seq_q, c.seq_kv});
-  }
   params.kernel = kernel;
   params.num_threads = num_threads;
-  attention(pr.view(self.q, c.seq_q, c.num_heads_q, c.head_dim),
-            pr.view(self.k, c.seq_kv, c.num_heads_kv, c.head_dim),
-            pr.view(self.v, c.seq_kv, c.num_heads_kv, pr.head_dim_v()), outputs, params);
-  return r;
-}
-
-bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  return pr.run_with(params, with_probs);
 }
 
 struct SparseCase {
