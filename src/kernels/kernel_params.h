@@ -5,6 +5,9 @@
 
 #include <cstdint>
 
+#include "core/float16.h"
+#include "qkv/tensor.h"
+
 namespace qkv {
 
 // A resolved sparsity (qkv/sparse.h), ANDed with the other masks. BigBird arrives as kBlock.
@@ -27,11 +30,13 @@ struct AttentionKernelParams {
   // Sizes.
   std::int64_t batch, seq_q, seq_kv, num_heads_q, num_heads_kv, head_dim, head_dim_v;
 
-  // Operands (f32) and their strides in elements, in logical order.
+  // Operands and their strides in elements, in logical order. q, k and v are stored as `dtype`
+  // (f32, bf16 or f16; kernels accumulate in f32); out, lse and probs are f32.
   //   q: [B, Lq, Hq, D]   k: [B, Lk, Hkv, D]   v: [B, Lk, Hkv, Dv]   out: [B, Lq, Hq, Dv]
-  const float* q;
-  const float* k;
-  const float* v;
+  DType dtype;
+  const void* q;
+  const void* k;
+  const void* v;
   float* out;
   std::int64_t q_stride[4], k_stride[4], v_stride[4], out_stride[4];
   float* lse;  // nullable; [B, Hq, Lq]
@@ -60,5 +65,22 @@ struct AttentionKernelParams {
   int num_threads;  // resolved, >= 1
   std::int64_t chunk_size;
 };
+
+// Element `offset` (in elements) of an f32/bf16/f16 operand, widened to f32 (exact).
+inline float load_element(const void* base, DType dtype, std::int64_t offset) {
+  switch (dtype) {
+    case DType::kBF16:
+      return bf16_bits_to_f32(static_cast<const std::uint16_t*>(base)[offset]);
+    case DType::kF16:
+      return f16_bits_to_f32(static_cast<const std::uint16_t*>(base)[offset]);
+    default:
+      return static_cast<const float*>(base)[offset];
+  }
+}
+
+// `base` advanced by `offset` elements of `dtype`.
+inline const void* element_at(const void* base, DType dtype, std::int64_t offset) {
+  return static_cast<const char*>(base) + offset * dtype_size(dtype);
+}
 
 }  // namespace qkv

@@ -22,8 +22,8 @@ using ops::require_data;
 using ops::require_shape;
 using ops::require_writable_strides;
 
-// The dtypes of attention operands today, and what to do about others.
-const char* const kDtypeHint = "expected f32; bf16/f16 storage is not implemented yet: round to f32";
+// The dtypes attention() takes for q, k and v.
+const char* const kDtypeHint = "expected f32, bf16 or f16";
 
 // The bias may hold -inf (a mask), but +inf or NaN would turn a softmax row into NaN.
 void require_no_nan_or_pos_inf(const TensorView& bias) {
@@ -67,7 +67,8 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
                const AttentionOutputs& outputs, const AttentionParams& params) {
   // q: [B, Lq, Hq, D]  k: [B, Lk, Hkv, D]  v: [B, Lk, Hkv, Dv]  out: [B, Lq, Hq, Dv]
   const TensorView& out = outputs.out;
-  const ops::AttentionShape shape = ops::validate_operands(q, k, v, out, kDtypeHint);
+  const ops::AttentionShape shape =
+      ops::validate_operands(q, k, v, out, /*half_inputs=*/true, kDtypeHint);
   const std::int64_t batch = shape.batch, seq_q = shape.seq_q, num_heads_q = shape.num_heads_q;
   const std::int64_t head_dim = shape.head_dim, seq_kv = shape.seq_kv;
 
@@ -112,6 +113,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
 
   AttentionKernelParams p{};
   ops::set_operands(p, shape, q, k, v, out);
+  p.dtype = q.dtype;
   if (!lse.empty()) {
     p.lse = static_cast<float*>(lse.data);
     for (int d = 0; d < 3; ++d) p.lse_stride[d] = lse.strides[d];

@@ -121,7 +121,7 @@ void linear_attention(const TensorView& q, const TensorView& k, const TensorView
   // q: [B, Lq, Hq, D]  k: [B, Lk, Hkv, D]  v: [B, Lk, Hkv, Dv]  out: [B, Lq, Hq, Dv]
   const TensorView& out = outputs.out;
   const ops::AttentionShape shape =
-      ops::validate_operands(q, k, v, out, "linear attention computes f32");
+      ops::validate_operands(q, k, v, out, /*half_inputs=*/false, "linear attention computes f32");
   const std::int64_t seq_q = shape.seq_q, head_dim = shape.head_dim, seq_kv = shape.seq_kv;
   if (!outputs.lse.empty()) {
     throw Error("lse: linear attention has no softmax normaliser to report; leave lse empty");

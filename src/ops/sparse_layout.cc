@@ -6,9 +6,9 @@
 #include <cstdlib>
 #include <string>
 
+#include "core/splitmix64.h"
 #include "kernels/sparse_pair.h"
 #include "qkv/attention.h"
-#include "core/splitmix64.h"
 #include "qkv/error.h"
 
 namespace qkv {
@@ -21,7 +21,6 @@ std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; 
 std::string sizes_text(std::int64_t seq_q, std::int64_t seq_kv) {
   return "(Lq = " + str(seq_q) + ", Lk = " + str(seq_kv) + ")";
 }
-
 
 void validate_bigbird(const BigBirdSparsity& s, std::int64_t seq_q, std::int64_t seq_kv,
                       std::int64_t num_heads_q) {
@@ -75,8 +74,8 @@ std::vector<std::uint8_t> bigbird_layout(const BigBirdSparsity& s, std::int64_t 
       const std::int64_t n = static_cast<std::int64_t>(candidates.size());
       const std::int64_t draws = std::min(s.num_random_blocks, n);
       for (std::int64_t t = 0; t < draws; ++t) {
-        const std::int64_t pick =
-            t + static_cast<std::int64_t>(splitmix64_next(state) % static_cast<std::uint64_t>(n - t));
+        const std::int64_t pick = t + static_cast<std::int64_t>(splitmix64_next(state) %
+                                                                static_cast<std::uint64_t>(n - t));
         std::swap(candidates[t], candidates[pick]);
         row[candidates[t]] = 1;
       }

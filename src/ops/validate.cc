@@ -72,14 +72,25 @@ void broadcast_strides(const char* name, const TensorView& view,
 }
 
 AttentionShape validate_operands(const TensorView& q, const TensorView& k, const TensorView& v,
-                                 const TensorView& out, const std::string& dtype_hint) {
+                                 const TensorView& out, bool half_inputs,
+                                 const std::string& dtype_hint) {
   const std::pair<const char*, const TensorView*> operands[] = {
       {"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}};
   for (const auto& [name, view] : operands) {
     require_data(name, *view);
-    require_dtype(name, *view, DType::kF32, dtype_hint);
     require_positive_sizes(name, *view);
   }
+  const bool half = q.dtype == DType::kBF16 || q.dtype == DType::kF16;
+  if (!(q.dtype == DType::kF32 || (half_inputs && half))) {
+    require_dtype("q", q, DType::kF32, dtype_hint);
+  }
+  for (const auto& [name, view] : {operands[1], operands[2]}) {
+    if (view->dtype != q.dtype) {
+      throw Error(std::string(name) + ": dtype " + dtype_name(view->dtype) + " differs from q's " +
+                  dtype_name(q.dtype) + " (q, k and v must share one dtype)");
+    }
+  }
+  require_dtype("out", out, DType::kF32, "expected f32");
   require_same("q", q, 0, "k", k, 0, "batch (dim 0)");
   require_same("k", k, 0, "v", v, 0, "batch (dim 0)");
   require_same("k", k, 1, "v", v, 1, "seq_kv (dim 1)");

@@ -38,10 +38,11 @@ struct AttentionShape {
 };
 
 // q: [B, Lq, Hq, D]  k: [B, Lk, Hkv, D]  v: [B, Lk, Hkv, Dv]  out: [B, Lq, Hq, Dv]
-// Each present, f32 (else the error ends with `dtype_hint`), sizes >= 1, consistent, Hq a
-// multiple of Hkv, out writable.
+// Each present, sizes >= 1, consistent, Hq a multiple of Hkv, out writable and f32. q, k and v
+// share one dtype: f32, or bf16/f16 when `half_inputs` (else the error ends with `dtype_hint`).
 AttentionShape validate_operands(const TensorView& q, const TensorView& k, const TensorView& v,
-                                 const TensorView& out, const std::string& dtype_hint);
+                                 const TensorView& out, bool half_inputs,
+                                 const std::string& dtype_hint);
 
 // Copies the sizes, data pointers and strides of validated operands into a kernel's params
 // struct (AttentionKernelParams, LinearKernelParams: the same field names).
@@ -55,9 +56,9 @@ void set_operands(KernelParams& p, const AttentionShape& s, const TensorView& q,
   p.num_heads_kv = s.num_heads_kv;
   p.head_dim = s.head_dim;
   p.head_dim_v = s.head_dim_v;
-  p.q = static_cast<const float*>(q.data);
-  p.k = static_cast<const float*>(k.data);
-  p.v = static_cast<const float*>(v.data);
+  p.q = static_cast<decltype(p.q)>(q.data);
+  p.k = static_cast<decltype(p.k)>(k.data);
+  p.v = static_cast<decltype(p.v)>(v.data);
   p.out = static_cast<float*>(out.data);
   for (int d = 0; d < 4; ++d) {
     p.q_stride[d] = q.strides[d];

@@ -70,8 +70,8 @@ masks (a pair is allowed only if every given mask allows it):
 execution:
   --kernel K           auto (default: flash, or chunked when --weights is given),
                        reference, chunked or flash
-  --dtype T            f32 (default), bf16 or f16: q, k, v are rounded to T (nearest even),
-                       then computed in float32
+  --dtype T            f32 (default), bf16 or f16: q, k, v are converted to T (round to
+                       nearest even) and the kernels read them in T, accumulating in float32
   --threads N          worker threads; 0 = all cores (default). Results do not depend on N.
   --help               this text
 
@@ -305,14 +305,19 @@ TensorView load_operand(io::NpyArray& array, const char* option, const std::stri
   return layout == Layout::kBSHD ? view : view.permuted({0, 2, 1, 3});
 }
 
-void round_inputs(io::NpyArray& array, DType dtype) {
-  float* values = array.as<float>();
-  const std::int64_t count = array.numel();
-  if (dtype == DType::kBF16) {
-    for (std::int64_t i = 0; i < count; ++i) values[i] = round_to_bf16(values[i]);
-  } else if (dtype == DType::kF16) {
-    for (std::int64_t i = 0; i < count; ++i) values[i] = round_to_f16(values[i]);
+// `view` of `array` with its elements converted to `dtype` storage (bf16/f16, round to nearest
+// even) in `bits`; the same view for f32.
+TensorView to_storage(const io::NpyArray& array, TensorView view, DType dtype,
+                      std::vector<std::uint16_t>& bits) {
+  if (dtype == DType::kF32) return view;
+  const float* values = array.as<float>();
+  bits.resize(static_cast<std::size_t>(array.numel()));
+  for (std::size_t i = 0; i < bits.size(); ++i) {
+    bits[i] = dtype == DType::kBF16 ? f32_to_bf16_bits(values[i]) : f32_to_f16_bits(values[i]);
   }
+  view.data = bits.data();
+  view.dtype = dtype;
+  return view;
 }
 
 // mask / bias: rank <= 4, right-aligned numpy broadcasting to `full` = (B, Hq, Lq, Lk). The view
@@ -391,13 +396,19 @@ int run_attention(std::vector<std::string> args) {
 
   // Inputs, as logical views. q: [B, Lq, Hq, D]  k: [B, Lk, Hkv, D]  v: [B, Lk, Hkv, Dv]
   io::NpyArray q_array, k_array, v_array;
-  const TensorView q =
-      load_operand(q_array, "--q", o.q_path, o.layout, "(B, Lq, Hq, D)", "(B, Hq, Lq, D)");
-  const TensorView k =
-      load_operand(k_array, "--k", o.k_path, o.layout, "(B, Lk, Hkv, D)", "(B, Hkv, Lk, D)");
-  const TensorView v =
-      load_operand(v_array, "--v", o.v_path, o.layout, "(B, Lk, Hkv, Dv)", "(B, Hkv, Lk, Dv)");
-  for (io::NpyArray* array : {&q_array, &k_array, &v_array}) round_inputs(*array, o.dtype);
+  std::vector<std::uint16_t> q_bits, k_bits, v_bits;  // --dtype bf16|f16 storage
+  const TensorView q = to_storage(
+      q_array,
+      load_operand(q_array, "--q", o.q_path, o.layout, "(B, Lq, Hq, D)", "(B, Hq, Lq, D)"),
+      o.dtype, q_bits);
+  const TensorView k = to_storage(
+      k_array,
+      load_operand(k_array, "--k", o.k_path, o.layout, "(B, Lk, Hkv, D)", "(B, Hkv, Lk, D)"),
+      o.dtype, k_bits);
+  const TensorView v = to_storage(
+      v_array,
+      load_operand(v_array, "--v", o.v_path, o.layout, "(B, Lk, Hkv, Dv)", "(B, Hkv, Lk, Dv)"),
+      o.dtype, v_bits);
   const std::int64_t batch = q.sizes[0], seq_q = q.sizes[1], num_heads_q = q.sizes[2];
   const std::int64_t seq_kv = k.sizes[1], head_dim_v = v.sizes[3];
   const std::string sources = "from --q shape " + io::npy_shape_string(q_array.shape) +

@@ -81,11 +81,13 @@ HWY_AFTER_NAMESPACE();
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <thread>
 #include <vector>
 
 #include "core/parallel.h"
 #include "hwy/aligned_allocator.h"
+#include "kernels/cpu/bf16_dot.h"
 #include "tools/fma_probe.h"
 
 namespace qkv::tools {
@@ -98,18 +100,21 @@ HWY_EXPORT(SumFloats);
 namespace {
 
 constexpr int kFmaChains = 12;   // must match FmaChains above
+constexpr int kBf16Chains = 12;  // must match bf16dot::peak_probe
 constexpr int kMaxRepeats = 12;  // of the all-thread FMA run
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-}  // namespace
-
-FmaPeak measure_fma_peak(int num_threads, double seconds_per_repeat, int repeats) {
+// What both peak probes share. `chains(iterations, task)` runs one probe kernel for `iterations`
+// steps on the calling thread (`task`: which of the parallel copies, for distinct inputs) and
+// returns its checksum; one step is `flops_per_iteration` FLOPs. Fills gflops,
+// single_thread_gflops, num_threads and checksum.
+FmaPeak measure_peak(int num_threads, double seconds_per_repeat, int repeats,
+                     double flops_per_iteration,
+                     const std::function<double(std::int64_t, std::int64_t)>& chains) {
   const int threads = resolve_num_threads(num_threads);
-  const int lanes = HWY_DYNAMIC_DISPATCH(FloatLanes)();
-  const double flops_per_iteration = 2.0 * kFmaChains * lanes;
   double checksum = 0.0;
 
   // Calibrate on one thread: grow the iteration count until one call takes >= 20 ms (this also
@@ -118,7 +123,7 @@ FmaPeak measure_fma_peak(int num_threads, double seconds_per_repeat, int repeats
   double single_gflops = 0.0;
   while (true) {
     const auto start = std::chrono::steady_clock::now();
-    checksum += HWY_DYNAMIC_DISPATCH(FmaChains)(iterations, 1.0f, 0.999999f, 1e-6f);
+    checksum += chains(iterations, 0);
     const double seconds = seconds_since(start);
     if (seconds >= 0.02 || iterations >= (std::int64_t{1} << 40)) {
       single_gflops = flops_per_iteration * iterations / seconds / 1e9;
@@ -141,8 +146,7 @@ FmaPeak measure_fma_peak(int num_threads, double seconds_per_repeat, int repeats
     if (repeat >= std::max(repeats, 1) && best_gflops >= expected) break;
     const auto start = std::chrono::steady_clock::now();
     parallel_for(threads, threads, [&](std::int64_t task, int /*thread*/) {
-      sums[task] +=
-          HWY_DYNAMIC_DISPATCH(FmaChains)(iterations, 1.0f + 0.001f * task, 0.999999f, 1e-6f);
+      sums[task] += chains(iterations, task);
     });
     const double seconds = seconds_since(start);
     best_gflops = std::max(best_gflops, flops_per_iteration * iterations * threads / seconds / 1e9);
@@ -153,9 +157,39 @@ FmaPeak measure_fma_peak(int num_threads, double seconds_per_repeat, int repeats
   peak.gflops = best_gflops;
   peak.single_thread_gflops = single_gflops;
   peak.num_threads = threads;
+  peak.checksum = checksum;
+  return peak;
+}
+
+}  // namespace
+
+FmaPeak measure_fma_peak(int num_threads, double seconds_per_repeat, int repeats) {
+  const int lanes = HWY_DYNAMIC_DISPATCH(FloatLanes)();
+  FmaPeak peak =
+      measure_peak(num_threads, seconds_per_repeat, repeats, 2.0 * kFmaChains * lanes,
+                   [](std::int64_t iterations, std::int64_t task) {
+                     return static_cast<double>(HWY_DYNAMIC_DISPATCH(FmaChains)(
+                         iterations, 1.0f + 0.001f * static_cast<float>(task), 0.999999f, 1e-6f));
+                   });
   peak.hwy_target = hwy::TargetName(HWY_DYNAMIC_DISPATCH(CompiledTarget)());
   peak.lanes = lanes;
-  peak.checksum = checksum;
+  return peak;
+}
+
+FmaPeak measure_bf16_peak(int num_threads, double seconds_per_repeat, int repeats) {
+  if (!bf16dot::available()) {
+    FmaPeak none{};
+    none.num_threads = resolve_num_threads(num_threads);
+    none.hwy_target = "none";
+    return none;
+  }
+  // One vdpbf16ps: 16 f32 lanes x 2 multiply-adds = 64 FLOPs; 12 chains per step.
+  FmaPeak peak = measure_peak(num_threads, seconds_per_repeat, repeats, 4.0 * kBf16Chains * 16,
+                              [](std::int64_t iterations, std::int64_t /*task*/) {
+                                return bf16dot::peak_probe(iterations);
+                              });
+  peak.hwy_target = "AVX512_BF16";
+  peak.lanes = 16;
   return peak;
 }
 

@@ -21,6 +21,13 @@ struct FmaPeak {
 // 12, while the best is under 85% of the single-thread rate times the threads that have a core).
 FmaPeak measure_fma_peak(int num_threads, double seconds_per_repeat = 0.1, int repeats = 3);
 
+// The same probe on AVX512-BF16 (`vdpbf16ps`, bf16 pairs accumulated in f32; bf16dot::peak_probe
+// in src/kernels/cpu/bf16_dot.h): gflops counts 4 FLOPs per f32 lane per instruction (two
+// multiply-adds), hwy_target is "AVX512_BF16" (not a Highway target: the kernel is raw
+// intrinsics) and lanes 16. Where the CPU lacks AVX512-BF16 (or bf16dot::set_enabled(false)),
+// nothing runs: gflops = 0 and hwy_target = "none".
+FmaPeak measure_bf16_peak(int num_threads, double seconds_per_repeat = 0.1, int repeats = 3);
+
 struct ReadBandwidth {
   double gbytes_per_second;  // 1e9 bytes/s read, over all threads, best of repeats
   int num_threads;

@@ -3,10 +3,19 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/float16.h"
+
 namespace qkv::testing {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Rounds `x` to the storage type (bf16/f16; f32: unchanged).
+float round_to(DType dtype, float x) {
+  if (dtype == DType::kBF16) return round_to_bf16(x);
+  if (dtype == DType::kF16) return round_to_f16(x);
+  return x;
+}
 
 std::vector<float> normal(std::mt19937_64& rng, std::int64_t n, float scale) {
   std::normal_distribution<float> dist(0.0f, 1.0f);
@@ -20,8 +29,12 @@ std::vector<float> normal(std::mt19937_64& rng, std::int64_t n, float scale) {
 std::string Case::name() const {
   // Appended piecewise: GCC 12 warns (-Wrestrict, a false positive) on long "a" + b chains.
   std::string s;
-  for (auto [tag, value] : {std::pair{"B", batch}, {"_Lq", seq_q}, {"_Lk", seq_kv},
-                            {"_H", num_heads_q}, {"x", num_heads_kv}, {"_D", head_dim}}) {
+  for (auto [tag, value] : {std::pair{"B", batch},
+                            {"_Lq", seq_q},
+                            {"_Lk", seq_kv},
+                            {"_H", num_heads_q},
+                            {"x", num_heads_kv},
+                            {"_D", head_dim}}) {
     s += tag;
     s += std::to_string(value);
   }
@@ -38,6 +51,7 @@ std::string Case::name() const {
   if (scale) s += "_scale";
   if (input_scale != 1.0f) s += "_big";
   if (bhsd) s += "_bhsd";
+  if (dtype != DType::kF32) s += std::string("_") + dtype_name(dtype);
   for (char& ch : s) {  // test names allow [A-Za-z0-9_] only
     if (ch == ',') ch = '_';
     if (ch == '-') ch = 'm';
@@ -67,6 +81,15 @@ Problem::Problem(const Case& c) : c_(c) {
           for (std::int64_t j = key_lengths[b]; j < c.seq_kv; ++j)
             for (std::int64_t h = 0; h < t.sizes[2]; ++h)
               for (std::int64_t d = 0; d < t.sizes[3]; ++d) data[t.offset(b, j, h, d)] = nan;
+      }
+    }
+  }
+
+  if (c.dtype != DType::kF32) {
+    for (auto [values, bits] : {std::pair{&q, &q16}, {&k, &k16}, {&v, &v16}}) {
+      for (float& x : *values) {
+        x = round_to(c.dtype, x);
+        bits->push_back(c.dtype == DType::kBF16 ? f32_to_bf16_bits(x) : f32_to_f16_bits(x));
       }
     }
   }
@@ -167,9 +190,16 @@ Result Problem::run_with(const AttentionParams& params, bool with_probs) const {
     outputs.probs = TensorView::contiguous(r.probs.data(), DType::kF32,
                                            {c.batch, c.num_heads_q, c.seq_q, c.seq_kv});
   }
-  attention(view(self.q, c.seq_q, c.num_heads_q, c.head_dim),
-            view(self.k, c.seq_kv, c.num_heads_kv, c.head_dim),
-            view(self.v, c.seq_kv, c.num_heads_kv, head_dim_v()), outputs, params);
+  TensorView qv = view(self.q, c.seq_q, c.num_heads_q, c.head_dim);
+  TensorView kv = view(self.k, c.seq_kv, c.num_heads_kv, c.head_dim);
+  TensorView vv = view(self.v, c.seq_kv, c.num_heads_kv, head_dim_v());
+  if (c.dtype != DType::kF32) {  // the same views over the bf16/f16 bits
+    for (auto [view, bits] : {std::pair{&qv, &self.q16}, {&kv, &self.k16}, {&vv, &self.v16}}) {
+      view->data = bits->data();
+      view->dtype = c.dtype;
+    }
+  }
+  attention(qv, kv, vv, outputs, params);
   return r;
 }
 
@@ -177,7 +207,7 @@ bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
-Result Problem::plain_f32() const {
+Result Problem::plain() const {
   const Case& c = c_;
   auto& self = const_cast<Problem&>(*this);
   const TensorView qv = view(self.q, c.seq_q, c.num_heads_q, c.head_dim);
@@ -216,7 +246,7 @@ Result Problem::plain_f32() const {
             dot += static_cast<float*>(qv.data)[qv.offset(b, i, h, d)] *
                    static_cast<float*>(kv.data)[kv.offset(b, j, hk, d)];
           }
-          float x = dot * scale;
+          float x = round_to(c.dtype, dot) * scale;
           if (c.softcap > 0) x = c.softcap * std::tanh(x / c.softcap);
           if (!bias.empty()) {
             const auto& a = p.bias;
@@ -234,12 +264,13 @@ Result Problem::plain_f32() const {
           s[j] = s[j] == kNegInf ? 0.0f : std::exp(s[j] - max);
           sum += s[j];
         }
+        for (std::int64_t j = 0; j < c.seq_kv; ++j) s[j] = round_to(c.dtype, s[j] / sum);
         for (std::int64_t e = 0; e < head_dim_v(); ++e) {
           float acc = 0.0f;
           for (std::int64_t j = 0; j < c.seq_kv; ++j) {
             if (s[j] != 0.0f) acc += s[j] * static_cast<float*>(vv.data)[vv.offset(b, j, hk, e)];
           }
-          static_cast<float*>(ov.data)[ov.offset(b, i, h, e)] = acc / sum;
+          static_cast<float*>(ov.data)[ov.offset(b, i, h, e)] = acc;
         }
       }
     }

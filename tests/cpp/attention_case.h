@@ -1,5 +1,5 @@
 // One table of attention cases drives the kernel tests: a Case describes shapes and masks,
-// Problem owns random data for it and runs any kernel. plain_f32_attention is the "plain
+// Problem owns random data for it and runs any kernel. Problem::plain is the "plain
 // implementation of the same formula in the same precision" of DESIGN.md section 5, used to
 // size the tolerance.
 #pragma once
@@ -32,8 +32,9 @@ struct Case {
   BiasKind bias = BiasKind::kNone;
   float softcap = 0.0f;
   std::optional<float> scale;
-  float input_scale = 1.0f;  // multiply q and k: large logits
-  bool bhsd = false;         // q/k/v/out stored (B, H, L, D)
+  float input_scale = 1.0f;   // multiply q and k: large logits
+  bool bhsd = false;          // q/k/v/out stored (B, H, L, D)
+  DType dtype = DType::kF32;  // storage of q, k, v (bf16/f16: random values rounded to it)
   std::uint64_t seed = 1;
 
   std::string name() const;
@@ -52,8 +53,10 @@ class Problem {
   // The same with any AttentionParams (e.g. params() plus a sparsity); kernel and threads set
   // in `params` are used as given.
   Result run_with(const AttentionParams& params, bool with_probs) const;
-  // Naive float32 loops of the same semantics (the tolerance yardstick).
-  Result plain_f32() const;
+  // Naive loops of the same semantics in the case's precision (the tolerance yardstick): f32
+  // arithmetic; for bf16/f16 storage, the scores and the probabilities are also stored in that
+  // type, as a plain low-precision implementation (torch's math attention) does.
+  Result plain() const;
   const Case& spec() const { return c_; }
   AttentionParams params() const;
 
@@ -61,7 +64,8 @@ class Problem {
                   std::int64_t dim) const;
   std::int64_t head_dim_v() const { return c_.head_dim_v < 0 ? c_.head_dim : c_.head_dim_v; }
 
-  std::vector<float> q, k, v, bias;
+  std::vector<float> q, k, v, bias;          // f32 values (rounded to dtype: the oracle's inputs)
+  std::vector<std::uint16_t> q16, k16, v16;  // their bf16/f16 bits (dtype != f32)
   std::vector<std::uint8_t> mask;
   std::vector<std::int64_t> key_lengths;
 

@@ -202,7 +202,7 @@ void expect_close(const char* what, const std::string& kernel, const std::vector
 
 void check_against_reference(const Problem& problem) {
   const Result ref = problem.run(Kernel::kReference, true);
-  const Result plain = problem.plain_f32();
+  const Result plain = problem.plain();
   const double tol = tolerance(ref.out, plain.out);
   const double lse_tol = 2e-5 * std::max(1.0, max_abs(ref.lse));
   // The reference honours the contract too: fully masked rows give out 0 / lse -inf, no NaN.
@@ -225,6 +225,18 @@ TEST_P(KernelSweep, MatchesReference) { check_against_reference(Problem(GetParam
 INSTANTIATE_TEST_SUITE_P(Cases, KernelSweep, ::testing::ValuesIn(kernel_cases()),
                          [](const auto& info) { return info.param.name(); });
 
+// The same table with q, k, v stored as bf16 and as f16 (the oracle reads the same bits).
+std::vector<Case> with_dtype(std::vector<Case> cases, DType dtype) {
+  for (Case& c : cases) c.dtype = dtype;
+  return cases;
+}
+INSTANTIATE_TEST_SUITE_P(Bf16, KernelSweep,
+                         ::testing::ValuesIn(with_dtype(kernel_cases(), DType::kBF16)),
+                         [](const auto& info) { return info.param.name(); });
+INSTANTIATE_TEST_SUITE_P(F16, KernelSweep,
+                         ::testing::ValuesIn(with_dtype(kernel_cases(), DType::kF16)),
+                         [](const auto& info) { return info.param.name(); });
+
 // The sweep above runs on the best target; here each compiled target this CPU supports is
 // forced in turn, over the cases that exercise masks and tails.
 TEST(KernelTargets, EveryTargetMatchesReference) {
@@ -238,6 +250,13 @@ TEST(KernelTargets, EveryTargetMatchesReference) {
     for (std::size_t i = 0; i < cases.size(); i += 3) {
       SCOPED_TRACE(cases[i].name());
       check_against_reference(Problem(cases[i]));
+      for (DType dtype : {DType::kBF16, DType::kF16}) {
+        if (i % 9 != 0) continue;
+        Case c = cases[i];
+        c.dtype = dtype;
+        SCOPED_TRACE(c.name());
+        check_against_reference(Problem(c));
+      }
     }
   }
   hwy::SetSupportedTargetsForTest(0);
@@ -302,7 +321,7 @@ TEST(KernelEdges, HugeLogitsStayFinite) {
   const Result ref = problem.run(Kernel::kReference, false);
   const Result flash = problem.run(Kernel::kFlash, false);
   for (float x : flash.out) ASSERT_TRUE(std::isfinite(x));
-  EXPECT_LE(max_abs_diff(flash.out, ref.out), tolerance(ref.out, problem.plain_f32().out));
+  EXPECT_LE(max_abs_diff(flash.out, ref.out), tolerance(ref.out, problem.plain().out));
 }
 
 }  // namespace

@@ -172,7 +172,7 @@ void check_against_reference(const DecodeCase& dc) {
   // DESIGN.md section 5: max(2e-5 * max(1, max|ref|), 4 x the plain f32 error). The plain f32
   // loops do not know sparsity: sparse cases use the 2e-5 term (unit-scale inputs).
   const double tol = dc.sparse_window >= 0 ? 2e-5 * std::max(1.0, max_abs(ref.out))
-                                           : tolerance(ref.out, pr.plain_f32().out);
+                                           : tolerance(ref.out, pr.plain().out);
   EXPECT_LE(max_abs_diff(flash.out, ref.out), tol) << "out";
   EXPECT_LE(max_abs_diff(flash.lse, ref.lse), 2e-5 * std::max(1.0, max_abs(ref.lse))) << "lse";
   for (float x : flash.out) ASSERT_FALSE(std::isnan(x));

@@ -76,7 +76,11 @@ TEST(Validation, NullData) {
 
 TEST(Validation, Dtypes) {
   expect_error([](Valid& p) { p.kv.dtype = DType::kI32; }, {"k: dtype i32"});
-  expect_error([](Valid& p) { p.vv.dtype = DType::kBF16; }, {"v: dtype bf16", "not implemented"});
+  expect_error([](Valid& p) { p.vv.dtype = DType::kBF16; },
+               {"v: dtype bf16", "differs from q's f32"});
+  expect_error([](Valid& p) { p.qv.dtype = DType::kI64; }, {"q: dtype i64", "f32, bf16 or f16"});
+  expect_error([](Valid& p) { p.outputs.out.dtype = DType::kBF16; },
+               {"out: dtype bf16", "expected f32"});
   expect_error(
       [](Valid& p) {
         p.params.mask = TensorView::contiguous(p.bias.data(), DType::kF32, {2, 4, 3, 5});

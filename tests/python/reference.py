@@ -44,8 +44,14 @@ def allowed_pairs(batch, num_heads_q, seq_q, seq_kv, causal=False, align="bottom
 
 
 def attention(q, k, v, scale=None, softcap=0.0, causal=False, align="bottom-right",
-              window=(-1, -1), key_lengths=None, mask=None, bias=None, dtype=np.float64):
-    """Returns (out (B, Lq, Hq, Dv), lse (B, Hq, Lq), weights (B, Hq, Lq, Lk)) in `dtype`."""
+              window=(-1, -1), key_lengths=None, mask=None, bias=None, dtype=np.float64,
+              store=None):
+    """Returns (out (B, Lq, Hq, Dv), lse (B, Hq, Lq), weights (B, Hq, Lq, Lk)) in `dtype`.
+
+    store: None, or a rounding function (round_bf16, round_f16) applied to the score matrix
+    q.k and to the probabilities before they multiply v, as a plain implementation that
+    stores them in that type does (the tolerance yardstick for bf16/f16 inputs)."""
+    keep = store if store is not None else (lambda x: x)
     batch, seq_q, num_heads_q, head_dim = q.shape
     _, seq_kv, num_heads_kv, _ = k.shape
     assert num_heads_q % num_heads_kv == 0
@@ -69,7 +75,7 @@ def attention(q, k, v, scale=None, softcap=0.0, causal=False, align="bottom-righ
     kh = np.repeat(k.transpose(0, 2, 1, 3), group, axis=1)         # (B, Hq, Lk, D)
     vh = np.repeat(v.transpose(0, 2, 1, 3), group, axis=1)         # (B, Hq, Lk, Dv)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        s = (qh @ kh.swapaxes(-1, -2)) * scale                     # (B, Hq, Lq, Lk)
+        s = keep(qh @ kh.swapaxes(-1, -2)).astype(dtype) * scale   # (B, Hq, Lq, Lk)
         if softcap > 0:
             cap = dtype(softcap)
             s = cap * np.tanh(s / cap)
@@ -85,7 +91,7 @@ def attention(q, k, v, scale=None, softcap=0.0, causal=False, align="bottom-righ
         e = np.exp(s - row_max)
         total = e.sum(axis=-1, keepdims=True)
         weights = np.where(total > 0, e / np.where(total > 0, total, 1), dtype(0))
-        out = weights @ vh                                         # (B, Hq, Lq, Dv)
+        out = keep(weights).astype(dtype) @ vh                     # (B, Hq, Lq, Dv)
         lse = np.where(total[..., 0] > 0, np.log(total[..., 0]) + row_max[..., 0],
                        dtype(-np.inf))
     return out.transpose(0, 2, 1, 3).astype(dtype), lse.astype(dtype), weights.astype(dtype)

@@ -74,14 +74,15 @@ def run_cli(cli, problem, kernel="auto", layout="bshd", lse=True, weights=None, 
 
 
 def references(problem, round_fn=None):
-    """(out, lse, weights) in float64 and in plain float32, on inputs rounded by round_fn."""
+    """(out, lse, weights) in float64 and in plain float32, on inputs rounded by round_fn (the
+    plain one then also stores scores and probabilities rounded by it)."""
     inputs = {name: problem[name] for name in ("q", "k", "v")}
     if round_fn is not None:
         inputs = {name: round_fn(value) for name, value in inputs.items()}
     options = {key: problem[key] for key in ("scale", "softcap", "causal", "align", "window",
                                              "key_lengths", "mask", "bias") if key in problem}
     return (ref.attention(**inputs, **options, dtype=np.float64),
-            ref.attention(**inputs, **options, dtype=np.float32))
+            ref.attention(**inputs, **options, dtype=np.float32, store=round_fn))
 
 
 def check_close(actual, ref64, ref32, what):

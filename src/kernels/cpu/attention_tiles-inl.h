@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
@@ -136,8 +137,8 @@ struct QueryBlock {
   std::int64_t b, num_q;  // num_q: lanes in use
   // Union of the allowed key ranges: tiles outside [key_begin, key_end) are skipped.
   std::int64_t key_begin, key_end;
-  const float* k;  // k[b, 0, kv_head, 0]
-  const float* v;  // v[b, 0, kv_head, 0]
+  const void* k;  // k[b, 0, kv_head, 0], stored as p.dtype
+  const void* v;  // v[b, 0, kv_head, 0]
 };
 
 // Scratch one QueryBlock needs: floats, and int64s.
@@ -361,8 +362,8 @@ inline void StartQueryBlock(const AttentionKernelParams& p, std::int64_t b, std:
   const std::int64_t row0 = block * kBlockQ;
   qb.b = b;
   qb.num_q = std::min<std::int64_t>(kBlockQ, group * p.seq_q - row0);
-  qb.k = p.k + b * p.k_stride[0] + kv_head * p.k_stride[2];
-  qb.v = p.v + b * p.v_stride[0] + kv_head * p.v_stride[2];
+  qb.k = element_at(p.k, p.dtype, b * p.k_stride[0] + kv_head * p.k_stride[2]);
+  qb.v = element_at(p.v, p.dtype, b * p.v_stride[0] + kv_head * p.v_stride[2]);
 
   const std::int64_t key_length = p.key_lengths != nullptr ? p.key_lengths[b] : p.seq_kv;
   qb.key_begin = p.seq_kv;
@@ -392,16 +393,106 @@ inline void StartQueryBlock(const AttentionKernelParams& p, std::int64_t b, std:
   if (qb.key_end <= qb.key_begin) qb.key_begin = qb.key_end = 0;
   if (p.sparse.kind != SparseKernelParams::Kind::kNone) StartSparseBlock(p, qb);
 
-  const float* q = p.q + b * p.q_stride[0];
   for (std::int64_t d = 0; d < p.head_dim; ++d) {
     float* row = qb.qt + d * kBlockQ;
     for (std::int64_t l = 0; l < qb.num_q; ++l) {
-      row[l] =
-          q[qb.query[l] * p.q_stride[1] + qb.head[l] * p.q_stride[2] + d * p.q_stride[3]] * p.scale;
+      const std::int64_t at = b * p.q_stride[0] + qb.query[l] * p.q_stride[1] +
+                              qb.head[l] * p.q_stride[2] + d * p.q_stride[3];
+      row[l] = load_element(p.q, p.dtype, at) * p.scale;
     }
     for (std::int64_t l = qb.num_q; l < kBlockQ; ++l) row[l] = 0.0f;
   }
   std::fill(qb.ot, qb.ot + p.head_dim_v * kBlockQ, 0.0f);
+}
+
+// ---------------------------------------------------------------------------------------------
+// K and V rows for the tile products. An f32 operand is read where it lies; bf16/f16 rows are
+// widened (exactly) into a per-thread staging tile, once per (rows, tile): the query blocks of a
+// task that share a kv head then reuse it.
+
+// Rows [j0, j0 + num_k) of K or V: row j at data + j * row_stride, element e at + e * elem_stride.
+struct TileRows {
+  const float* data;
+  std::int64_t row_stride, elem_stride;
+};
+
+// A staging tile [kBlockK][dim] and what it holds (rows [j0, j0 + num) below `source`).
+struct StagedRows {
+  float* buffer = nullptr;
+  const void* source = nullptr;
+  std::int64_t j0 = 0, num = 0;
+};
+
+struct Staging {
+  StagedRows k, v;
+};
+
+// Floats of the staging tiles (none for f32 operands).
+inline std::int64_t StagingFloats(const AttentionKernelParams& p) {
+  return p.dtype == DType::kF32 ? 0 : kBlockK * (p.head_dim + p.head_dim_v);
+}
+
+inline Staging BindStaging(const AttentionKernelParams& p, float* floats) {
+  Staging s;
+  s.k.buffer = floats;
+  s.v.buffer = floats + kBlockK * p.head_dim;
+  return s;
+}
+
+// kLanes elements of an f32, bf16 or f16 row (T = float, hwy::bfloat16_t, hwy::float16_t) as
+// f32 (exact), and one element.
+template <typename T>
+HWY_INLINE VF LoadWide(DF df, const T* HWY_RESTRICT src) {
+  if constexpr (std::is_same_v<T, float>) {
+    return hn::LoadU(df, src);
+  } else {
+    return hn::PromoteTo(df, hn::LoadU(hn::Rebind<T, DF>(), src));
+  }
+}
+template <typename T>
+HWY_INLINE float WideElement(T x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, hwy::bfloat16_t>) {
+    return bf16_bits_to_f32(x.bits);
+  } else {
+    return f16_bits_to_f32(x.bits);
+  }
+}
+
+// dst[0 : n] = the f32 values of src[0 : n].
+template <typename T>
+HWY_INLINE void WidenRow(const T* HWY_RESTRICT src, std::int64_t n, float* HWY_RESTRICT dst) {
+  const DF df;
+  std::int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) hn::StoreU(LoadWide(df, src + i), df, dst + i);
+  for (; i < n; ++i) dst[i] = WideElement(src[i]);
+}
+
+// Rows [j0, j0 + num_k) of the operand whose (b, kv_head) rows start at `rows` (p.k's or p.v's
+// strides, `dim` elements each), as f32.
+inline TileRows StageRows(const AttentionKernelParams& p, const void* rows,
+                          const std::int64_t* stride, std::int64_t dim, std::int64_t j0,
+                          std::int64_t num_k, StagedRows& staged) {
+  if (p.dtype == DType::kF32) {
+    return {static_cast<const float*>(rows) + j0 * stride[1], stride[1], stride[3]};
+  }
+  if (staged.source != rows || staged.j0 != j0 || staged.num != num_k) {
+    for (std::int64_t j = 0; j < num_k; ++j) {
+      const std::int64_t at = (j0 + j) * stride[1];
+      float* dst = staged.buffer + j * dim;
+      if (stride[3] != 1) {
+        for (std::int64_t e = 0; e < dim; ++e)
+          dst[e] = load_element(rows, p.dtype, at + e * stride[3]);
+      } else if (p.dtype == DType::kBF16) {
+        WidenRow(static_cast<const hwy::bfloat16_t*>(rows) + at, dim, dst);
+      } else {
+        WidenRow(static_cast<const hwy::float16_t*>(rows) + at, dim, dst);
+      }
+    }
+    staged = {staged.buffer, rows, j0, num_k};
+  }
+  return {staged.buffer, dim, 1};
 }
 
 // st[j][:] = scores of keys [j0, j0 + num_k) against the block's queries, with softcap, bias
@@ -410,9 +501,10 @@ inline void StartQueryBlock(const AttentionKernelParams& p, std::int64_t b, std:
 inline void MaskScoreTile(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
                           std::int64_t num_k, float* HWY_RESTRICT st, bool sparse_predicate);
 inline void ScoreTile(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
-                      std::int64_t num_k, float* HWY_RESTRICT st, bool sparse_predicate) {
-  OuterProduct(qb.qt, qb.k + j0 * p.k_stride[1], num_k, p.k_stride[1], p.k_stride[3], p.head_dim,
-               st, nullptr, false);
+                      std::int64_t num_k, float* HWY_RESTRICT st, bool sparse_predicate,
+                      Staging& staging) {
+  const TileRows k = StageRows(p, qb.k, p.k_stride, p.head_dim, j0, num_k, staging.k);
+  OuterProduct(qb.qt, k.data, num_k, k.row_stride, k.elem_stride, p.head_dim, st, nullptr, false);
   MaskScoreTile(p, qb, j0, num_k, st, sparse_predicate);
 }
 
@@ -527,9 +619,10 @@ inline void OnlineSoftmaxTile(QueryBlock& qb, std::int64_t num_k, float* HWY_RES
 
 // ot = alpha * ot + v[j0 : j0 + num_k]^T p   (alpha null: no rescale)
 inline void AccumulateValues(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
-                             std::int64_t num_k, const float* st, const float* alpha) {
-  OuterProduct(st, qb.v + j0 * p.v_stride[1], p.head_dim_v, p.v_stride[3], p.v_stride[1], num_k,
-               qb.ot, alpha, true);
+                             std::int64_t num_k, const float* st, const float* alpha,
+                             Staging& staging) {
+  const TileRows v = StageRows(p, qb.v, p.v_stride, p.head_dim_v, j0, num_k, staging.v);
+  OuterProduct(st, v.data, p.head_dim_v, v.elem_stride, v.row_stride, num_k, qb.ot, alpha, true);
 }
 
 // out = ot^T / row_sum (0 for rows with no allowed key), lse = row_max + log(row_sum) (-inf).

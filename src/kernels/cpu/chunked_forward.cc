@@ -57,8 +57,8 @@ void ChunkedForward(const AttentionKernelParams& p) {
   const std::int64_t num_tasks = p.batch * p.num_heads_kv * num_chunks;
   const int num_threads = static_cast<int>(std::min<std::int64_t>(p.num_threads, num_tasks));
 
-  // Per-thread scratch, sized once: QueryBlock state + the panel [Lk][kBlockQ].
-  const std::int64_t floats = ScratchFloats(p) + p.seq_kv * kBlockQ;
+  // Per-thread scratch, sized once: QueryBlock state + the panel [Lk][kBlockQ] + staging tiles.
+  const std::int64_t floats = ScratchFloats(p) + p.seq_kv * kBlockQ + StagingFloats(p);
   AlignedBuffer float_scratch(sizeof(float) * floats * num_threads);
   AlignedBuffer int_scratch(sizeof(std::int64_t) * kScratchInts * num_threads);
 
@@ -67,6 +67,7 @@ void ChunkedForward(const AttentionKernelParams& p) {
     QueryBlock qb;
     BindScratch(p, mine, int_scratch.as<std::int64_t>() + thread * kScratchInts, qb);
     float* panel = mine + ScratchFloats(p);
+    Staging staging = BindStaging(p, panel + p.seq_kv * kBlockQ);
 
     const std::int64_t chunk = task % num_chunks;
     const std::int64_t b_kv = task / num_chunks;  // batch * num_heads_kv + kv_head
@@ -78,13 +79,13 @@ void ChunkedForward(const AttentionKernelParams& p) {
         const std::int64_t num_k = std::min<std::int64_t>(kBlockK, qb.key_end - j0);
         // Every tile takes the pair-by-pair sparsity (no skipping: the panel holds all keys).
         ScoreTile(p, qb, j0, num_k, panel + (j0 - qb.key_begin) * kBlockQ,
-                  p.sparse.kind != SparseKernelParams::Kind::kNone);
+                  p.sparse.kind != SparseKernelParams::Kind::kNone, staging);
       }
       PanelSoftmax(qb, num_keys, panel);
       if (p.probs != nullptr) WriteProbs(p, qb, panel);
       for (std::int64_t j0 = qb.key_begin; j0 < qb.key_end; j0 += kBlockK) {
         const std::int64_t num_k = std::min<std::int64_t>(kBlockK, qb.key_end - j0);
-        AccumulateValues(p, qb, j0, num_k, panel + (j0 - qb.key_begin) * kBlockQ, nullptr);
+        AccumulateValues(p, qb, j0, num_k, panel + (j0 - qb.key_begin) * kBlockQ, nullptr, staging);
       }
       FinishQueryBlock(p, qb);
     }

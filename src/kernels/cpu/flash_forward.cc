@@ -130,9 +130,10 @@ HWY_INLINE void StoreLaneSums4(const VF* acc, float* HWY_RESTRICT out) {
 #endif  // HWY_TARGET != HWY_SCALAR
 
 // st[kk * kBlockQ + r] = q[r] . k[kk] for r < R, kk < K.
-//   q: [R][head_dim] (row stride head_dim)   k: [K][head_dim] (row stride k_row_stride)
-template <int R, int K>
-HWY_INLINE void NarrowDots(const float* HWY_RESTRICT q, const float* HWY_RESTRICT k,
+//   q: [R][head_dim] (row stride head_dim)   k: [K][head_dim] (row stride k_row_stride), stored
+//   as T (float, hwy::bfloat16_t or hwy::float16_t; widened to f32 in registers)
+template <int R, int K, typename T>
+HWY_INLINE void NarrowDots(const float* HWY_RESTRICT q, const T* HWY_RESTRICT k,
                            std::int64_t k_row_stride, std::int64_t head_dim,
                            float* HWY_RESTRICT st) {
   const DF df;
@@ -146,7 +147,7 @@ HWY_INLINE void NarrowDots(const float* HWY_RESTRICT q, const float* HWY_RESTRIC
   for (std::int64_t d = 0; d < vec_end; d += kLanes) {
     VF key[K];
     HWY_UNROLL(4)
-    for (int kk = 0; kk < K; ++kk) key[kk] = hn::LoadU(df, k + kk * k_row_stride + d);
+    for (int kk = 0; kk < K; ++kk) key[kk] = LoadWide(df, k + kk * k_row_stride + d);
     HWY_UNROLL(4)
     for (int r = 0; r < R; ++r) {
       const VF query = hn::LoadU(df, q + r * head_dim + d);
@@ -169,7 +170,7 @@ HWY_INLINE void NarrowDots(const float* HWY_RESTRICT q, const float* HWY_RESTRIC
     for (int kk = 0; kk < K; ++kk) {
       float s = hn::GetLane(hn::SumOfLanes(df, acc[r][kk]));
       for (std::int64_t d = vec_end; d < head_dim; ++d) {
-        s += q[r * head_dim + d] * k[kk * k_row_stride + d];
+        s += q[r * head_dim + d] * WideElement(k[kk * k_row_stride + d]);
       }
       st[kk * kBlockQ + r] = s;
     }
@@ -177,9 +178,9 @@ HWY_INLINE void NarrowDots(const float* HWY_RESTRICT q, const float* HWY_RESTRIC
 }
 
 // q . k for rows [0, num_q) and K keys at k, into st[kk * kBlockQ + r].
-template <int K>
-HWY_INLINE void NarrowDotKeys(const float* q_rows, std::int64_t num_q, const float* k,
-                              std::int64_t ks, std::int64_t d, float* st) {
+template <int K, typename T>
+HWY_INLINE void NarrowDotKeys(const float* q_rows, std::int64_t num_q, const T* k, std::int64_t ks,
+                              std::int64_t d, float* st) {
   std::int64_t r = 0;
   for (; r + kDotRows <= num_q; r += kDotRows) {
     NarrowDots<kDotRows, K>(q_rows + r * d, k, ks, d, st + r);
@@ -189,8 +190,8 @@ HWY_INLINE void NarrowDotKeys(const float* q_rows, std::int64_t num_q, const flo
 
 // o[r][0 : E * kLanes] += sum_j p[j][r] * v[j][0 : E * kLanes], r < R.
 //   p: st[j * kBlockQ + r]   v: [num_k][...] (row stride v_row_stride)   o: row stride o_stride
-template <int R, int E>
-HWY_INLINE void NarrowValueRows(const float* HWY_RESTRICT st, const float* HWY_RESTRICT v,
+template <int R, int E, typename T>
+HWY_INLINE void NarrowValueRows(const float* HWY_RESTRICT st, const T* HWY_RESTRICT v,
                                 std::int64_t v_row_stride, std::int64_t num_k,
                                 float* HWY_RESTRICT o, std::int64_t o_stride) {
   const DF df;
@@ -203,7 +204,7 @@ HWY_INLINE void NarrowValueRows(const float* HWY_RESTRICT st, const float* HWY_R
   for (std::int64_t j = 0; j < num_k; ++j) {
     VF value[E];
     HWY_UNROLL(4)
-    for (int e = 0; e < E; ++e) value[e] = hn::LoadU(df, v + j * v_row_stride + e * kLanes);
+    for (int e = 0; e < E; ++e) value[e] = LoadWide(df, v + j * v_row_stride + e * kLanes);
     HWY_UNROLL(4)
     for (int r = 0; r < R; ++r) {
       const VF prob = hn::Set(df, st[j * kBlockQ + r]);
@@ -219,8 +220,8 @@ HWY_INLINE void NarrowValueRows(const float* HWY_RESTRICT st, const float* HWY_R
 }
 
 // Value columns [0, E * kLanes) of rows [0, num_q).
-template <int E>
-HWY_INLINE void NarrowValueColumns(std::int64_t num_q, const float* st, const float* v,
+template <int E, typename T>
+HWY_INLINE void NarrowValueColumns(std::int64_t num_q, const float* st, const T* v,
                                    std::int64_t v_row_stride, std::int64_t num_k, float* o,
                                    std::int64_t o_stride) {
   std::int64_t r = 0;
@@ -233,7 +234,8 @@ HWY_INLINE void NarrowValueColumns(std::int64_t num_q, const float* st, const fl
 }
 
 // o += v[0 : num_k]^T p for rows [0, num_q)   (o: [num_q][Dv], p: st[j * kBlockQ + r]).
-inline void NarrowValueKeys(const AttentionKernelParams& p, std::int64_t num_q, const float* v,
+template <typename T>
+inline void NarrowValueKeys(const AttentionKernelParams& p, std::int64_t num_q, const T* v,
                             std::int64_t num_k, const float* HWY_RESTRICT st,
                             float* HWY_RESTRICT o) {
   const std::int64_t vs = p.v_stride[1], dv = p.head_dim_v;
@@ -248,7 +250,9 @@ inline void NarrowValueKeys(const AttentionKernelParams& p, std::int64_t num_q, 
   for (; e < dv; ++e) {  // a head_dim_v that is not a multiple of the lanes
     for (std::int64_t r = 0; r < num_q; ++r) {
       float acc = o[r * dv + e];
-      for (std::int64_t j = 0; j < num_k; ++j) acc += st[j * kBlockQ + r] * v[j * vs + e];
+      for (std::int64_t j = 0; j < num_k; ++j) {
+        acc += st[j * kBlockQ + r] * WideElement(v[j * vs + e]);
+      }
       o[r * dv + e] = acc;
     }
   }
@@ -310,7 +314,8 @@ inline NarrowBlock StartNarrow(const AttentionKernelParams& p, QueryBlock& qb, f
 // read a whole tile at a time per block (key-outermost was slower there). Each block's
 // arithmetic is the same either way; only the order of blocks interleaves. Software prefetch
 // (of the next block's tile, or rows 16-64 keys ahead) did not help on top of this.
-inline void NarrowTile(const AttentionKernelParams& p, NarrowBlock* narrow, std::int64_t count) {
+template <typename T>
+void NarrowTile(const AttentionKernelParams& p, NarrowBlock* narrow, std::int64_t count) {
   std::int64_t j_lo = p.seq_kv, j_hi = 0;
   for (std::int64_t n = 0; n < count; ++n) {
     if (narrow[n].part.hi <= narrow[n].part.lo) continue;
@@ -327,11 +332,11 @@ inline void NarrowTile(const AttentionKernelParams& p, NarrowBlock* narrow, std:
       const std::int64_t a = std::max(j, nb.part.lo), b = std::min(j + score_chunk, nb.part.hi);
       std::int64_t x = a;
       for (; x + kDotKeys <= b; x += kDotKeys) {
-        NarrowDotKeys<kDotKeys>(nb.q_rows, nb.qb->num_q, nb.qb->k + x * ks, ks, d,
-                                nb.st + (x - nb.part.lo) * kBlockQ);
+        NarrowDotKeys<kDotKeys>(nb.q_rows, nb.qb->num_q, static_cast<const T*>(nb.qb->k) + x * ks,
+                                ks, d, nb.st + (x - nb.part.lo) * kBlockQ);
       }
       for (; x < b; ++x) {
-        NarrowDotKeys<1>(nb.q_rows, nb.qb->num_q, nb.qb->k + x * ks, ks, d,
+        NarrowDotKeys<1>(nb.q_rows, nb.qb->num_q, static_cast<const T*>(nb.qb->k) + x * ks, ks, d,
                          nb.st + (x - nb.part.lo) * kBlockQ);
       }
     }
@@ -354,8 +359,8 @@ inline void NarrowTile(const AttentionKernelParams& p, NarrowBlock* narrow, std:
       const NarrowBlock& nb = narrow[n];
       const std::int64_t a = std::max(j, nb.part.lo), b = std::min(j + value_chunk, nb.part.hi);
       if (b <= a) continue;
-      NarrowValueKeys(p, nb.qb->num_q, nb.qb->v + a * vs, b - a, nb.st + (a - nb.part.lo) * kBlockQ,
-                      nb.o);
+      NarrowValueKeys(p, nb.qb->num_q, static_cast<const T*>(nb.qb->v) + a * vs, b - a,
+                      nb.st + (a - nb.part.lo) * kBlockQ, nb.o);
     }
   }
 }
@@ -448,9 +453,10 @@ void FlashForward(const AttentionKernelParams& p) {
   const bool narrow_ok = p.k_stride[3] == 1 && p.v_stride[3] == 1 && last_rows <= kNarrowRows;
 
   // Per-thread scratch, sized once: per_task QueryBlock states (each followed by its narrow
-  // scratch when blocks can be narrow), then one score tile st [kBlockK][kBlockQ].
+  // scratch when blocks can be narrow), then one score tile st [kBlockK][kBlockQ], then the
+  // staging tiles of bf16/f16 K and V rows.
   const std::int64_t block_floats = ScratchFloats(p) + (narrow_ok ? NarrowFloats(p) : 0);
-  const std::int64_t floats = plan.per_task * block_floats + kBlockK * kBlockQ;
+  const std::int64_t floats = plan.per_task * block_floats + kBlockK * kBlockQ + StagingFloats(p);
   const std::int64_t ints = plan.per_task * kScratchInts;
   AlignedBuffer float_scratch(sizeof(float) * floats * num_threads);
   AlignedBuffer int_scratch(sizeof(std::int64_t) * ints * num_threads);
@@ -469,6 +475,7 @@ void FlashForward(const AttentionKernelParams& p) {
   parallel_for(num_tasks, num_threads, [&](std::int64_t task, int thread) {
     float* mine = float_scratch.as<float>() + thread * floats;
     float* st = mine + plan.per_task * block_floats;
+    Staging staging = BindStaging(p, st + kBlockK * kBlockQ);
     QueryBlock blocks[kMaxBlocksPerTask];
     NarrowBlock narrow[kMaxBlocksPerTask];
     QueryBlock* wide[kMaxBlocksPerTask];
@@ -536,13 +543,19 @@ void FlashForward(const AttentionKernelParams& p) {
         QueryBlock& qb = *wide[n];
         const TilePart t = tile_part(qb, j0);
         if (t.hi <= t.lo) continue;
-        ScoreTile(p, qb, t.lo, t.hi - t.lo, st, t.predicate);
+        ScoreTile(p, qb, t.lo, t.hi - t.lo, st, t.predicate, staging);
         OnlineSoftmaxTile(qb, t.hi - t.lo, st);
-        AccumulateValues(p, qb, t.lo, t.hi - t.lo, st, qb.alpha);
+        AccumulateValues(p, qb, t.lo, t.hi - t.lo, st, qb.alpha, staging);
       }
       if (num_narrow == 0) continue;
       for (std::int64_t n = 0; n < num_narrow; ++n) narrow[n].part = tile_part(*narrow[n].qb, j0);
-      NarrowTile(p, narrow, num_narrow);
+      if (p.dtype == DType::kBF16) {
+        NarrowTile<hwy::bfloat16_t>(p, narrow, num_narrow);
+      } else if (p.dtype == DType::kF16) {
+        NarrowTile<hwy::float16_t>(p, narrow, num_narrow);
+      } else {
+        NarrowTile<float>(p, narrow, num_narrow);
+      }
     }
     for (std::int64_t n = 0; n < num_narrow; ++n) FinishNarrow(p, narrow[n]);
     for (std::int64_t n = 0; n < count; ++n) {

@@ -38,18 +38,18 @@ void reference_one_head(const AttentionKernelParams& p, std::int64_t b, std::int
   const std::int64_t kv_head = h / (p.num_heads_q / p.num_heads_kv);
   const std::int64_t lk = p.seq_kv;
   for (std::int64_t i = 0; i < p.seq_q; ++i) {
-    const float* q = p.q + b * p.q_stride[0] + i * p.q_stride[1] + h * p.q_stride[2];
+    const std::int64_t q_row = b * p.q_stride[0] + i * p.q_stride[1] + h * p.q_stride[2];
     double* row = scores + i * lk;
     for (std::int64_t j = 0; j < lk; ++j) {
       if (!pair_allowed(p, b, h, i, j)) {
         row[j] = kNegInf;  // never read k_j: keys past key_lengths may be garbage
         continue;
       }
-      const float* k = p.k + b * p.k_stride[0] + j * p.k_stride[1] + kv_head * p.k_stride[2];
+      const std::int64_t k_row = b * p.k_stride[0] + j * p.k_stride[1] + kv_head * p.k_stride[2];
       double dot = 0.0;
       for (std::int64_t d = 0; d < p.head_dim; ++d) {
-        dot +=
-            static_cast<double>(q[d * p.q_stride[3]]) * static_cast<double>(k[d * p.k_stride[3]]);
+        dot += static_cast<double>(load_element(p.q, p.dtype, q_row + d * p.q_stride[3])) *
+               static_cast<double>(load_element(p.k, p.dtype, k_row + d * p.k_stride[3]));
       }
       double s = dot * static_cast<double>(p.scale);
       if (p.softcap > 0.0f) s = p.softcap * std::tanh(s / p.softcap);
@@ -78,8 +78,8 @@ void reference_one_head(const AttentionKernelParams& p, std::int64_t b, std::int
       double acc = 0.0;
       for (std::int64_t j = 0; j < lk; ++j) {
         if (max == kNegInf || row[j] == 0.0) continue;  // masked: v_j may be garbage
-        const float* v = p.v + b * p.v_stride[0] + j * p.v_stride[1] + kv_head * p.v_stride[2];
-        acc += row[j] * static_cast<double>(v[e * p.v_stride[3]]);
+        const std::int64_t v_row = b * p.v_stride[0] + j * p.v_stride[1] + kv_head * p.v_stride[2];
+        acc += row[j] * static_cast<double>(load_element(p.v, p.dtype, v_row + e * p.v_stride[3]));
       }
       out[e * p.out_stride[3]] = static_cast<float>(acc * inv_sum);
     }
