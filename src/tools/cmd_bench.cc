@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "core/float16.h"
 #include "core/parallel.h"
 #include "qkv/attention.h"
 #include "qkv/tensor.h"
@@ -33,8 +34,9 @@ constexpr const char* kBenchUsage =
     "usage: qkv bench [--json] [--shape B,Hq,Hkv,Lq,Lk,D] [--causal] [--kernel K] [--dtype T]\n"
     "                 [--threads N] [--repeats R]\n"
     "\n"
-    "Times qkv::attention on random f32 inputs (fixed seed) and reports GFLOP/s as a fraction of\n"
-    "this machine's fp32 FMA peak, measured first in the same process on the same threads.\n"
+    "Times qkv::attention on random inputs (fixed seed) and reports GFLOP/s as a fraction of this\n"
+    "machine's peak for the dtype's instructions, measured first in the same process on the same\n"
+    "threads: the fp32 FMA peak, or for bf16 on a CPU with AVX512-BF16 the vdpbf16ps peak.\n"
     "\n"
     "options:\n"
     "  --json           one JSON object per line on stdout instead of a table; progress and the\n"
@@ -48,7 +50,9 @@ constexpr const char* kBenchUsage =
     "                   causal cases\n"
     "  --kernel K       auto|reference|chunked|flash, or a comma list (default auto, which\n"
     "                   resolves to flash). 'reference' is the scalar oracle: slow\n"
-    "  --dtype T        f32 (default). bf16 and f16 are not supported by the kernels yet\n"
+    "  --dtype T        f32 (default), bf16 or f16: storage of q, k and v (the kernels accumulate\n"
+    "                   in f32; bf16 uses vdpbf16ps where the CPU has AVX512-BF16, f16 is\n"
+    "                   widened to f32). The fp32 peak is also printed (json: fp32_peak_gflops)\n"
     "  --threads N      threads for the kernels and the FMA probe (default 0 = OpenMP's default)\n"
     "  --repeats R      timed repeats per case, median reported (default 5; fewer when one call\n"
     "                   takes over 2 s, unless given)\n"
@@ -65,7 +69,8 @@ constexpr const char* kBenchUsage =
     "columns: median ms per call; GFLOP/s = 4*B*Hq*Lq*Lk*D / seconds (all pairs); eff GFLOP/s\n"
     "counts only the pairs the mask allows; %peak = GFLOP/s / measured FMA peak; extra MiB =\n"
     "peak resident memory during a call above the memory before it. Decode shapes (Lq <= 16)\n"
-    "add a line: K/V read = 2*B*Hkv*Lk*D*4 bytes / seconds, and its fraction of the streaming\n"
+    "add a line: K/V read = 2*B*Hkv*Lk*D*(4 or 2) bytes / seconds, and its fraction of the "
+    "streaming\n"
     "read bandwidth measured in the same run (json: kv_gbytes_per_second,\n"
     "kv_fraction_of_read_bandwidth, on every shape). See docs/cli-bench-demo.md.\n";
 
@@ -82,6 +87,7 @@ struct BenchOptions {
   int threads = 0;
   int repeats = 5;
   bool repeats_given = false;
+  DType dtype = DType::kF32;
   std::optional<LinearAttentionParams> linear;  // --linear: time linear_attention instead
   SparseCliOptions sparse;                      // --sparse, --sparse-layout, --sparse-block
 };
@@ -145,10 +151,13 @@ BenchOptions parse_options(std::vector<std::string> argv, bool* help) {
       options.kernels = parse_kernels(args.value(arg));
     } else if (arg == "--dtype") {
       const std::string dtype = args.value(arg);
-      if (dtype == "bf16" || dtype == "f16") {
-        throw UsageError("--dtype " + dtype + ": not supported yet by the kernels (use f32)");
-      }
-      if (dtype != "f32") {
+      if (dtype == "f32") {
+        options.dtype = DType::kF32;
+      } else if (dtype == "bf16") {
+        options.dtype = DType::kBF16;
+      } else if (dtype == "f16") {
+        options.dtype = DType::kF16;
+      } else {
         throw UsageError("--dtype: expected f32, bf16 or f16, got '" + dtype + "'");
       }
     } else if (arg == "--threads") {
@@ -230,9 +239,24 @@ BenchResult run_case(const BenchCase& c, Kernel kernel, const BenchOptions& opti
   tools::fill_normal(q, 1);
   tools::fill_normal(k, 2);
   tools::fill_normal(v, 3);
-  const TensorView q_view = TensorView::contiguous(q.data(), DType::kF32, q_sizes);
-  const TensorView k_view = TensorView::contiguous(k.data(), DType::kF32, kv_sizes);
-  const TensorView v_view = TensorView::contiguous(v.data(), DType::kF32, kv_sizes);
+  // --dtype bf16|f16: the same values converted to that storage.
+  std::vector<std::uint16_t> q_bits, k_bits, v_bits;
+  const auto operand = [&](std::vector<float>& values, std::vector<std::uint16_t>& bits,
+                           const std::array<std::int64_t, 4>& sizes) {
+    if (options.dtype == DType::kF32) {
+      return TensorView::contiguous(values.data(), DType::kF32, sizes);
+    }
+    bits.resize(values.size());
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      bits[i] =
+          options.dtype == DType::kBF16 ? f32_to_bf16_bits(values[i]) : f32_to_f16_bits(values[i]);
+    }
+    std::vector<float>().swap(values);  // the f32 copy is not needed any more
+    return TensorView::contiguous(bits.data(), options.dtype, sizes);
+  };
+  const TensorView q_view = operand(q, q_bits, q_sizes);
+  const TensorView k_view = operand(k, k_bits, kv_sizes);
+  const TensorView v_view = operand(v, v_bits, kv_sizes);
   AttentionOutputs outputs;
   outputs.out = TensorView::contiguous(out.data(), DType::kF32, q_sizes);
   AttentionParams params;
@@ -318,21 +342,31 @@ std::string shape_text(const BenchCase& c) {
 // JSON numbers must be finite.
 double finite(double value) { return std::isfinite(value) ? value : 0.0; }
 
-// GB/s of K and V read once per call (2 * B * Hkv * Lk * D f32 values): what bounds a decode
-// step (Lq small), quoted against the streaming read bandwidth measured in the same run.
-double kv_gbytes_per_second(const BenchCase& c, const BenchResult& r) {
+// GB/s of K and V read once per call (2 * B * Hkv * Lk * D values of the dtype): what bounds a
+// decode step (Lq small), quoted against the streaming read bandwidth measured in the same run.
+double kv_gbytes_per_second(const BenchCase& c, const BenchResult& r, DType dtype) {
   const double kv_bytes = 2.0 * static_cast<double>(c.batch * c.num_heads_kv) *
                           static_cast<double>(c.seq_kv) * static_cast<double>(c.head_dim) *
-                          sizeof(float);
+                          dtype_size(dtype);
   return kv_bytes / r.seconds / 1e9;
 }
 // Decode-like shapes get the K/V bandwidth line in the table.
 constexpr std::int64_t kDecodeMaxSeqQ = 16;
 
-void print_json(const BenchCase& c, const BenchResult& r, int threads, const tools::FmaPeak& peak,
-                const tools::ReadBandwidth& bandwidth) {
+// The machine probes of one run: the peak the dtype's instructions reach (what %peak divides
+// by), the fp32 FMA peak, and the streaming read bandwidth.
+struct Probes {
+  tools::FmaPeak peak, fp32_peak;
+  tools::ReadBandwidth bandwidth;
+};
+
+void print_json(const BenchCase& c, const BenchResult& r, int threads, DType dtype,
+                const Probes& probes) {
+  const tools::FmaPeak& peak = probes.peak;
+  const tools::ReadBandwidth& bandwidth = probes.bandwidth;
+  const double kv_gbs = kv_gbytes_per_second(c, r, dtype);
   std::printf(
-      "{\"kernel\": \"%s\", \"dtype\": \"f32\", \"B\": %lld, \"Hq\": %lld, \"Hkv\": %lld, "
+      "{\"kernel\": \"%s\", \"dtype\": \"%s\", \"B\": %lld, \"Hq\": %lld, \"Hkv\": %lld, "
       "\"Lq\": %lld, \"Lk\": %lld, \"D\": %lld, \"causal\": %s, \"sparse\": \"%s\", "
       "\"pairs\": %.17g, \"threads\": %d, "
       "\"seconds\": %.9g, \"repeats\": %d, \"calls_per_repeat\": %d, \"gflops\": %.6g, "
@@ -340,27 +374,32 @@ void print_json(const BenchCase& c, const BenchResult& r, int threads, const too
       "\"effective_fraction_of_peak\": %.6g, \"peak_extra_rss_bytes\": %lld, "
       "\"scratch_peak_bytes\": %lld, \"memory_method\": \"%s\", \"hwy_target\": \"%s\", "
       "\"read_gbytes_per_second\": %.6g, \"kv_gbytes_per_second\": %.6g, "
-      "\"kv_fraction_of_read_bandwidth\": %.6g}\n",
-      r.kernel.c_str(), static_cast<long long>(c.batch), static_cast<long long>(c.num_heads_q),
-      static_cast<long long>(c.num_heads_kv), static_cast<long long>(c.seq_q),
-      static_cast<long long>(c.seq_kv), static_cast<long long>(c.head_dim),
-      c.causal ? "true" : "false", r.sparse.c_str(), finite(r.pairs), threads, finite(r.seconds),
-      r.repeats, r.calls_per_repeat, finite(r.gflops), finite(r.effective_gflops),
-      finite(peak.gflops), finite(r.gflops / peak.gflops), finite(r.effective_gflops / peak.gflops),
-      static_cast<long long>(r.memory.peak_extra_bytes()),
+      "\"kv_fraction_of_read_bandwidth\": %.6g, \"fp32_peak_gflops\": %.6g}\n",
+      r.kernel.c_str(), dtype_name(dtype), static_cast<long long>(c.batch),
+      static_cast<long long>(c.num_heads_q), static_cast<long long>(c.num_heads_kv),
+      static_cast<long long>(c.seq_q), static_cast<long long>(c.seq_kv),
+      static_cast<long long>(c.head_dim), c.causal ? "true" : "false", r.sparse.c_str(),
+      finite(r.pairs), threads, finite(r.seconds), r.repeats, r.calls_per_repeat, finite(r.gflops),
+      finite(r.effective_gflops), finite(peak.gflops), finite(r.gflops / peak.gflops),
+      finite(r.effective_gflops / peak.gflops), static_cast<long long>(r.memory.peak_extra_bytes()),
       static_cast<long long>(r.memory.scratch_peak_extra), r.memory.method, peak.hwy_target.c_str(),
-      finite(bandwidth.gbytes_per_second), finite(kv_gbytes_per_second(c, r)),
-      finite(kv_gbytes_per_second(c, r) / bandwidth.gbytes_per_second));
+      finite(bandwidth.gbytes_per_second), finite(kv_gbs),
+      finite(kv_gbs / bandwidth.gbytes_per_second), finite(probes.fp32_peak.gflops));
   std::fflush(stdout);
 }
 
-void print_table_header(int threads, const tools::FmaPeak& peak,
-                        const tools::ReadBandwidth& bandwidth) {
+void print_table_header(int threads, DType dtype, const Probes& probes) {
   std::printf(
-      "qkv bench: f32, %d thread%s; measured in this process: fp32 FMA peak %.1f GFLOP/s "
+      "qkv bench: %s, %d thread%s; measured in this process: fp32 FMA peak %.1f GFLOP/s "
       "(Highway %s, %d lanes), read bandwidth %.1f GB/s\n",
-      threads, threads == 1 ? "" : "s", peak.gflops, peak.hwy_target.c_str(), peak.lanes,
-      bandwidth.gbytes_per_second);
+      dtype_name(dtype), threads, threads == 1 ? "" : "s", probes.fp32_peak.gflops,
+      probes.fp32_peak.hwy_target.c_str(), probes.fp32_peak.lanes,
+      probes.bandwidth.gbytes_per_second);
+  if (probes.peak.hwy_target != probes.fp32_peak.hwy_target) {
+    std::printf("%%peak divides by the %s peak %.1f GFLOP/s (vdpbf16ps), %.2fx the fp32 peak\n",
+                probes.peak.hwy_target.c_str(), probes.peak.gflops,
+                probes.peak.gflops / probes.fp32_peak.gflops);
+  }
   std::printf("memory: %s\n\n",
               tools::process_peak_available()
                   ? "extra MiB = peak RSS during a call (VmHWM) minus RSS before it"
@@ -371,17 +410,18 @@ void print_table_header(int threads, const tools::FmaPeak& peak,
   std::fflush(stdout);
 }
 
-void print_table_row(const BenchCase& c, const BenchResult& r, int threads,
-                     const tools::FmaPeak& peak, const tools::ReadBandwidth& bandwidth) {
+void print_table_row(const BenchCase& c, const BenchResult& r, int threads, DType dtype,
+                     const Probes& probes) {
+  const tools::FmaPeak& peak = probes.peak;
   std::printf("%-9s  %-24s  %-6s  %3d  %10.3f  %8.2f  %8.2f  %8.1f  %5.1f%%  %5.1f%%  %9.1f\n",
               r.kernel.c_str(), shape_text(c).c_str(), c.causal ? "yes" : "no", threads,
               r.seconds * 1e3, r.gflops, r.effective_gflops, peak.gflops,
               100.0 * r.gflops / peak.gflops, 100.0 * r.effective_gflops / peak.gflops,
               static_cast<double>(r.memory.peak_extra_bytes()) / (1024.0 * 1024.0));
   if (c.seq_q <= kDecodeMaxSeqQ) {
-    std::printf("%-9s  K/V read %.1f GB/s = %.1f%% of the read bandwidth\n", "",
-                kv_gbytes_per_second(c, r),
-                100.0 * kv_gbytes_per_second(c, r) / bandwidth.gbytes_per_second);
+    const double kv_gbs = kv_gbytes_per_second(c, r, dtype);
+    std::printf("%-9s  K/V read %.1f GB/s = %.1f%% of the read bandwidth\n", "", kv_gbs,
+                100.0 * kv_gbs / probes.bandwidth.gbytes_per_second);
   }
   std::fflush(stdout);
 }
@@ -408,13 +448,20 @@ int run_bench(std::vector<std::string> args) {
   std::fprintf(stderr,
                "qkv bench: measuring the fp32 FMA peak and read bandwidth on %d thread%s...\n",
                threads, threads == 1 ? "" : "s");
-  const tools::FmaPeak peak = tools::measure_fma_peak(threads);
-  const tools::ReadBandwidth bandwidth = tools::measure_read_bandwidth(threads);
+  Probes probes;
+  probes.fp32_peak = tools::measure_fma_peak(threads);
+  probes.peak = probes.fp32_peak;
+  if (options.dtype == DType::kBF16 && !options.linear) {
+    const tools::FmaPeak bf16 = tools::measure_bf16_peak(threads);
+    if (bf16.gflops > 0.0) probes.peak = bf16;  // 0: no AVX512-BF16, the kernels widen to f32
+  }
+  probes.bandwidth = tools::measure_read_bandwidth(threads);
   if (options.json) {
-    std::fprintf(stderr, "qkv bench: peak %.1f GFLOP/s (Highway %s), read %.1f GB/s\n", peak.gflops,
-                 peak.hwy_target.c_str(), bandwidth.gbytes_per_second);
+    std::fprintf(stderr, "qkv bench: peak %.1f GFLOP/s (%s), fp32 peak %.1f, read %.1f GB/s\n",
+                 probes.peak.gflops, probes.peak.hwy_target.c_str(), probes.fp32_peak.gflops,
+                 probes.bandwidth.gbytes_per_second);
   } else {
-    print_table_header(threads, peak, bandwidth);
+    print_table_header(threads, options.dtype, probes);
   }
 
   const std::size_t total = cases.size() * options.kernels.size();
@@ -431,9 +478,9 @@ int run_bench(std::vector<std::string> args) {
                    shape_text(c).c_str(), c.causal ? " causal" : "");
       const BenchResult result = run_case(c, kernel, options, threads);
       if (options.json) {
-        print_json(c, result, threads, peak, bandwidth);
+        print_json(c, result, threads, options.dtype, probes);
       } else {
-        print_table_row(c, result, threads, peak, bandwidth);
+        print_table_row(c, result, threads, options.dtype, probes);
       }
     }
   }

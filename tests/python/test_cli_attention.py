@@ -491,3 +491,22 @@ def test_outputs_are_committed_all_or_none(inputs):
     # renamed, so the command must remove --out again.
     long_name = "l" * 300 + ".npy"
     inputs.fails(*BASE, "--lse", long_name, expect=[f"--lse {long_name}: cannot rename"])
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
+def test_bench_dtype(cli, dtype):
+    import json
+    result = cli.run("bench", "--json", "--shape", "1,2,1,70,90,16", "--repeats", "1",
+                     "--threads", "1", "--dtype", dtype)
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record["dtype"] == dtype
+    assert record["gflops"] > 0 and record["fp32_peak_gflops"] > 0
+    # %peak divides by the dtype's peak: vdpbf16ps for bf16 where the CPU has it, else fp32.
+    assert record["peak_gflops"] >= record["fp32_peak_gflops"] * (0.5 if dtype == "bf16" else 1)
+    if dtype != "bf16":
+        assert record["peak_gflops"] == record["fp32_peak_gflops"]
+    # K/V bytes follow the storage: 2 * Lk * D elements of 4 or 2 bytes.
+    element = 4 if dtype == "f32" else 2
+    assert record["kv_gbytes_per_second"] == pytest.approx(
+        2 * 90 * 16 * element / record["seconds"] / 1e9, rel=1e-3)

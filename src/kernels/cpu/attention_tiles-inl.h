@@ -26,6 +26,7 @@
 
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
+#include "kernels/cpu/bf16_dot.h"
 #include "kernels/kernel_params.h"
 #include "kernels/sparse_pair.h"
 
@@ -425,17 +426,24 @@ struct StagedRows {
 
 struct Staging {
   StagedRows k, v;
+  std::uint32_t* prob_pairs = nullptr;  // bf16: [kBlockK / 2][kBlockQ] pair words
 };
 
-// Floats of the staging tiles (none for f32 operands).
+// Floats of the staging tiles (none for f32 operands); bf16 adds the probabilities as pair
+// words for the vdpbf16ps path (see UseBf16Dot).
 inline std::int64_t StagingFloats(const AttentionKernelParams& p) {
-  return p.dtype == DType::kF32 ? 0 : kBlockK * (p.head_dim + p.head_dim_v);
+  if (p.dtype == DType::kF32) return 0;
+  return kBlockK * (p.head_dim + p.head_dim_v) +
+         (p.dtype == DType::kBF16 ? kBlockK / 2 * kBlockQ : 0);
 }
 
 inline Staging BindStaging(const AttentionKernelParams& p, float* floats) {
   Staging s;
   s.k.buffer = floats;
   s.v.buffer = floats + kBlockK * p.head_dim;
+  if (p.dtype == DType::kBF16) {
+    s.prob_pairs = reinterpret_cast<std::uint32_t*>(s.v.buffer + kBlockK * p.head_dim_v);
+  }
   return s;
 }
 
@@ -566,6 +574,102 @@ inline void MaskScoreTile(const AttentionKernelParams& p, const QueryBlock& qb, 
       hn::Store(hn::IfThenElse(allowed, hn::Load(df, s), neg_inf), df, s);
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// bf16 on vdpbf16ps (kernels/cpu/bf16_dot.h): on the AVX3 target of a CPU with AVX512-BF16,
+// both tile products of bf16 operands run on pairs of bf16 accumulated in f32. The scores use q
+// unscaled (its bf16 values are exact) and multiply the f32 dot products by scale; the values
+// use the probabilities rounded to bf16 (as FlashAttention does on GPUs; the row sums stay f32).
+// Operands become "pair words" (two bf16 along the reduction axis in one uint32), each K and V
+// tile once per (rows, tile) in the staging tiles, q once per block in qb.qt.
+
+inline bool UseBf16Dot(const AttentionKernelParams& p) {
+  if constexpr (kBlockQ != bf16dot::kLanes) {
+    return false;
+  } else {
+    return p.dtype == DType::kBF16 && bf16dot::available();
+  }
+}
+
+// The bf16 bits of element `offset` (past the end of a row: 0, the pair's zero padding).
+HWY_INLINE std::uint32_t Bf16Bits(const void* base, std::int64_t offset) {
+  return static_cast<const std::uint16_t*>(base)[offset];
+}
+
+// qt[t][l] = (q[l][2t], q[l][2t + 1]) of the block's rows, unscaled, zero past num_q and D.
+inline void PackQueryPairs(const AttentionKernelParams& p, QueryBlock& qb) {
+  std::uint32_t* qt = reinterpret_cast<std::uint32_t*>(qb.qt);
+  const std::int64_t words = (p.head_dim + 1) / 2;
+  std::fill(qt, qt + words * kBlockQ, 0u);
+  for (std::int64_t l = 0; l < qb.num_q; ++l) {
+    const std::int64_t row =
+        qb.b * p.q_stride[0] + qb.query[l] * p.q_stride[1] + qb.head[l] * p.q_stride[2];
+    for (std::int64_t d = 0; d < p.head_dim; ++d) {
+      qt[d / 2 * kBlockQ + l] |= Bf16Bits(p.q, row + d * p.q_stride[3]) << (d % 2 * 16);
+    }
+  }
+}
+
+// Keys [j0, j0 + num_k) as pair words along head_dim: [num_k][ceil(D / 2)].
+inline const std::uint32_t* StageKeyPairs(const AttentionKernelParams& p, const QueryBlock& qb,
+                                          std::int64_t j0, std::int64_t num_k, StagedRows& staged) {
+  std::uint32_t* pairs = reinterpret_cast<std::uint32_t*>(staged.buffer);
+  if (staged.source == qb.k && staged.j0 == j0 && staged.num == num_k) return pairs;
+  const std::int64_t words = (p.head_dim + 1) / 2;
+  for (std::int64_t j = 0; j < num_k; ++j) {
+    const std::int64_t row = (j0 + j) * p.k_stride[1];
+    std::uint32_t* dst = pairs + j * words;
+    for (std::int64_t t = 0; t < words; ++t) {
+      const std::int64_t d = 2 * t;
+      const std::uint32_t hi =
+          d + 1 < p.head_dim ? Bf16Bits(qb.k, row + (d + 1) * p.k_stride[3]) : 0;
+      dst[t] = Bf16Bits(qb.k, row + d * p.k_stride[3]) | hi << 16;
+    }
+  }
+  staged = {staged.buffer, qb.k, j0, num_k};
+  return pairs;
+}
+
+// Values [j0, j0 + num_k) as pair words along the keys: [ceil(num_k / 2)][Dv] (an odd tile's
+// last pair holds +0 for the key past the tile, which is never read: it may be padding).
+inline const std::uint32_t* StageValuePairs(const AttentionKernelParams& p, const QueryBlock& qb,
+                                            std::int64_t j0, std::int64_t num_k,
+                                            StagedRows& staged) {
+  std::uint32_t* pairs = reinterpret_cast<std::uint32_t*>(staged.buffer);
+  if (staged.source == qb.v && staged.j0 == j0 && staged.num == num_k) return pairs;
+  const std::int64_t dv = p.head_dim_v;
+  for (std::int64_t t = 0; t < (num_k + 1) / 2; ++t) {
+    const std::int64_t lo_row = (j0 + 2 * t) * p.v_stride[1];
+    const bool has_hi = 2 * t + 1 < num_k;
+    std::uint32_t* dst = pairs + t * dv;
+    for (std::int64_t e = 0; e < dv; ++e) {
+      const std::uint32_t hi =
+          has_hi ? Bf16Bits(qb.v, lo_row + p.v_stride[1] + e * p.v_stride[3]) : 0;
+      dst[e] = Bf16Bits(qb.v, lo_row + e * p.v_stride[3]) | hi << 16;
+    }
+  }
+  staged = {staged.buffer, qb.v, j0, num_k};
+  return pairs;
+}
+
+// ScoreTile and AccumulateValues on vdpbf16ps (qb.qt holds PackQueryPairs).
+inline void ScoreTileBf16(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
+                          std::int64_t num_k, float* HWY_RESTRICT st, bool sparse_predicate,
+                          Staging& staging) {
+  const std::int64_t words = (p.head_dim + 1) / 2;
+  bf16dot::outer_product(reinterpret_cast<const std::uint32_t*>(qb.qt),
+                         StageKeyPairs(p, qb, j0, num_k, staging.k), num_k, words, 1, words, st,
+                         nullptr, false, p.scale);
+  MaskScoreTile(p, qb, j0, num_k, st, sparse_predicate);
+}
+inline void AccumulateValuesBf16(const AttentionKernelParams& p, const QueryBlock& qb,
+                                 std::int64_t j0, std::int64_t num_k, const float* st,
+                                 const float* alpha, Staging& staging) {
+  const std::uint32_t* v = StageValuePairs(p, qb, j0, num_k, staging.v);
+  bf16dot::pack_probs(st, num_k, staging.prob_pairs);
+  bf16dot::outer_product(staging.prob_pairs, v, p.head_dim_v, 1, p.head_dim_v, (num_k + 1) / 2,
+                         qb.ot, alpha, true, 1.0f);
 }
 
 // The max to subtract for a running max m: m itself, or 0 while no key was allowed

@@ -471,6 +471,7 @@ void FlashForward(const AttentionKernelParams& p) {
   }
 
   const bool sparse = p.sparse.kind != SparseKernelParams::Kind::kNone;
+  const bool bf16_dot = UseBf16Dot(p);
 
   parallel_for(num_tasks, num_threads, [&](std::int64_t task, int thread) {
     float* mine = float_scratch.as<float>() + thread * floats;
@@ -504,6 +505,7 @@ void FlashForward(const AttentionKernelParams& p) {
         narrow[num_narrow++] = StartNarrow(p, qb, mine + n * block_floats + ScratchFloats(p));
       } else {
         wide[num_wide++] = &qb;
+        if (bf16_dot) PackQueryPairs(p, qb);
       }
       if (qb.key_end > qb.key_begin) {
         key_begin = std::min(key_begin, qb.key_begin);
@@ -543,9 +545,15 @@ void FlashForward(const AttentionKernelParams& p) {
         QueryBlock& qb = *wide[n];
         const TilePart t = tile_part(qb, j0);
         if (t.hi <= t.lo) continue;
-        ScoreTile(p, qb, t.lo, t.hi - t.lo, st, t.predicate, staging);
-        OnlineSoftmaxTile(qb, t.hi - t.lo, st);
-        AccumulateValues(p, qb, t.lo, t.hi - t.lo, st, qb.alpha, staging);
+        if (bf16_dot) {
+          ScoreTileBf16(p, qb, t.lo, t.hi - t.lo, st, t.predicate, staging);
+          OnlineSoftmaxTile(qb, t.hi - t.lo, st);
+          AccumulateValuesBf16(p, qb, t.lo, t.hi - t.lo, st, qb.alpha, staging);
+        } else {
+          ScoreTile(p, qb, t.lo, t.hi - t.lo, st, t.predicate, staging);
+          OnlineSoftmaxTile(qb, t.hi - t.lo, st);
+          AccumulateValues(p, qb, t.lo, t.hi - t.lo, st, qb.alpha, staging);
+        }
       }
       if (num_narrow == 0) continue;
       for (std::int64_t n = 0; n < num_narrow; ++n) narrow[n].part = tile_part(*narrow[n].qb, j0);
