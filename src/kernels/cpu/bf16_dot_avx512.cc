@@ -6,8 +6,7 @@
 // (std::min, std::vector, ...) may be linked from this file's AVX-512 copy and then crash on
 // CPUs without AVX-512. So this file uses only intrinsics, plain loops and builtins: no STL, no
 // qkv header but bf16_dot.h, and its own helpers have internal linkage. available() and
-// set_enabled() are scalar code (CPUID through libgcc, a plain bool through __atomic builtins),
-// safe to run on any x86-64.
+// set_enabled() live in bf16_dot.cc, compiled without the AVX-512 flags: they run on any x86-64.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -21,18 +20,6 @@ constexpr int kVecs = 4;       // zmm vectors per block of kLanes floats
 constexpr int kVecLanes = 16;  // floats per zmm
 static_assert(kVecs * kVecLanes == kLanes);
 constexpr int kRows = 4;  // rows per micro-kernel call: 4 x 4 = 16 accumulators (of 32 zmm)
-
-// set_enabled(); read and written with __atomic builtins (std::atomic is a template: see top).
-bool g_enabled = true;
-
-bool cpu_runs_avx512_bf16() {
-  // libgcc's CPUID reader reports the AVX-512 features only when XCR0 says the OS saves the
-  // opmask and zmm state.
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512bf16");
-}
 
 // 16 pair words as vdpbf16ps's operand type (a reinterpretation: both are 64-byte vectors).
 inline __m512bh as_pairs(__m512i words) { return (__m512bh)words; }
@@ -87,13 +74,6 @@ __attribute__((always_inline)) inline void outer_product_rows(
 }
 
 }  // namespace
-
-bool available() {
-  static const bool supported = cpu_runs_avx512_bf16();
-  return supported && __atomic_load_n(&g_enabled, __ATOMIC_RELAXED);
-}
-
-void set_enabled(bool enabled) { __atomic_store_n(&g_enabled, enabled, __ATOMIC_RELAXED); }
 
 // a: [depth][kLanes] pair words   b: b(r, t) = b[r * b_row_stride + t * b_depth_stride]
 // c: [rows][kLanes]   alpha: [kLanes] or null

@@ -1,0 +1,35 @@
+// available() and set_enabled() of the AVX512-BF16 micro-kernel (bf16_dot.h). They run before
+// anyone knows whether the CPU has AVX-512, so they live here, compiled with the default flags,
+// not in bf16_dot_avx512.cc.
+#include <atomic>
+
+#include "kernels/cpu/bf16_dot.h"
+
+namespace qkv::bf16dot {
+namespace {
+
+std::atomic<bool> g_enabled{true};
+
+bool cpu_runs_avx512_bf16() {
+#if defined(__x86_64__) || defined(__i386__)
+  // libgcc's CPUID reader reports the AVX-512 features only when XCR0 says the OS saves the
+  // opmask and zmm state.
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool available() {
+  static const bool supported = cpu_runs_avx512_bf16();
+  return supported && g_enabled.load(std::memory_order_relaxed);
+}
+
+void set_enabled(bool enabled) { g_enabled.store(enabled, std::memory_order_relaxed); }
+
+}  // namespace qkv::bf16dot
