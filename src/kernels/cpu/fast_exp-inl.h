@@ -1,0 +1,84 @@
+// qkv's vectorised exp for the softmax (Highway, one copy per target).
+//
+// The softmax only ever exponentiates s - max <= 0, or -inf for a masked pair, so this exp
+// covers exactly that domain and nothing else: no overflow handling, no denormal results.
+//
+//   exp(x) = 2^n * p(r),  n = round(x * log2(e)),  r = x - n * ln2  in [-ln2/2, ln2/2]
+//
+// - Range reduction: n by the "magic number" rounding (x * log2e + 1.5 * 2^23 in one FMA rounds
+//   to the nearest integer and leaves n in the low mantissa bits, so no float->int conversion is
+//   needed); r by Cody-Waite with ln2 = kLn2Hi + kLn2Lo: kLn2Hi has its low 8 mantissa bits zero,
+//   so n * kLn2Hi is exact for |n| < 256 and x - n * kLn2Hi loses nothing.
+// - p(r) = 1 + (r + r^2 * (c2 + r * (c3 + r * (c4 + r * c5)))): degree 5, minimax for the
+//   relative error with c0 = c1 = 1 pinned, coefficients derived by scripts/fit_exp_poly.py
+//   (Lawson's algorithm). Degree 5 is the smallest within 2 ulp (1.05e-7 in real arithmetic,
+//   1.8e-7 in float32; degree 4: 5.4e-6). The pinned form costs one op more than plain Horner
+//   (p = 1 + r * q) but is monotone between adjacent floats: every step is a monotone function
+//   followed by one rounding, where Horner's rounding of q (times r) can jitter the last bit
+//   the wrong way. exp(0) is exactly 1.
+// - 2^n: n << 23 added to p's bits, i.e. to its exponent field (p is in [0.7, 1.5], n >= -126).
+//
+// Measured (tests/cpp/test_fast_exp.cc, every 7th float of [-87.33, 0] against double exp):
+// max relative error 1.82e-7 on AVX3 and AVX2, 1.79e-7 on SCALAR (hwy::Exp: 8.4e-8), no
+// inversion between adjacent floats; docs/kernels.md, section "exp". Cost: 14 vector ops (2 + 2
+// reduction, 6 polynomial, shift + add, compare + zeroing select); hwy::Exp about 26.
+
+#if defined(QKV_KERNELS_CPU_FAST_EXP_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef QKV_KERNELS_CPU_FAST_EXP_INL_H_
+#undef QKV_KERNELS_CPU_FAST_EXP_INL_H_
+#else
+#define QKV_KERNELS_CPU_FAST_EXP_INL_H_
+#endif
+
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv {
+namespace HWY_NAMESPACE {
+namespace fastexp {
+
+namespace hn = hwy::HWY_NAMESPACE;
+
+// Below this the result would be under FLT_MIN (ln(FLT_MIN) = -87.33654): +0 is returned, never
+// a denormal. The cut sits 4.5e-5 above ln(FLT_MIN) so that n >= -126 comes with r > 0, p > 1
+// and the exponent field stays >= 1 whatever the polynomial's rounding.
+constexpr float kMinArg = -87.3365f;
+constexpr float kLog2e = 0x1.715476p+0f;   // log2(e) rounded to float
+constexpr float kRoundMagic = 0x1.8p+23f;  // 1.5 * 2^23
+constexpr float kLn2Hi = 0x1.62e4p-1f;     // ln2 with the low 8 mantissa bits cleared
+constexpr float kLn2Lo = 0x1.7f7d1cp-20f;  // float(ln2 - kLn2Hi)
+// p(r) = 1 + (r + r^2 * (kC2 + r * (kC3 + ...))): scripts/fit_exp_poly.py --degree 5 --pinned 2
+constexpr float kC2 = 0x1.fffdfcp-2f;  // 0.499992311
+constexpr float kC3 = 0x1.5557aep-3f;  // 0.166671142
+constexpr float kC4 = 0x1.5729f4p-5f;  // 0.041890122
+constexpr float kC5 = 0x1.106286p-7f;  // 0.00831252616
+
+// exp(x) for x <= 0, lane-wise. x = -inf (or any x < kMinArg, about -87.3365) gives exactly +0;
+// otherwise the result is a normal float within the relative error bound above. x > 0 and NaN
+// are outside the contract (the result is unspecified, not necessarily NaN).
+template <class D>
+HWY_INLINE hn::Vec<D> ExpNonPositive(D d, hn::Vec<D> x) {
+  const hn::RebindToUnsigned<D> du;
+  // k = n + 1.5 * 2^23 exactly: the add rounds x * log2e to the nearest integer (ties to even).
+  // For x = -inf everything below is inf/NaN; the final select discards it.
+  const auto k = hn::MulAdd(x, hn::Set(d, kLog2e), hn::Set(d, kRoundMagic));
+  const auto n = hn::Sub(k, hn::Set(d, kRoundMagic));
+  auto r = hn::NegMulAdd(n, hn::Set(d, kLn2Hi), x);  // exact
+  r = hn::NegMulAdd(n, hn::Set(d, kLn2Lo), r);
+  auto q = hn::MulAdd(hn::Set(d, kC5), r, hn::Set(d, kC4));
+  q = hn::MulAdd(q, r, hn::Set(d, kC3));
+  q = hn::MulAdd(q, r, hn::Set(d, kC2));
+  const auto p = hn::Add(hn::MulAdd(q, hn::Mul(r, r), r), hn::Set(d, 1.0f));
+  // The low 9 bits of k's pattern are n mod 2^9 (k's ulp is 1); shifted left by 23 they are
+  // n << 23 mod 2^32, and the rest of k's pattern is shifted out. Unsigned: wrap-around, no UB.
+  const auto scaled =
+      hn::BitCast(d, hn::Add(hn::BitCast(du, p), hn::ShiftLeft<23>(hn::BitCast(du, k))));
+  return hn::IfThenZeroElse(hn::Lt(x, hn::Set(d, kMinArg)), scaled);
+}
+
+}  // namespace fastexp
+}  // namespace HWY_NAMESPACE
+}  // namespace qkv
+HWY_AFTER_NAMESPACE();
+
+#endif  // QKV_KERNELS_CPU_FAST_EXP_INL_H_
