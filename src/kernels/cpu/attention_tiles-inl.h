@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 
@@ -623,6 +624,10 @@ inline const std::uint32_t* StageKeyPairs(const AttentionKernelParams& p, const 
   for (std::int64_t j = 0; j < num_k; ++j) {
     const std::int64_t row = (j0 + j) * p.k_stride[1];
     std::uint32_t* dst = pairs + j * words;
+    if (p.k_stride[3] == 1 && p.head_dim % 2 == 0) {  // a contiguous row already is its pairs
+      std::memcpy(dst, static_cast<const std::uint16_t*>(qb.k) + row, words * 4);
+      continue;
+    }
     for (std::int64_t t = 0; t < words; ++t) {
       const std::int64_t d = 2 * t;
       const std::uint32_t hi =
@@ -646,6 +651,14 @@ inline const std::uint32_t* StageValuePairs(const AttentionKernelParams& p, cons
     const std::int64_t lo_row = (j0 + 2 * t) * p.v_stride[1];
     const bool has_hi = 2 * t + 1 < num_k;
     std::uint32_t* dst = pairs + t * dv;
+    if (p.v_stride[3] == 1 && has_hi) {  // two contiguous rows: a loop the compiler vectorises
+      const std::uint16_t* lo = static_cast<const std::uint16_t*>(qb.v) + lo_row;
+      const std::uint16_t* hi = lo + p.v_stride[1];
+      for (std::int64_t e = 0; e < dv; ++e) {
+        dst[e] = static_cast<std::uint32_t>(lo[e]) | static_cast<std::uint32_t>(hi[e]) << 16;
+      }
+      continue;
+    }
     for (std::int64_t e = 0; e < dv; ++e) {
       const std::uint32_t hi =
           has_hi ? Bf16Bits(qb.v, lo_row + p.v_stride[1] + e * p.v_stride[3]) : 0;
