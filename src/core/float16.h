@@ -1,5 +1,5 @@
-// float32 <-> bfloat16 / IEEE binary16 conversions: used by `qkv attention --dtype bf16|f16`
-// (inputs rounded to the storage type, then computed in f32) and by the safetensors reader.
+// float32 <-> bfloat16 / IEEE binary16 conversions: used to store attention operands as bf16/f16
+// (`--dtype`, the kernels' reference loads, tests) and by the safetensors reader.
 // Both conversions round to nearest, ties to even, like numpy's astype(np.float16) and
 // PyTorch's .to(torch.bfloat16). NaN stays NaN (quietened), infinities stay infinite, values
 // past the type's range become infinities, and f16 subnormals are kept.
@@ -8,6 +8,10 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <span>
+#include <vector>
+
+#include "qkv/tensor.h"
 
 namespace qkv {
 
@@ -70,5 +74,18 @@ inline float f16_bits_to_f32(std::uint16_t bits) {
 
 inline float round_to_bf16(float value) { return bf16_bits_to_f32(f32_to_bf16_bits(value)); }
 inline float round_to_f16(float value) { return f16_bits_to_f32(f32_to_f16_bits(value)); }
+
+// The same by DType: `dtype` is DType::kBF16 or DType::kF16.
+inline std::uint16_t f32_to_half_bits(DType dtype, float value) {
+  return dtype == DType::kBF16 ? f32_to_bf16_bits(value) : f32_to_f16_bits(value);
+}
+inline float half_bits_to_f32(DType dtype, std::uint16_t bits) {
+  return dtype == DType::kBF16 ? bf16_bits_to_f32(bits) : f16_bits_to_f32(bits);
+}
+inline std::vector<std::uint16_t> to_half_bits(DType dtype, std::span<const float> values) {
+  std::vector<std::uint16_t> bits(values.size());
+  for (std::size_t i = 0; i < values.size(); ++i) bits[i] = f32_to_half_bits(dtype, values[i]);
+  return bits;
+}
 
 }  // namespace qkv

@@ -68,14 +68,8 @@ struct AttentionKernelParams {
 
 // Element `offset` (in elements) of an f32/bf16/f16 operand, widened to f32 (exact).
 inline float load_element(const void* base, DType dtype, std::int64_t offset) {
-  switch (dtype) {
-    case DType::kBF16:
-      return bf16_bits_to_f32(static_cast<const std::uint16_t*>(base)[offset]);
-    case DType::kF16:
-      return f16_bits_to_f32(static_cast<const std::uint16_t*>(base)[offset]);
-    default:
-      return static_cast<const float*>(base)[offset];
-  }
+  if (dtype == DType::kF32) return static_cast<const float*>(base)[offset];
+  return half_bits_to_f32(dtype, static_cast<const std::uint16_t*>(base)[offset]);
 }
 
 // `base` advanced by `offset` elements of `dtype`.

@@ -21,13 +21,13 @@
 #include <utility>
 #include <vector>
 
+#include "core/float16.h"
 #include "io/npy.h"
 #include "qkv/attention.h"
 #include "qkv/error.h"
 #include "tools/cli.h"
 #include "tools/cli_linear.h"
 #include "tools/cli_sparse.h"
-#include "core/float16.h"
 
 namespace qkv::cli {
 namespace {
@@ -310,11 +310,7 @@ TensorView load_operand(io::NpyArray& array, const char* option, const std::stri
 TensorView to_storage(const io::NpyArray& array, TensorView view, DType dtype,
                       std::vector<std::uint16_t>& bits) {
   if (dtype == DType::kF32) return view;
-  const float* values = array.as<float>();
-  bits.resize(static_cast<std::size_t>(array.numel()));
-  for (std::size_t i = 0; i < bits.size(); ++i) {
-    bits[i] = dtype == DType::kBF16 ? f32_to_bf16_bits(values[i]) : f32_to_f16_bits(values[i]);
-  }
+  bits = to_half_bits(dtype, {array.as<float>(), static_cast<std::size_t>(array.numel())});
   view.data = bits.data();
   view.dtype = dtype;
   return view;
@@ -398,8 +394,7 @@ int run_attention(std::vector<std::string> args) {
   io::NpyArray q_array, k_array, v_array;
   std::vector<std::uint16_t> q_bits, k_bits, v_bits;  // --dtype bf16|f16 storage
   const TensorView q = to_storage(
-      q_array,
-      load_operand(q_array, "--q", o.q_path, o.layout, "(B, Lq, Hq, D)", "(B, Hq, Lq, D)"),
+      q_array, load_operand(q_array, "--q", o.q_path, o.layout, "(B, Lq, Hq, D)", "(B, Hq, Lq, D)"),
       o.dtype, q_bits);
   const TensorView k = to_storage(
       k_array,

@@ -246,11 +246,7 @@ BenchResult run_case(const BenchCase& c, Kernel kernel, const BenchOptions& opti
     if (options.dtype == DType::kF32) {
       return TensorView::contiguous(values.data(), DType::kF32, sizes);
     }
-    bits.resize(values.size());
-    for (std::size_t i = 0; i < values.size(); ++i) {
-      bits[i] =
-          options.dtype == DType::kBF16 ? f32_to_bf16_bits(values[i]) : f32_to_f16_bits(values[i]);
-    }
+    bits = to_half_bits(options.dtype, values);
     std::vector<float>().swap(values);  // the f32 copy is not needed any more
     return TensorView::contiguous(bits.data(), options.dtype, sizes);
   };

@@ -12,9 +12,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Rounds `x` to the storage type (bf16/f16; f32: unchanged).
 float round_to(DType dtype, float x) {
-  if (dtype == DType::kBF16) return round_to_bf16(x);
-  if (dtype == DType::kF16) return round_to_f16(x);
-  return x;
+  return dtype == DType::kF32 ? x : half_bits_to_f32(dtype, f32_to_half_bits(dtype, x));
 }
 
 std::vector<float> normal(std::mt19937_64& rng, std::int64_t n, float scale) {
@@ -87,9 +85,9 @@ Problem::Problem(const Case& c) : c_(c) {
 
   if (c.dtype != DType::kF32) {
     for (auto [values, bits] : {std::pair{&q, &q16}, {&k, &k16}, {&v, &v16}}) {
-      for (float& x : *values) {
-        x = round_to(c.dtype, x);
-        bits->push_back(c.dtype == DType::kBF16 ? f32_to_bf16_bits(x) : f32_to_f16_bits(x));
+      *bits = to_half_bits(c.dtype, *values);
+      for (std::size_t i = 0; i < bits->size(); ++i) {
+        (*values)[i] = half_bits_to_f32(c.dtype, (*bits)[i]);
       }
     }
   }

@@ -426,6 +426,10 @@ struct StagedRows {
   float* buffer = nullptr;
   const void* source = nullptr;
   std::int64_t j0 = 0, num = 0;
+
+  bool Holds(const void* rows, std::int64_t first, std::int64_t count) const {
+    return source == rows && j0 == first && num == count;
+  }
 };
 
 struct Staging {
@@ -489,7 +493,7 @@ inline TileRows StageRows(const AttentionKernelParams& p, const void* rows,
   if (p.dtype == DType::kF32) {
     return {static_cast<const float*>(rows) + j0 * stride[1], stride[1], stride[3]};
   }
-  if (staged.source != rows || staged.j0 != j0 || staged.num != num_k) {
+  if (!staged.Holds(rows, j0, num_k)) {
     for (std::int64_t j = 0; j < num_k; ++j) {
       const std::int64_t at = (j0 + j) * stride[1];
       float* dst = staged.buffer + j * dim;
@@ -619,7 +623,7 @@ inline void PackQueryPairs(const AttentionKernelParams& p, QueryBlock& qb) {
 inline const std::uint32_t* StageKeyPairs(const AttentionKernelParams& p, const QueryBlock& qb,
                                           std::int64_t j0, std::int64_t num_k, StagedRows& staged) {
   std::uint32_t* pairs = reinterpret_cast<std::uint32_t*>(staged.buffer);
-  if (staged.source == qb.k && staged.j0 == j0 && staged.num == num_k) return pairs;
+  if (staged.Holds(qb.k, j0, num_k)) return pairs;
   const std::int64_t words = (p.head_dim + 1) / 2;
   for (std::int64_t j = 0; j < num_k; ++j) {
     const std::int64_t row = (j0 + j) * p.k_stride[1];
@@ -645,7 +649,7 @@ inline const std::uint32_t* StageValuePairs(const AttentionKernelParams& p, cons
                                             std::int64_t j0, std::int64_t num_k,
                                             StagedRows& staged) {
   std::uint32_t* pairs = reinterpret_cast<std::uint32_t*>(staged.buffer);
-  if (staged.source == qb.v && staged.j0 == j0 && staged.num == num_k) return pairs;
+  if (staged.Holds(qb.v, j0, num_k)) return pairs;
   const std::int64_t dv = p.head_dim_v;
   for (std::int64_t t = 0; t < (num_k + 1) / 2; ++t) {
     const std::int64_t lo_row = (j0 + 2 * t) * p.v_stride[1];
