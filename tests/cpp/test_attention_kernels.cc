@@ -4,7 +4,6 @@
 // Highway target this machine can run; and bit-identical results whatever the thread count.
 #include <gtest/gtest.h>
 
-
 #include "attention_case.h"
 #include "hwy/targets.h"
 #include "kernels/cpu/bf16_dot.h"
