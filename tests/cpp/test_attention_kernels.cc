@@ -87,6 +87,36 @@ std::vector<Case> kernel_cases() {
     c.bias = BiasKind::kPerHeadRow;
     add(c);
   }
+  // Long decode steps: key splits, and tasks that hold several kv heads, which the bf16
+  // vdpbf16ps decode path serves in one call (runs of 4 and 8 heads, of 2 per batch with
+  // different key lengths); 4 and 1 rows per block, 6 rows (4 + 1 + 1), odd head dims and an
+  // odd last tile.
+  {
+    Case c;
+    c.seq_q = 1;
+    c.seq_kv = 4096;
+    c.num_heads_q = 32;
+    c.num_heads_kv = 8;
+    c.head_dim = 128;
+    add(c);
+    c.num_heads_q = 16;
+    c.num_heads_kv = 16;
+    c.head_dim = 40;
+    c.head_dim_v = 17;
+    add(c);
+    c.batch = 2;
+    c.seq_kv = 8191;
+    c.num_heads_q = 12;
+    c.num_heads_kv = 2;
+    c.head_dim = 33;
+    c.head_dim_v = 130;
+    c.key_lengths = true;
+    c.causal = true;
+    add(c);
+    c.seq_q = 2;  // 2 queries x 6 heads: 12 rows
+    c.seq_kv = 4097;
+    add(c);
+  }
   // Causal and windows, both alignments, Lq <, =, > Lk.
   for (Align align : {Align::kBottomRight, Align::kTopLeft}) {
     for (auto [lq, lk] : {std::pair{70, 70}, {65, 200}, {200, 65}, {1, 300}, {130, 131}}) {

@@ -204,7 +204,7 @@ TEST(Bf16Dot, PackProbsMatchesF32ToBf16Bits) {
     auto pt = hwy::AllocateAligned<std::uint32_t>((pairs + 1) * kLanes);
     for (std::int64_t i = 0; i < (pairs + 1) * kLanes; ++i) pt[i] = 0xdeadbeefu;
 
-    bf16dot::pack_probs(st.get(), num_k, pt.get());
+    bf16dot::pack_probs(st.get(), num_k, 4, pt.get());
 
     for (std::int64_t t = 0; t < pairs; ++t) {
       for (std::int64_t l = 0; l < kLanes; ++l) {
@@ -227,7 +227,7 @@ TEST(Bf16Dot, PackProbsTurnsSubnormalsToZero) {
     st[i] = std::numeric_limits<float>::denorm_min() * static_cast<float>(i + 1);
   }
   auto pt = hwy::AllocateAligned<std::uint32_t>(kLanes);
-  bf16dot::pack_probs(st.get(), 2, pt.get());
+  bf16dot::pack_probs(st.get(), 2, 4, pt.get());
   for (std::int64_t l = 0; l < kLanes; ++l) EXPECT_EQ(pt[l], 0u) << "l " << l;
 }
 

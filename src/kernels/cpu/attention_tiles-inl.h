@@ -605,18 +605,25 @@ HWY_INLINE std::uint32_t Bf16Bits(const void* base, std::int64_t offset) {
   return static_cast<const std::uint16_t*>(base)[offset];
 }
 
+// dst[t * stride] = (q[l][2t], q[l][2t + 1]) for the block's row l, unscaled, t < ceil(D / 2)
+// (an odd D's last pair has +0 as its high half).
+inline void QueryPairs(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t l,
+                       std::uint32_t* dst, std::int64_t stride) {
+  const std::int64_t row =
+      qb.b * p.q_stride[0] + qb.query[l] * p.q_stride[1] + qb.head[l] * p.q_stride[2];
+  for (std::int64_t t = 0; t < (p.head_dim + 1) / 2; ++t) {
+    const std::int64_t d = 2 * t;
+    const std::uint32_t hi = d + 1 < p.head_dim ? Bf16Bits(p.q, row + (d + 1) * p.q_stride[3]) : 0;
+    dst[t * stride] = Bf16Bits(p.q, row + d * p.q_stride[3]) | hi << 16;
+  }
+}
+
 // qt[t][l] = (q[l][2t], q[l][2t + 1]) of the block's rows, unscaled, zero past num_q and D.
 inline void PackQueryPairs(const AttentionKernelParams& p, QueryBlock& qb) {
   std::uint32_t* qt = reinterpret_cast<std::uint32_t*>(qb.qt);
   const std::int64_t words = (p.head_dim + 1) / 2;
   std::fill(qt, qt + words * kBlockQ, 0u);
-  for (std::int64_t l = 0; l < qb.num_q; ++l) {
-    const std::int64_t row =
-        qb.b * p.q_stride[0] + qb.query[l] * p.q_stride[1] + qb.head[l] * p.q_stride[2];
-    for (std::int64_t d = 0; d < p.head_dim; ++d) {
-      qt[d / 2 * kBlockQ + l] |= Bf16Bits(p.q, row + d * p.q_stride[3]) << (d % 2 * 16);
-    }
-  }
+  for (std::int64_t l = 0; l < qb.num_q; ++l) QueryPairs(p, qb, l, qt + l, kBlockQ);
 }
 
 // Keys [j0, j0 + num_k) as pair words along head_dim: [num_k][ceil(D / 2)].
@@ -687,7 +694,7 @@ inline void AccumulateValuesBf16(const AttentionKernelParams& p, const QueryBloc
                                  std::int64_t j0, std::int64_t num_k, const float* st,
                                  const float* alpha, Staging& staging) {
   const std::uint32_t* v = StageValuePairs(p, qb, j0, num_k, staging.v);
-  bf16dot::pack_probs(st, num_k, staging.prob_pairs);
+  bf16dot::pack_probs(st, num_k, kQueryVecs, staging.prob_pairs);
   bf16dot::outer_product(staging.prob_pairs, v, p.head_dim_v, 1, p.head_dim_v, (num_k + 1) / 2,
                          qb.ot, alpha, true, 1.0f);
 }

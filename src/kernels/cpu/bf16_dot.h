@@ -41,11 +41,58 @@ void outer_product(const std::uint32_t* a, const std::uint32_t* b, std::int64_t 
                    float* c, const float* alpha, bool accumulate, float out_scale);
 
 // Probabilities to pair words: pt[t][l] = pair(bf16(st[2t][l]), bf16(st[2t + 1][l])) for
-// t < ceil(num_k / 2), rounded to nearest even; when num_k is odd the last pair's high half is
-// +0.0. Inputs are finite and >= 0; f32 subnormal inputs become +0 (vcvtne2ps2bf16 treats them as
-// zero, as vdpbf16ps would anyway).
+// t < ceil(num_k / 2) and l < 16 * vecs (vecs = 1 .. 4), rounded to nearest even; when num_k is
+// odd the last pair's high half is +0.0. Inputs are finite and >= 0; f32 subnormal inputs become
+// +0 (vcvtne2ps2bf16 treats them as zero, as vdpbf16ps would anyway). pt may be st itself (the
+// pairs then overwrite the probabilities they came from: row t is written after rows 2t and
+// 2t + 1 are read).
 //   st: [num_k][kLanes] floats, 64-byte aligned   pt: [ceil(num_k / 2)][kLanes], 64-byte aligned
-void pack_probs(const float* st, std::int64_t num_k, std::uint32_t* pt);
+void pack_probs(const float* st, std::int64_t num_k, int vecs, std::uint32_t* pt);
+
+// The decode (narrow) products, for blocks of a few query rows (the GQA group of one decode
+// step) against many keys: vectorised along head_dim for the scores and along Dv for the
+// values, on pairs of bf16 (bf16_narrow_avx512.cc; docs/kernels.md, "Decoding"). One call
+// serves `heads` blocks side by side (the kv heads of one decode step): block n's operands lie
+// at base + n * head_stride. q, k and v elements are bf16 bit patterns at any 2-byte alignment.
+
+// st(n)[j * st_row_stride + r] = out_scale * sum_{d < depth} q(n, r, d) * k(n)[j * k_row_stride + d]
+//   for n < heads, r < rows, j < num_k, with q(n, r, d) the bf16 of pair word
+//   q[n * q_head_stride + r * ceil(depth / 2) + d / 2] (low half for even d; past depth the
+//   pair's high half must be +0). Dot products accumulate in f32 (vdpbf16ps) and are multiplied
+//   by out_scale once. Keys are walked outermost, so k is read in address order when the heads
+//   of one key are neighbours (BSHD). No element of k past depth in a row is read.
+// While key j is walked, bytes [0, prefetch_bytes) of prefetch + j * prefetch_row_stride (bytes)
+// are prefetched toward L2 when prefetch is not null (the flash kernel passes the tile's V rows,
+// read right after: docs/kernels.md, "Decoding"). Prefetches never fault.
+struct NarrowScores {
+  const std::uint32_t* q;
+  std::int64_t q_head_stride;  // pair words
+  const std::uint16_t* k;
+  std::int64_t k_head_stride, k_row_stride;  // elements
+  float* st;
+  std::int64_t st_head_stride, st_row_stride;  // floats
+  std::int64_t heads, rows, depth, num_k;
+  float out_scale;
+  const void* prefetch = nullptr;
+  std::int64_t prefetch_row_stride = 0, prefetch_bytes = 0;
+};
+void narrow_scores(const NarrowScores& a);
+
+// o(n)[r * o_row_stride + e] += sum_{j < num_k} prob(n, j, r) * v(n)[j * v_row_stride + e]
+//   for n < heads, r < rows, e < dv, with prob(n, 2t, r) and prob(n, 2t + 1, r) the low and high
+//   bf16 of pair word pp[n * pp_head_stride + t * pp_row_stride + r] (pack_probs; when num_k is
+//   odd the last pair's high half must be +0, and row num_k of v is not read). No element of v
+//   past dv in a row is read.
+struct NarrowValues {
+  const std::uint32_t* pp;
+  std::int64_t pp_head_stride, pp_row_stride;  // pair words
+  const std::uint16_t* v;
+  std::int64_t v_head_stride, v_row_stride;  // elements
+  float* o;
+  std::int64_t o_head_stride, o_row_stride;  // floats
+  std::int64_t heads, rows, num_k, dv;
+};
+void narrow_values(const NarrowValues& a);
 
 // Peak probe: `iterations` rounds of 12 independent vdpbf16ps zmm chains on the calling thread;
 // returns the sum of the accumulators (so nothing can be optimised away).

@@ -94,8 +94,8 @@ void outer_product(const std::uint32_t* a, const std::uint32_t* b, std::int64_t 
   }
 }
 
-// st: [num_k][kLanes] floats   pt: [ceil(num_k / 2)][kLanes] pair words
-void pack_probs(const float* st, std::int64_t num_k, std::uint32_t* pt) {
+// st: [num_k][kLanes] floats   pt: [ceil(num_k / 2)][kLanes] pair words (may be st)
+void pack_probs(const float* st, std::int64_t num_k, int vecs, std::uint32_t* pt) {
   // vcvtne2ps2bf16(hi, lo) gives 16-bit words [bf16(lo) x 16, bf16(hi) x 16]; this vpermw index
   // interleaves them into pairs: word 2i <- lo[i] (word i), word 2i + 1 <- hi[i] (word 16 + i).
   alignas(64) static const std::uint16_t kInterleave[32] = {
@@ -105,8 +105,7 @@ void pack_probs(const float* st, std::int64_t num_k, std::uint32_t* pt) {
   for (std::int64_t t = 0; 2 * t < num_k; ++t) {
     const float* lo_row = st + 2 * t * kLanes;
     const bool has_hi = 2 * t + 1 < num_k;  // odd num_k: the last pair's high half is +0.0
-#pragma GCC unroll 4
-    for (int x = 0; x < kVecs; ++x) {
+    for (int x = 0; x < vecs; ++x) {
       const __m512 lo = _mm512_load_ps(lo_row + x * kVecLanes);
       const __m512 hi =
           has_hi ? _mm512_load_ps(lo_row + kLanes + x * kVecLanes) : _mm512_setzero_ps();

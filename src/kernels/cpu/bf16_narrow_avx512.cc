@@ -1,0 +1,258 @@
+// The decode (narrow) products of bf16_dot.h on vdpbf16ps, in raw intrinsics. Compiled with the
+// same AVX-512 flags as bf16_dot_avx512.cc and under the same ODR rule (see there): intrinsics,
+// plain loops and builtins only, no STL, helpers with internal linkage. Callers reach these
+// functions only after bf16dot::available().
+//
+// A decode block has a few query rows (4 for GQA 32:8) and thousands of keys, so the lanes run
+// along head_dim instead of along the queries (as the flash kernel's decode path does in f32):
+//   scores: acc[r][j] += dot2(k pairs of key j, q pairs of row r), 16 pairs per zmm, then one
+//           lane sum per (r, j), four at a time by a transposing tree;
+//   values: two V rows (keys 2t and 2t + 1) interleaved into pairs along the keys by vpermt2w,
+//           against the broadcast probability pair of each row.
+// Compared with widening bf16 to f32 in registers, a K or V byte costs half the multiply-adds
+// and no conversion.
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "kernels/cpu/bf16_dot.h"
+
+namespace qkv::bf16dot {
+namespace {
+
+constexpr int kPairs = 16;   // pair words (32 bf16) per zmm
+constexpr int kRows = 4;     // query rows per micro-kernel call
+constexpr int kHeads = 4;    // heads per scores micro-kernel call (keys outermost, then heads)
+constexpr int kColVecs = 4;  // f32 vectors of output columns per values call (64 columns)
+
+inline __m512bh as_pairs(__m512i words) { return (__m512bh)words; }
+
+// The first n (0 .. 32) bits set.
+inline __mmask32 first_bits32(std::int64_t n) {
+  return n >= 32 ? ~__mmask32{0} : n <= 0 ? __mmask32{0} : (__mmask32{1} << n) - 1;
+}
+inline __mmask16 first_bits16(std::int64_t n) {
+  return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+
+// The lane sums of a, b, c and d, in that order: two interleave levels leave each 128-bit block
+// holding its part of the four sums, then the four blocks are added. (The zero-masking forms
+// with full masks are the plain instructions; GCC 12's unmasked intrinsics warn spuriously,
+// -Wmaybe-uninitialized on their undefined pass-through operand.)
+inline __m128 lane_sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  constexpr __mmask16 kAll16 = 0xffff;
+  constexpr __mmask8 kAll8 = 0xff;
+  const __m512 ab =
+      _mm512_add_ps(_mm512_maskz_unpacklo_ps(kAll16, a, b), _mm512_maskz_unpackhi_ps(kAll16, a, b));
+  const __m512 cd =
+      _mm512_add_ps(_mm512_maskz_unpacklo_ps(kAll16, c, d), _mm512_maskz_unpackhi_ps(kAll16, c, d));
+  const __m512d ab_d = _mm512_castps_pd(ab), cd_d = _mm512_castps_pd(cd);
+  const __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_maskz_unpacklo_pd(kAll8, ab_d, cd_d)),
+                                 _mm512_castpd_ps(_mm512_maskz_unpackhi_pd(kAll8, ab_d, cd_d)));
+  const __m256 h = _mm256_add_ps(_mm512_maskz_extractf32x8_ps(kAll8, u, 0),
+                                 _mm512_maskz_extractf32x8_ps(kAll8, u, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// The lane sums of x[0 .. 15]: lane i of the result is the sum of the lanes of x[i]. Two
+// interleave levels as in lane_sums4 (each 128-bit block of c[m] then holds its part of the sums
+// of x[4m .. 4m + 3]), then two levels of 128-bit block shuffles add the blocks: 45 operations
+// for 16 sums where lane_sums4 takes 60.
+inline __m512 lane_sums16(const __m512* x) {
+  constexpr __mmask16 kAll16 = 0xffff;
+  constexpr __mmask8 kAll8 = 0xff;
+  __m512 c[4];
+#pragma GCC unroll 4
+  for (int m = 0; m < 4; ++m) {
+    const __m512* y = x + 4 * m;
+    const __m512 ab = _mm512_add_ps(_mm512_maskz_unpacklo_ps(kAll16, y[0], y[1]),
+                                    _mm512_maskz_unpackhi_ps(kAll16, y[0], y[1]));
+    const __m512 cd = _mm512_add_ps(_mm512_maskz_unpacklo_ps(kAll16, y[2], y[3]),
+                                    _mm512_maskz_unpackhi_ps(kAll16, y[2], y[3]));
+    const __m512d ab_d = _mm512_castps_pd(ab), cd_d = _mm512_castps_pd(cd);
+    c[m] = _mm512_add_ps(_mm512_castpd_ps(_mm512_maskz_unpacklo_pd(kAll8, ab_d, cd_d)),
+                         _mm512_castpd_ps(_mm512_maskz_unpackhi_pd(kAll8, ab_d, cd_d)));
+  }
+  // d01 blocks: c0.b0 + c0.b2, c0.b1 + c0.b3, c1.b0 + c1.b2, c1.b1 + c1.b3 (d23 likewise).
+  const __m512 d01 = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(kAll16, c[0], c[1], 0x44),
+                                   _mm512_maskz_shuffle_f32x4(kAll16, c[0], c[1], 0xee));
+  const __m512 d23 = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(kAll16, c[2], c[3], 0x44),
+                                   _mm512_maskz_shuffle_f32x4(kAll16, c[2], c[3], 0xee));
+  // Blocks: the whole sums of c0, c1, c2, c3.
+  return _mm512_add_ps(_mm512_maskz_shuffle_f32x4(kAll16, d01, d23, 0x88),
+                       _mm512_maskz_shuffle_f32x4(kAll16, d01, d23, 0xdd));
+}
+
+// One key's scores for H heads (4 or 1) x R rows (4 or 1): H x R accumulators, 16 pairs of
+// head_dim per step; a last partial step masks both operands to the elements left (so an odd
+// depth reads nothing past the row). The heads of one key are neighbours in BSHD, so K is read
+// in address order.
+template <int H, int R>
+__attribute__((always_inline)) inline void scores_block(const NarrowScores& a, std::int64_t words,
+                                                        const std::uint32_t* __restrict q,
+                                                        const std::uint16_t* __restrict k,
+                                                        float* __restrict st, __m512 scale) {
+  __m512 acc[H * R];
+#pragma GCC unroll 16
+  for (int i = 0; i < H * R; ++i) acc[i] = _mm512_setzero_ps();
+  const auto step = [&](std::int64_t t, __mmask32 k_mask, __mmask16 q_mask)
+                        __attribute__((always_inline)) {
+#pragma GCC unroll 4
+    for (int h = 0; h < H; ++h) {
+      const __m512bh key =
+          as_pairs(_mm512_maskz_loadu_epi16(k_mask, k + h * a.k_head_stride + 2 * t));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512bh query = as_pairs(
+            _mm512_maskz_loadu_epi32(q_mask, q + h * a.q_head_stride + r * words + t));
+        acc[h * R + r] = _mm512_dpbf16_ps(acc[h * R + r], key, query);
+      }
+    }
+  };
+  const std::int64_t full = a.depth / (2 * kPairs) * kPairs;  // words in whole 32-element steps
+  for (std::int64_t t = 0; t < full; t += kPairs) step(t, ~__mmask32{0}, __mmask16(0xffff));
+  if (full < words) step(full, first_bits32(a.depth - 2 * full), first_bits16(words - full));
+
+  // sums[h * R + r]: head h, row r.
+  alignas(64) float sums[16];
+  if constexpr (H * R == 16) {
+    _mm512_store_ps(sums, _mm512_mul_ps(lane_sums16(acc), scale));
+  } else {  // 4 or 1 accumulators (zero vectors fill the tree)
+    __m512 part[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                      _mm512_setzero_ps()};
+#pragma GCC unroll 4
+    for (int i = 0; i < H * R; ++i) part[i] = acc[i];
+    const __m128 s = lane_sums4(part[0], part[1], part[2], part[3]);
+    _mm_store_ps(sums, _mm_mul_ps(s, _mm_set1_ps(a.out_scale)));
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < H; ++h) {
+    float* row = st + h * a.st_head_stride;
+    if constexpr (R == kRows) {  // one head's four rows are neighbours in st
+      _mm_storeu_ps(row, _mm_load_ps(sums + h * R));
+    } else {
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) row[r] = sums[h * R + r];
+    }
+  }
+}
+
+// Key j's scores for every head and row: blocks of kHeads heads, then single heads; in each,
+// blocks of kRows rows, then single rows.
+inline void scores_key(const NarrowScores& a, std::int64_t j, __m512 scale) {
+  const std::int64_t words = (a.depth + 1) / 2;
+  const auto heads = [&]<int H>(std::int64_t n) __attribute__((always_inline)) {
+    const std::uint32_t* q = a.q + n * a.q_head_stride;
+    const std::uint16_t* k = a.k + n * a.k_head_stride + j * a.k_row_stride;
+    float* st = a.st + n * a.st_head_stride + j * a.st_row_stride;
+    std::int64_t r = 0;
+    for (; r + kRows <= a.rows; r += kRows) {
+      scores_block<H, kRows>(a, words, q + r * words, k, st + r, scale);
+    }
+    for (; r < a.rows; ++r) scores_block<H, 1>(a, words, q + r * words, k, st + r, scale);
+  };
+  std::int64_t n = 0;
+  for (; n + kHeads <= a.heads; n += kHeads) heads.template operator()<kHeads>(n);
+  for (; n < a.heads; ++n) heads.template operator()<1>(n);
+}
+
+// Values of R rows (4 or 1) for output columns [0, 64) of v and o: R x 4 accumulators (16
+// columns each), loaded from o and stored back once per call; columns past `cols` are masked off
+// in every load and store.
+template <int R>
+__attribute__((always_inline)) inline void values_block(const std::uint32_t* __restrict pp,
+                                                        std::int64_t pp_row_stride,
+                                                        const std::uint16_t* __restrict v,
+                                                        std::int64_t v_row_stride,
+                                                        std::int64_t num_k, std::int64_t cols,
+                                                        float* __restrict o,
+                                                        std::int64_t o_row_stride) {
+  // vpermt2w indices: words 2i <- lo row word i (index i), 2i + 1 <- hi row word i (32 + i),
+  // for the low 16 columns of a 32-column load, then for the high 16.
+  alignas(64) static const std::uint16_t kLowPairs[32] = {
+      0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const std::uint16_t kHighPairs[32] = {
+      16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+      24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i low_pairs = _mm512_load_si512(kLowPairs);
+  const __m512i high_pairs = _mm512_load_si512(kHighPairs);
+  const __mmask32 v_mask[2] = {first_bits32(cols), first_bits32(cols - 32)};
+  __mmask16 o_mask[kColVecs];
+#pragma GCC unroll 4
+  for (int c = 0; c < kColVecs; ++c) o_mask[c] = first_bits16(cols - 16 * c);
+
+  __m512 acc[R][kColVecs];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < kColVecs; ++c) {
+      acc[r][c] = _mm512_maskz_loadu_ps(o_mask[c], o + r * o_row_stride + 16 * c);
+    }
+  }
+  for (std::int64_t t = 0; 2 * t < num_k; ++t) {
+    const std::uint16_t* lo_row = v + 2 * t * v_row_stride;
+    const bool has_hi = 2 * t + 1 < num_k;  // odd num_k: the last pair is (value, 0)
+    __m512bh value[kColVecs];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m512i lo = _mm512_maskz_loadu_epi16(v_mask[h], lo_row + 32 * h);
+      const __m512i hi = has_hi
+                             ? _mm512_maskz_loadu_epi16(v_mask[h], lo_row + v_row_stride + 32 * h)
+                             : _mm512_setzero_si512();
+      value[2 * h] = as_pairs(_mm512_permutex2var_epi16(lo, low_pairs, hi));
+      value[2 * h + 1] = as_pairs(_mm512_permutex2var_epi16(lo, high_pairs, hi));
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512bh prob =
+          as_pairs(_mm512_set1_epi32(static_cast<int>(pp[t * pp_row_stride + r])));
+#pragma GCC unroll 4
+      for (int c = 0; c < kColVecs; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], value[c], prob);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < kColVecs; ++c) {
+      _mm512_mask_storeu_ps(o + r * o_row_stride + 16 * c, o_mask[c], acc[r][c]);
+    }
+  }
+}
+
+}  // namespace
+
+void narrow_scores(const NarrowScores& a) {
+  const __m512 scale = _mm512_set1_ps(a.out_scale);
+  for (std::int64_t j = 0; j < a.num_k; ++j) {
+    if (a.prefetch != nullptr) {
+      const char* row = static_cast<const char*>(a.prefetch) + j * a.prefetch_row_stride;
+      for (std::int64_t x = 0; x < a.prefetch_bytes; x += 64) _mm_prefetch(row + x, _MM_HINT_T1);
+    }
+    scores_key(a, j, scale);
+  }
+}
+
+void narrow_values(const NarrowValues& a) {
+  constexpr std::int64_t kCols = 16 * kColVecs;
+  for (std::int64_t n = 0; n < a.heads; ++n) {
+    const std::uint32_t* pp = a.pp + n * a.pp_head_stride;
+    const std::uint16_t* v = a.v + n * a.v_head_stride;
+    float* o = a.o + n * a.o_head_stride;
+    std::int64_t r = 0;
+    for (; r + kRows <= a.rows; r += kRows) {
+      for (std::int64_t e = 0; e < a.dv; e += kCols) {
+        values_block<kRows>(pp + r, a.pp_row_stride, v + e, a.v_row_stride, a.num_k, a.dv - e,
+                            o + r * a.o_row_stride + e, a.o_row_stride);
+      }
+    }
+    for (; r < a.rows; ++r) {
+      for (std::int64_t e = 0; e < a.dv; e += kCols) {
+        values_block<1>(pp + r, a.pp_row_stride, v + e, a.v_row_stride, a.num_k, a.dv - e,
+                        o + r * a.o_row_stride + e, a.o_row_stride);
+      }
+    }
+  }
+}
+
+}  // namespace qkv::bf16dot
