@@ -193,40 +193,50 @@ FmaPeak measure_bf16_peak(int num_threads, double seconds_per_repeat, int repeat
   return peak;
 }
 
-ReadBandwidth measure_read_bandwidth(int num_threads, double buffer_mib, int repeats) {
-  const int threads = resolve_num_threads(num_threads);
-  const std::int64_t count = static_cast<std::int64_t>(buffer_mib * 1024.0 * 1024.0 / 4.0);
-  auto buffer = hwy::AllocateAligned<float>(static_cast<std::size_t>(count));
-  float* data = buffer.get();
-  // Slice boundaries rounded to 16 floats (64 bytes) so threads never share a cache line.
-  const std::int64_t slice = (count / threads + 15) / 16 * 16;
-  auto slice_begin = [&](std::int64_t task) { return std::min(count, task * slice); };
-
+ReadProbe::ReadProbe(int num_threads, double buffer_mib)
+    : threads_(resolve_num_threads(num_threads)),
+      buffer_mib_(buffer_mib),
+      count_(static_cast<std::int64_t>(buffer_mib * 1024.0 * 1024.0 / 4.0)),
+      // Slice boundaries rounded to 16 floats (64 bytes) so threads never share a cache line.
+      slice_((count_ / threads_ + 15) / 16 * 16),
+      data_(hwy::AllocateAligned<float>(static_cast<std::size_t>(count_))),
+      sums_(threads_, 0.0) {
+  float* data = data_.get();
   // First touch by the thread that will read the slice (NUMA placement), with small values.
-  parallel_for(threads, threads, [&](std::int64_t task, int /*thread*/) {
-    for (std::int64_t i = slice_begin(task); i < slice_begin(task + 1); ++i) {
+  parallel_for(threads_, threads_, [&](std::int64_t task, int /*thread*/) {
+    const std::int64_t end = std::min(count_, (task + 1) * slice_);
+    for (std::int64_t i = std::min(count_, task * slice_); i < end; ++i) {
       data[i] = static_cast<float>(i & 1023) * (1.0f / 1024.0f);
     }
   });
+}
 
-  std::vector<double> sums(threads, 0.0);
+double ReadProbe::sweep() {
+  const float* data = data_.get();
+  const auto start = std::chrono::steady_clock::now();
+  parallel_for(threads_, threads_, [&](std::int64_t task, int /*thread*/) {
+    const std::int64_t begin = std::min(count_, task * slice_);
+    const std::int64_t end = std::min(count_, (task + 1) * slice_);
+    sums_[task] += HWY_DYNAMIC_DISPATCH(SumFloats)(data + begin, end - begin);
+  });
+  return static_cast<double>(count_) * 4.0 / seconds_since(start) / 1e9;
+}
+
+double ReadProbe::checksum() const {
+  double total = 0.0;
+  for (double sum : sums_) total += sum;
+  return total;
+}
+
+ReadBandwidth measure_read_bandwidth(int num_threads, double buffer_mib, int repeats) {
+  ReadProbe probe(num_threads, buffer_mib);
   double best = 0.0;
-  for (int repeat = 0; repeat < std::max(repeats, 1); ++repeat) {
-    const auto start = std::chrono::steady_clock::now();
-    parallel_for(threads, threads, [&](std::int64_t task, int /*thread*/) {
-      const std::int64_t begin = slice_begin(task);
-      sums[task] += HWY_DYNAMIC_DISPATCH(SumFloats)(data + begin, slice_begin(task + 1) - begin);
-    });
-    const double seconds = seconds_since(start);
-    best = std::max(best, static_cast<double>(count) * 4.0 / seconds / 1e9);
-  }
-
+  for (int repeat = 0; repeat < std::max(repeats, 1); ++repeat) best = std::max(best, probe.sweep());
   ReadBandwidth bandwidth;
   bandwidth.gbytes_per_second = best;
-  bandwidth.num_threads = threads;
+  bandwidth.num_threads = probe.num_threads();
   bandwidth.buffer_mib = buffer_mib;
-  bandwidth.checksum = 0.0;
-  for (double sum : sums) bandwidth.checksum += sum;
+  bandwidth.checksum = probe.checksum();
   return bandwidth;
 }
 

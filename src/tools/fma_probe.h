@@ -3,7 +3,11 @@
 // quote GFLOP/s as a fraction of the peak measured in the same run).
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <vector>
+
+#include "hwy/aligned_allocator.h"
 
 namespace qkv::tools {
 
@@ -35,8 +39,27 @@ struct ReadBandwidth {
   double checksum;    // sum of the buffer: returned so the reads cannot be optimised away
 };
 
-// Sums a `buffer_mib` MiB float buffer split into one slice per thread (each thread first-touches
-// its own slice), best of `repeats`. The buffer is freed before returning.
+// A streaming read: a `buffer_mib` MiB float buffer split into one slice per thread (each thread
+// first-touches its own slice, with small values); sweep() sums it once on all threads and
+// returns the GB/s. The buffer lives as long as the probe, so a benchmark can sweep between its
+// timed repeats and compare medians taken under the same conditions (cmd_bench.cc).
+class ReadProbe {
+ public:
+  explicit ReadProbe(int num_threads, double buffer_mib = 256.0);
+  double sweep();
+  int num_threads() const { return threads_; }
+  double buffer_mib() const { return buffer_mib_; }
+  double checksum() const;  // sum of the sweeps' sums: they cannot be optimised away
+
+ private:
+  int threads_;
+  double buffer_mib_;
+  std::int64_t count_, slice_;
+  hwy::AlignedFreeUniquePtr<float[]> data_;
+  std::vector<double> sums_;  // per thread
+};
+
+// The best of `repeats` sweeps of a fresh ReadProbe (freed before returning).
 ReadBandwidth measure_read_bandwidth(int num_threads, double buffer_mib = 256.0, int repeats = 5);
 
 }  // namespace qkv::tools
