@@ -510,3 +510,20 @@ def test_bench_dtype(cli, dtype):
     element = 4 if dtype == "f32" else 2
     assert record["kv_gbytes_per_second"] == pytest.approx(
         2 * 90 * 16 * element / record["seconds"] / 1e9, rel=1e-3)
+    # Not a decode shape: no read sweeps between the repeats.
+    assert record["read_gbytes_per_second_between_repeats"] == 0
+    assert record["kv_fraction_of_read_between_repeats"] == 0
+
+
+def test_bench_decode_sweeps_read_probe_between_repeats(cli):
+    import json
+    result = cli.run("bench", "--json", "--shape", "1,4,2,1,3000,32", "--repeats", "3",
+                     "--threads", "1", "--dtype", "bf16")
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    between = record["read_gbytes_per_second_between_repeats"]
+    assert between > 0
+    assert record["kv_fraction_of_read_between_repeats"] == pytest.approx(
+        record["kv_gbytes_per_second"] / between, rel=1e-4)
+    assert record["kv_fraction_of_read_bandwidth"] == pytest.approx(
+        record["kv_gbytes_per_second"] / record["read_gbytes_per_second"], rel=1e-4)
