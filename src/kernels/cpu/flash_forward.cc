@@ -314,15 +314,6 @@ inline NarrowBlock StartNarrow(const AttentionKernelParams& p, QueryBlock& qb, f
   return nb;
 }
 
-// One key tile for every narrow block of a task. In BSHD the rows of neighbouring kv heads for
-// one key are neighbours in memory, so the walk goes keys outermost: the scores one key at a
-// time for all blocks (K is then read as one ascending stream, which the hardware prefetchers
-// follow; a 4-key dot product block by block read 512-byte runs on 4 pages at once and was ~15%
-// slower at Lk = 32768), the values kValueKeys keys at a time (o does not fit in registers: it
-// is loaded and stored once per chunk). In BHSD each head's rows are already one ascending run,
-// read a whole tile at a time per block (key-outermost was slower there). Each block's
-// arithmetic is the same either way; only the order of blocks interleaves. Software prefetch
-// (of the next block's tile, or rows 16-64 keys ahead) did not help on top of this.
 // V rows of key j, all heads of a run, as one byte range (when the heads of one key are
 // neighbours, BSHD): the bf16 score walk prefetches them toward L2 for the value step that
 // follows. Measured at Lk = 32768, 2 threads: bf16 5-15% faster; the same in the f32 walk was 6%
@@ -333,13 +324,14 @@ struct ValueRows {
 };
 
 inline ValueRows ValueRowsOf(const AttentionKernelParams& p, const NarrowBlock& nb,
-                             std::int64_t heads, std::int64_t head_stride, std::int64_t elem_bytes) {
+                             std::int64_t heads, std::int64_t head_stride) {
+  constexpr std::int64_t kBytes = 2;  // bf16
   if (!(p.v_stride[2] < p.v_stride[1]) || head_stride < 0 ||
       (heads - 1) * head_stride + p.head_dim_v > p.v_stride[1]) {
     return {};
   }
-  return {static_cast<const char*>(nb.qb->v) + nb.part.lo * p.v_stride[1] * elem_bytes,
-          p.v_stride[1] * elem_bytes, ((heads - 1) * head_stride + p.head_dim_v) * elem_bytes};
+  return {static_cast<const char*>(nb.qb->v) + nb.part.lo * p.v_stride[1] * kBytes,
+          p.v_stride[1] * kBytes, ((heads - 1) * head_stride + p.head_dim_v) * kBytes};
 }
 
 // bf16 on vdpbf16ps (bf16dot::narrow_scores / narrow_values): one call serves a run of
@@ -375,37 +367,51 @@ inline NarrowRun RunFrom(const NarrowBlock* narrow, std::int64_t first, std::int
   return run;
 }
 
-inline void NarrowScoresBf16(const AttentionKernelParams& p, const NarrowBlock* narrow,
-                             std::int64_t count) {
+// f(first block, run) for each run of blocks with a non-empty part of the tile.
+template <class F>
+inline void ForEachRun(const NarrowBlock* narrow, std::int64_t count, F&& f) {
   NarrowRun run;
   for (std::int64_t n = 0; n < count; n += run.count) {
     run = RunFrom(narrow, n, count);
-    const NarrowBlock& nb = narrow[n];
-    if (nb.part.hi <= nb.part.lo) continue;
-    const ValueRows v = ValueRowsOf(p, nb, run.count, run.v, 2);
+    if (narrow[n].part.hi > narrow[n].part.lo) f(narrow[n], run);
+  }
+}
+
+inline void NarrowScoresBf16(const AttentionKernelParams& p, const NarrowBlock* narrow,
+                             std::int64_t count) {
+  ForEachRun(narrow, count, [&](const NarrowBlock& nb, const NarrowRun& run) {
+    const ValueRows v = ValueRowsOf(p, nb, run.count, run.v);
     bf16dot::narrow_scores({nb.q_pairs, run.scratch,
                             static_cast<const std::uint16_t*>(nb.qb->k) + nb.part.lo * p.k_stride[1],
                             run.k, p.k_stride[1], nb.st, run.scratch, kBlockQ, run.count,
                             nb.qb->num_q, p.head_dim, nb.part.hi - nb.part.lo, p.scale, v.first,
                             v.row_stride, v.bytes});
-  }
+  });
 }
 
-// All keys of each block's part at once (they were prefetched by the score walk).
+// All keys of each block's part at once (the score walk prefetched them).
 inline void NarrowValuesBf16(const AttentionKernelParams& p, const NarrowBlock* narrow,
                              std::int64_t count) {
-  NarrowRun run;
-  for (std::int64_t n = 0; n < count; n += run.count) {
-    run = RunFrom(narrow, n, count);
-    const NarrowBlock& nb = narrow[n];
-    if (nb.part.hi <= nb.part.lo) continue;
+  ForEachRun(narrow, count, [&](const NarrowBlock& nb, const NarrowRun& run) {
     bf16dot::narrow_values({reinterpret_cast<const std::uint32_t*>(nb.st), run.scratch, kBlockQ,
                             static_cast<const std::uint16_t*>(nb.qb->v) + nb.part.lo * p.v_stride[1],
                             run.v, p.v_stride[1], nb.o, run.scratch, p.head_dim_v, run.count,
                             nb.qb->num_q, nb.part.hi - nb.part.lo, p.head_dim_v});
-  }
+  });
 }
 
+// One key tile for every narrow block of a task. In BSHD the rows of neighbouring kv heads for
+// one key are neighbours in memory, so the walk goes keys outermost: the scores one key at a
+// time for all blocks (K is then read as one ascending stream, which the hardware prefetchers
+// follow; a 4-key dot product block by block read 512-byte runs on 4 pages at once and was ~15%
+// slower at Lk = 32768), the values kValueKeys keys at a time (o does not fit in registers: it
+// is loaded and stored once per chunk). In BHSD each head's rows are already one ascending run,
+// read a whole tile at a time per block (key-outermost was slower there). Each block's
+// arithmetic is the same either way; only the order of blocks interleaves. Software prefetch
+// (of the next block's tile, or rows 16-64 keys ahead) did not help on top of this. bf16 on
+// vdpbf16ps goes through bf16dot's narrow products, a run of blocks per call: the scores keys
+// outermost across the run, the values a whole part per block, from L2, where the score walk
+// prefetched them (NarrowScoresBf16, NarrowValuesBf16 above).
 template <typename T>
 void NarrowTile(const AttentionKernelParams& p, NarrowBlock* narrow, std::int64_t count,
                 bool bf16_dot) {
