@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "bf16_skip.h"
 #include "core/float16.h"
 #include "core/splitmix64.h"
 #include "hwy/aligned_allocator.h"
@@ -23,8 +24,6 @@ namespace {
 
 using bf16dot::kLanes;
 
-#define QKV_SKIP_WITHOUT_BF16() \
-  if (!bf16dot::available()) GTEST_SKIP() << "no AVX512-BF16 on this CPU"
 
 float random_bf16_value(SplitMix64& rng) {  // in [-2, 2), rounded to bf16
   return round_to_bf16(rng.uniform24() * 4.0f - 2.0f);

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "bf16_skip.h"
 #include "core/float16.h"
 #include "core/splitmix64.h"
 #include "hwy/aligned_allocator.h"
@@ -18,8 +19,6 @@
 namespace qkv::testing {
 namespace {
 
-#define QKV_SKIP_WITHOUT_BF16() \
-  if (!bf16dot::available()) GTEST_SKIP() << "no AVX512-BF16 on this CPU"
 
 constexpr std::uint16_t kNanBits = 0x7fc0;  // a bf16 quiet NaN
 constexpr float kGuard = -12345.0f;

@@ -35,44 +35,38 @@ inline __mmask16 first_bits16(std::int64_t n) {
   return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
 }
 
-// The lane sums of a, b, c and d, in that order: two interleave levels leave each 128-bit block
-// holding its part of the four sums, then the four blocks are added. (The zero-masking forms
-// with full masks are the plain instructions; GCC 12's unmasked intrinsics warn spuriously,
-// -Wmaybe-uninitialized on their undefined pass-through operand.)
-inline __m128 lane_sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  constexpr __mmask16 kAll16 = 0xffff;
-  constexpr __mmask8 kAll8 = 0xff;
+// Full masks: the zero-masking forms with full masks are the plain instructions (GCC 12's
+// unmasked intrinsics warn spuriously, -Wmaybe-uninitialized on their undefined pass-through).
+constexpr __mmask16 kAll16 = 0xffff;
+constexpr __mmask8 kAll8 = 0xff;
+
+// Two interleave levels: each 128-bit block of the result holds that block's part of the lane
+// sums of a, b, c and d, in that order.
+inline __m512 block_sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
   const __m512 ab =
       _mm512_add_ps(_mm512_maskz_unpacklo_ps(kAll16, a, b), _mm512_maskz_unpackhi_ps(kAll16, a, b));
   const __m512 cd =
       _mm512_add_ps(_mm512_maskz_unpacklo_ps(kAll16, c, d), _mm512_maskz_unpackhi_ps(kAll16, c, d));
   const __m512d ab_d = _mm512_castps_pd(ab), cd_d = _mm512_castps_pd(cd);
-  const __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_maskz_unpacklo_pd(kAll8, ab_d, cd_d)),
-                                 _mm512_castpd_ps(_mm512_maskz_unpackhi_pd(kAll8, ab_d, cd_d)));
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_maskz_unpacklo_pd(kAll8, ab_d, cd_d)),
+                       _mm512_castpd_ps(_mm512_maskz_unpackhi_pd(kAll8, ab_d, cd_d)));
+}
+
+// The lane sums of a, b, c and d, in that order: block_sums4, then the four blocks are added.
+inline __m128 lane_sums4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 u = block_sums4(a, b, c, d);
   const __m256 h = _mm256_add_ps(_mm512_maskz_extractf32x8_ps(kAll8, u, 0),
                                  _mm512_maskz_extractf32x8_ps(kAll8, u, 1));
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// The lane sums of x[0 .. 15]: lane i of the result is the sum of the lanes of x[i]. Two
-// interleave levels as in lane_sums4 (each 128-bit block of c[m] then holds its part of the sums
-// of x[4m .. 4m + 3]), then two levels of 128-bit block shuffles add the blocks: 45 operations
-// for 16 sums where lane_sums4 takes 60.
+// The lane sums of x[0 .. 15]: lane i of the result is the sum of the lanes of x[i].
+// block_sums4 of each four (c[m] for x[4m .. 4m + 3]), then two levels of 128-bit block shuffles
+// add the blocks: 45 operations for 16 sums where lane_sums4 takes 60.
 inline __m512 lane_sums16(const __m512* x) {
-  constexpr __mmask16 kAll16 = 0xffff;
-  constexpr __mmask8 kAll8 = 0xff;
   __m512 c[4];
 #pragma GCC unroll 4
-  for (int m = 0; m < 4; ++m) {
-    const __m512* y = x + 4 * m;
-    const __m512 ab = _mm512_add_ps(_mm512_maskz_unpacklo_ps(kAll16, y[0], y[1]),
-                                    _mm512_maskz_unpackhi_ps(kAll16, y[0], y[1]));
-    const __m512 cd = _mm512_add_ps(_mm512_maskz_unpacklo_ps(kAll16, y[2], y[3]),
-                                    _mm512_maskz_unpackhi_ps(kAll16, y[2], y[3]));
-    const __m512d ab_d = _mm512_castps_pd(ab), cd_d = _mm512_castps_pd(cd);
-    c[m] = _mm512_add_ps(_mm512_castpd_ps(_mm512_maskz_unpacklo_pd(kAll8, ab_d, cd_d)),
-                         _mm512_castpd_ps(_mm512_maskz_unpackhi_pd(kAll8, ab_d, cd_d)));
-  }
+  for (int m = 0; m < 4; ++m) c[m] = block_sums4(x[4 * m], x[4 * m + 1], x[4 * m + 2], x[4 * m + 3]);
   // d01 blocks: c0.b0 + c0.b2, c0.b1 + c0.b3, c1.b0 + c1.b2, c1.b1 + c1.b3 (d23 likewise).
   const __m512 d01 = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(kAll16, c[0], c[1], 0x44),
                                    _mm512_maskz_shuffle_f32x4(kAll16, c[0], c[1], 0xee));

@@ -1,0 +1,9 @@
+// Tests of the AVX512-BF16 kernels (kernels/cpu/bf16_dot.h) skip on CPUs without it.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include "kernels/cpu/bf16_dot.h"
+
+#define QKV_SKIP_WITHOUT_BF16() \
+  if (!bf16dot::available()) GTEST_SKIP() << "no AVX512-BF16 on this CPU"
