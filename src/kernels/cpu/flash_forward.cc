@@ -96,6 +96,13 @@ constexpr int kDotRows = kNarrowRows < 4 ? static_cast<int>(kNarrowRows) : 4;
 constexpr int kDotKeys = kLanes >= 16 ? 4 : 2;
 // Keys per value chunk in BSHD (see NarrowTile; 8 measured best of 1, 2, 4, 8, 16, 32).
 constexpr std::int64_t kValueKeys = 8;
+// Software prefetch distances of the widening walk (f32, f16) in BSHD, in keys (see NarrowTile).
+constexpr std::int64_t kScoreAhead = 2;
+constexpr std::int64_t kValueAhead = 16;
+
+// Asks for the cache line holding p toward L2 (prefetcht1 on x86; a no-op where the target has
+// no prefetch).
+HWY_INLINE void PrefetchL2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
 #if HWY_TARGET != HWY_SCALAR  // (one lane: no blocks to add)
 // out[0 : 4] = the sums of the 128-bit blocks of v (a vector of 4 floats per block).
@@ -132,10 +139,11 @@ HWY_INLINE void StoreLaneSums4(const VF* acc, float* HWY_RESTRICT out) {
 // st[kk * kBlockQ + r] = q[r] . k[kk] for r < R, kk < K.
 //   q: [R][head_dim] (row stride head_dim)   k: [K][head_dim] (row stride k_row_stride), stored
 //   as T (float, hwy::bfloat16_t or hwy::float16_t; widened to f32 in registers)
+//   ahead: the same rows some keys later, prefetched toward L2 as k is read (null: none)
 template <int R, int K, typename T>
 HWY_INLINE void NarrowDots(const float* HWY_RESTRICT q, const T* HWY_RESTRICT k,
                            std::int64_t k_row_stride, std::int64_t head_dim,
-                           float* HWY_RESTRICT st) {
+                           float* HWY_RESTRICT st, const T* ahead) {
   const DF df;
   const std::int64_t vec_end = head_dim / kLanes * kLanes;
   VF acc[R][K];
@@ -145,6 +153,10 @@ HWY_INLINE void NarrowDots(const float* HWY_RESTRICT q, const T* HWY_RESTRICT k,
     for (int kk = 0; kk < K; ++kk) acc[r][kk] = hn::Zero(df);
   }
   for (std::int64_t d = 0; d < vec_end; d += kLanes) {
+    if (ahead != nullptr) {
+      HWY_UNROLL(4)
+      for (int kk = 0; kk < K; ++kk) PrefetchL2(ahead + kk * k_row_stride + d);
+    }
     VF key[K];
     HWY_UNROLL(4)
     for (int kk = 0; kk < K; ++kk) key[kk] = LoadWide(df, k + kk * k_row_stride + d);
@@ -177,23 +189,25 @@ HWY_INLINE void NarrowDots(const float* HWY_RESTRICT q, const T* HWY_RESTRICT k,
   }
 }
 
-// q . k for rows [0, num_q) and K keys at k, into st[kk * kBlockQ + r].
+// q . k for rows [0, num_q) and K keys at k, into st[kk * kBlockQ + r] (ahead: see NarrowDots;
+// the first row group prefetches).
 template <int K, typename T>
 HWY_INLINE void NarrowDotKeys(const float* q_rows, std::int64_t num_q, const T* k, std::int64_t ks,
-                              std::int64_t d, float* st) {
+                              std::int64_t d, float* st, const T* ahead) {
   std::int64_t r = 0;
   for (; r + kDotRows <= num_q; r += kDotRows) {
-    NarrowDots<kDotRows, K>(q_rows + r * d, k, ks, d, st + r);
+    NarrowDots<kDotRows, K>(q_rows + r * d, k, ks, d, st + r, r == 0 ? ahead : nullptr);
   }
-  for (; r < num_q; ++r) NarrowDots<1, K>(q_rows + r * d, k, ks, d, st + r);
+  for (; r < num_q; ++r) NarrowDots<1, K>(q_rows + r * d, k, ks, d, st + r, r == 0 ? ahead : nullptr);
 }
 
 // o[r][0 : E * kLanes] += sum_j p[j][r] * v[j][0 : E * kLanes], r < R.
 //   p: st[j * kBlockQ + r]   v: [num_k][...] (row stride v_row_stride)   o: row stride o_stride
+//   ahead: rows j < ahead of v are prefetched toward L2 kValueAhead keys before they are read
 template <int R, int E, typename T>
 HWY_INLINE void NarrowValueRows(const float* HWY_RESTRICT st, const T* HWY_RESTRICT v,
                                 std::int64_t v_row_stride, std::int64_t num_k,
-                                float* HWY_RESTRICT o, std::int64_t o_stride) {
+                                float* HWY_RESTRICT o, std::int64_t o_stride, std::int64_t ahead) {
   const DF df;
   VF acc[R][E];
   HWY_UNROLL(4)
@@ -202,6 +216,10 @@ HWY_INLINE void NarrowValueRows(const float* HWY_RESTRICT st, const T* HWY_RESTR
     for (int e = 0; e < E; ++e) acc[r][e] = hn::LoadU(df, o + r * o_stride + e * kLanes);
   }
   for (std::int64_t j = 0; j < num_k; ++j) {
+    if (j + kValueAhead < ahead) {
+      HWY_UNROLL(4)
+      for (int e = 0; e < E; ++e) PrefetchL2(v + (j + kValueAhead) * v_row_stride + e * kLanes);
+    }
     VF value[E];
     HWY_UNROLL(4)
     for (int e = 0; e < E; ++e) value[e] = LoadWide(df, v + j * v_row_stride + e * kLanes);
@@ -219,33 +237,37 @@ HWY_INLINE void NarrowValueRows(const float* HWY_RESTRICT st, const T* HWY_RESTR
   }
 }
 
-// Value columns [0, E * kLanes) of rows [0, num_q).
+// Value columns [0, E * kLanes) of rows [0, num_q) (ahead: see NarrowValueRows; the first row
+// group prefetches).
 template <int E, typename T>
 HWY_INLINE void NarrowValueColumns(std::int64_t num_q, const float* st, const T* v,
                                    std::int64_t v_row_stride, std::int64_t num_k, float* o,
-                                   std::int64_t o_stride) {
+                                   std::int64_t o_stride, std::int64_t ahead) {
   std::int64_t r = 0;
   for (; r + kDotRows <= num_q; r += kDotRows) {
-    NarrowValueRows<kDotRows, E>(st + r, v, v_row_stride, num_k, o + r * o_stride, o_stride);
+    NarrowValueRows<kDotRows, E>(st + r, v, v_row_stride, num_k, o + r * o_stride, o_stride,
+                                 r == 0 ? ahead : 0);
   }
   for (; r < num_q; ++r) {
-    NarrowValueRows<1, E>(st + r, v, v_row_stride, num_k, o + r * o_stride, o_stride);
+    NarrowValueRows<1, E>(st + r, v, v_row_stride, num_k, o + r * o_stride, o_stride,
+                          r == 0 ? ahead : 0);
   }
 }
 
-// o += v[0 : num_k]^T p for rows [0, num_q)   (o: [num_q][Dv], p: st[j * kBlockQ + r]).
+// o += v[0 : num_k]^T p for rows [0, num_q)   (o: [num_q][Dv], p: st[j * kBlockQ + r]; ahead:
+// see NarrowValueRows).
 template <typename T>
 inline void NarrowValueKeys(const AttentionKernelParams& p, std::int64_t num_q, const T* v,
                             std::int64_t num_k, const float* HWY_RESTRICT st,
-                            float* HWY_RESTRICT o) {
+                            float* HWY_RESTRICT o, std::int64_t ahead) {
   const std::int64_t vs = p.v_stride[1], dv = p.head_dim_v;
   constexpr std::int64_t kWide = kQueryVecs * kLanes;
   std::int64_t e = 0;
   for (; e + kWide <= dv; e += kWide) {
-    NarrowValueColumns<kQueryVecs>(num_q, st, v + e, vs, num_k, o + e, dv);
+    NarrowValueColumns<kQueryVecs>(num_q, st, v + e, vs, num_k, o + e, dv, ahead);
   }
   for (; e + kLanes <= dv; e += kLanes) {
-    NarrowValueColumns<1>(num_q, st, v + e, vs, num_k, o + e, dv);
+    NarrowValueColumns<1>(num_q, st, v + e, vs, num_k, o + e, dv, ahead);
   }
   for (; e < dv; ++e) {  // a head_dim_v that is not a multiple of the lanes
     for (std::int64_t r = 0; r < num_q; ++r) {
@@ -407,8 +429,13 @@ inline void NarrowValuesBf16(const AttentionKernelParams& p, const NarrowBlock* 
 // slower at Lk = 32768), the values kValueKeys keys at a time (o does not fit in registers: it
 // is loaded and stored once per chunk). In BHSD each head's rows are already one ascending run,
 // read a whole tile at a time per block (key-outermost was slower there). Each block's
-// arithmetic is the same either way; only the order of blocks interleaves. Software prefetch
-// (of the next block's tile, or rows 16-64 keys ahead) did not help on top of this. bf16 on
+// arithmetic is the same either way; only the order of blocks interleaves. In BSHD the walk
+// also prefetches toward L2 (prefetcht1) the K rows kScoreAhead keys ahead of the scores and the
+// V rows kValueAhead keys ahead of the values: the hardware prefetchers alone left the core with
+// too few misses in flight (the multiply-adds waiting on one K line fill the scheduler). Measured
+// at Lk = 32768, Hq:Hkv = 32:8, 2 threads, 8 interleaved rounds: f32 1.10-1.19x, f16 1.51x;
+// toward L1 (prefetcht0) K was slower and V gained less; distances 1-4 (K) and 4-32 (V) within
+// noise of these; 4 heads of one key per step (16 independent sums) was 1.4x slower. bf16 on
 // vdpbf16ps goes through bf16dot's narrow products, a run of blocks per call: the scores keys
 // outermost across the run, the values a whole part per block, from L2, where the score walk
 // prefetched them (NarrowScoresBf16, NarrowValuesBf16 above).
@@ -434,12 +461,16 @@ void NarrowTile(const AttentionKernelParams& p, NarrowBlock* narrow, std::int64_
         const std::int64_t a = std::max(j, nb.part.lo), b = std::min(j + score_chunk, nb.part.hi);
         const T* k = static_cast<const T*>(nb.qb->k) + a * ks;
         float* st = nb.st + (a - nb.part.lo) * kBlockQ;
+        // With heads inner: the rows kScoreAhead keys later, while the block reads that far.
+        const T* ahead =
+            heads_inner && a + kScoreAhead < nb.qb->key_end ? k + kScoreAhead * ks : nullptr;
         std::int64_t x = 0;
         for (; x + kDotKeys <= b - a; x += kDotKeys) {
-          NarrowDotKeys<kDotKeys>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x * kBlockQ);
+          NarrowDotKeys<kDotKeys>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x * kBlockQ,
+                                  static_cast<const T*>(nullptr));
         }
         for (; x < b - a; ++x) {
-          NarrowDotKeys<1>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x * kBlockQ);
+          NarrowDotKeys<1>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x * kBlockQ, ahead);
         }
       }
     }
@@ -470,7 +501,8 @@ void NarrowTile(const AttentionKernelParams& p, NarrowBlock* narrow, std::int64_
       const std::int64_t a = std::max(j, nb.part.lo), b = std::min(j + value_chunk, nb.part.hi);
       if (b <= a) continue;
       NarrowValueKeys(p, nb.qb->num_q, static_cast<const T*>(nb.qb->v) + a * vs, b - a,
-                      nb.st + (a - nb.part.lo) * kBlockQ, nb.o);
+                      nb.st + (a - nb.part.lo) * kBlockQ, nb.o,
+                      heads_inner ? nb.qb->key_end - a : 0);
     }
   }
 }
