@@ -433,7 +433,7 @@ inline void NarrowValuesBf16(const AttentionKernelParams& p, const NarrowBlock* 
 // also prefetches toward L2 (prefetcht1) the K rows kScoreAhead keys ahead of the scores and the
 // V rows kValueAhead keys ahead of the values: the hardware prefetchers alone left the core with
 // too few misses in flight (the multiply-adds waiting on one K line fill the scheduler). Measured
-// at Lk = 32768, Hq:Hkv = 32:8, 2 threads, 8 interleaved rounds: f32 1.10-1.19x, f16 1.51x;
+// at Lk = 32768, Hq:Hkv = 32:8, 2 threads, 8 interleaved rounds: f32 1.13-1.16x, f16 1.51x;
 // toward L1 (prefetcht0) K was slower and V gained less; distances 1-4 (K) and 4-32 (V) within
 // noise of these; 4 heads of one key per step (16 independent sums) was 1.4x slower. bf16 on
 // vdpbf16ps goes through bf16dot's narrow products, a run of blocks per call: the scores keys
