@@ -198,7 +198,9 @@ HWY_INLINE void NarrowDotKeys(const float* q_rows, std::int64_t num_q, const T* 
   for (; r + kDotRows <= num_q; r += kDotRows) {
     NarrowDots<kDotRows, K>(q_rows + r * d, k, ks, d, st + r, r == 0 ? ahead : nullptr);
   }
-  for (; r < num_q; ++r) NarrowDots<1, K>(q_rows + r * d, k, ks, d, st + r, r == 0 ? ahead : nullptr);
+  for (; r < num_q; ++r) {
+    NarrowDots<1, K>(q_rows + r * d, k, ks, d, st + r, r == 0 ? ahead : nullptr);
+  }
 }
 
 // o[r][0 : E * kLanes] += sum_j p[j][r] * v[j][0 : E * kLanes], r < R.
