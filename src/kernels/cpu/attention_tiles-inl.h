@@ -359,6 +359,20 @@ inline void ApplySparsity(const AttentionKernelParams& p, const QueryBlock& qb, 
   }
 }
 
+// Keys [lo, hi) that query `query` of batch entry b may attend under causal, window and key
+// lengths (lo = hi = 0: none).
+struct KeyRange {
+  std::int64_t lo, hi;
+};
+inline KeyRange LaneKeys(const AttentionKernelParams& p, std::int64_t b, std::int64_t query) {
+  const std::int64_t key_length = p.key_lengths != nullptr ? p.key_lengths[b] : p.seq_kv;
+  const std::int64_t diag = query + p.diagonal_offset;
+  const std::int64_t lo = p.window_left < 0 ? 0 : std::max<std::int64_t>(0, diag - p.window_left);
+  const std::int64_t hi =
+      p.window_right < 0 ? key_length : std::min<std::int64_t>(key_length, diag + p.window_right + 1);
+  return hi > lo ? KeyRange{lo, hi} : KeyRange{0, 0};
+}
+
 // Starts block `block` of kv head `kv_head` in batch entry b: packs q^T * scale, computes each
 // lane's allowed key range from causal/window/key_lengths, resets the running softmax state.
 inline void StartQueryBlock(const AttentionKernelParams& p, std::int64_t b, std::int64_t kv_head,
@@ -370,27 +384,22 @@ inline void StartQueryBlock(const AttentionKernelParams& p, std::int64_t b, std:
   qb.k = element_at(p.k, p.dtype, b * p.k_stride[0] + kv_head * p.k_stride[2]);
   qb.v = element_at(p.v, p.dtype, b * p.v_stride[0] + kv_head * p.v_stride[2]);
 
-  const std::int64_t key_length = p.key_lengths != nullptr ? p.key_lengths[b] : p.seq_kv;
   qb.key_begin = p.seq_kv;
   qb.key_end = 0;
   for (std::int64_t l = 0; l < kBlockQ; ++l) {
-    std::int64_t lo = 0, hi = 0;
+    KeyRange keys{0, 0};
     qb.head[l] = kv_head * group;
     qb.query[l] = 0;
     if (l < qb.num_q) {
       qb.head[l] = kv_head * group + (row0 + l) / p.seq_q;
       qb.query[l] = (row0 + l) % p.seq_q;
-      const std::int64_t diag = qb.query[l] + p.diagonal_offset;
-      lo = p.window_left < 0 ? 0 : std::max<std::int64_t>(0, diag - p.window_left);
-      hi = p.window_right < 0 ? key_length
-                              : std::min<std::int64_t>(key_length, diag + p.window_right + 1);
-      if (hi <= lo) lo = hi = 0;
+      keys = LaneKeys(p, b, qb.query[l]);
     }
-    qb.lo[l] = lo;
-    qb.hi[l] = hi;
-    if (hi > lo) {
-      qb.key_begin = std::min(qb.key_begin, lo);
-      qb.key_end = std::max(qb.key_end, hi);
+    qb.lo[l] = keys.lo;
+    qb.hi[l] = keys.hi;
+    if (keys.hi > keys.lo) {
+      qb.key_begin = std::min(qb.key_begin, keys.lo);
+      qb.key_end = std::max(qb.key_end, keys.hi);
     }
     qb.row_max[l] = kNegInf;
     qb.row_sum[l] = 0.0f;
