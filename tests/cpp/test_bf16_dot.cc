@@ -1,6 +1,6 @@
 // The AVX512-BF16 micro-kernel (src/kernels/cpu/bf16_dot.h): outer_product against a float64
-// reference over rows x depth x alpha x accumulate x out_scale x K-like / V-like strides (rows
-// past `rows` untouched), pack_probs bit for bit against f32_to_bf16_bits (odd and even key
+// reference over rows x depth x alpha x accumulate x out_scale x K-like / V-like strides x
+// skipping (row_end, depth_end; rows past `rows` and skipped rows untouched), pack_probs bit for bit against f32_to_bf16_bits (odd and even key
 // counts, ties, overflow), the set_enabled switch and the peak probe's arithmetic. Every test
 // skips on CPUs without AVX512-BF16.
 #include <gtest/gtest.h>
@@ -41,14 +41,18 @@ double dot2(std::uint32_t x, std::uint32_t y) {
   return lo(x) * lo(y) + hi(x) * hi(y);
 }
 
+enum class Skip { kNone, kRows, kDepth };
+
 struct OuterCase {
   std::int64_t rows, depth;
   bool alpha, accumulate, v_like;
   float out_scale;
+  Skip skip;
   std::string name() const {
     return "rows" + std::to_string(rows) + "_depth" + std::to_string(depth) +
            (alpha ? "_alpha" : "") + (accumulate ? "_acc" : "") + (v_like ? "_Vlike" : "_Klike") +
-           "_scale" + std::to_string(out_scale);
+           "_scale" + std::to_string(out_scale) +
+           (skip == Skip::kRows ? "_rowend" : skip == Skip::kDepth ? "_depthend" : "");
   }
 };
 
@@ -84,17 +88,31 @@ int run_outer_case(const OuterCase& oc, std::uint64_t seed) {
     c_before[i] = c[i];
   }
 
+  // Skipping: vector x (lanes [16x, 16x + 16)) computes rows [0, rows * (x + 1) / 4) or sums
+  // depth [0, depth * (x + 1) / 4): non-decreasing, the last is all, and some are 0 or equal.
+  std::int64_t row_end[4], depth_end[4];
+  for (int x = 0; x < 4; ++x) {
+    row_end[x] = rows * (x + 1) / 4;
+    depth_end[x] = depth * (x + 1) / 4;
+  }
   bf16dot::outer_product(a.get(), b, rows, b_row_stride, b_depth_stride, depth, c.get(),
-                         oc.alpha ? alpha.get() : nullptr, oc.accumulate, oc.out_scale);
+                         oc.alpha ? alpha.get() : nullptr, oc.accumulate, oc.out_scale,
+                         oc.skip == Skip::kRows ? row_end : nullptr,
+                         oc.skip == Skip::kDepth ? depth_end : nullptr);
 
   int bad = 0;
   for (std::int64_t r = 0; r < rows; ++r) {
     for (std::int64_t l = 0; l < kLanes; ++l) {
       const double old = c_before[r * kLanes + l];
+      const std::int64_t x = l / 16;
+      // A row past row_end[x] may be skipped (left as it was) or computed.
+      const bool may_skip = oc.skip == Skip::kRows && r >= row_end[x];
+      if (may_skip && c[r * kLanes + l] == c_before[r * kLanes + l]) continue;
       const double init =
           oc.alpha ? static_cast<double>(alpha[l]) * old : (oc.accumulate ? old : 0.0);
       double sum = 0.0, magnitude = 0.0;
-      for (std::int64_t t = 0; t < depth; ++t) {
+      const std::int64_t terms = oc.skip == Skip::kDepth ? depth_end[x] : depth;
+      for (std::int64_t t = 0; t < terms; ++t) {
         const double term = dot2(a[t * kLanes + l], b[r * b_row_stride + t * b_depth_stride]);
         sum += term;
         magnitude += std::abs(term);
@@ -127,16 +145,18 @@ TEST(Bf16Dot, OuterProductMatchesFloat64Reference) {
         for (bool accumulate : {false, true}) {
           for (bool v_like : {false, true}) {
             for (float out_scale : {1.0f, 0.125f}) {
-              const OuterCase oc{rows, depth, alpha, accumulate, v_like, out_scale};
-              ++cases;
-              if (run_outer_case(oc, seed++) > 0) ++failed_cases;
+              for (Skip skip : {Skip::kNone, Skip::kRows, Skip::kDepth}) {
+                const OuterCase oc{rows, depth, alpha, accumulate, v_like, out_scale, skip};
+                ++cases;
+                if (run_outer_case(oc, seed++) > 0) ++failed_cases;
+              }
             }
           }
         }
       }
     }
   }
-  EXPECT_EQ(cases, 576);
+  EXPECT_EQ(cases, 1728);
   EXPECT_EQ(failed_cases, 0) << "of " << cases << " cases";
 }
 

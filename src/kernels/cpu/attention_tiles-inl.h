@@ -29,6 +29,7 @@
 #include "hwy/highway.h"
 #include "kernels/cpu/bf16_dot.h"
 #include "kernels/cpu/fast_exp-inl.h"
+#include "kernels/cpu/transpose-inl.h"
 #include "kernels/kernel_params.h"
 #include "kernels/sparse_pair.h"
 
@@ -56,18 +57,76 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // negative: bottom-right alignment with Lq > Lk).
 constexpr std::int64_t kAnyKey = std::numeric_limits<std::int64_t>::min();
 
+// kLanes elements of an f32, bf16 or f16 row (T = float, hwy::bfloat16_t, hwy::float16_t) as
+// f32 (exact), and one element.
+template <typename T>
+HWY_INLINE VF LoadWide(DF df, const T* HWY_RESTRICT src) {
+  if constexpr (std::is_same_v<T, float>) {
+    return hn::LoadU(df, src);
+  } else {
+    return hn::PromoteTo(df, hn::LoadU(hn::Rebind<T, DF>(), src));
+  }
+}
+template <typename T>
+HWY_INLINE float WideElement(T x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, hwy::bfloat16_t>) {
+    return bf16_bits_to_f32(x.bits);
+  } else {
+    return f16_bits_to_f32(x.bits);
+  }
+}
+
+// The micro-kernel's inner loop: acc[r][x] += sum_{t in [t0, t1)} b(r, t) * a[t][x lanes] for
+// the query vectors x >= X0 (the others are neither read nor touched).
+template <int R, int X0>
+HWY_INLINE void MulAddVecs(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b,
+                           std::int64_t b_row_stride, std::int64_t b_depth_stride, std::int64_t t0,
+                           std::int64_t t1, VF (&acc)[R][kQueryVecs]) {
+  const DF df;
+  for (std::int64_t t = t0; t < t1; ++t) {
+    VF a_vec[kQueryVecs];
+    HWY_UNROLL(4)
+    for (int x = X0; x < kQueryVecs; ++x) a_vec[x] = hn::Load(df, a + t * kBlockQ + x * kLanes);
+    const float* b_col = b + t * b_depth_stride;
+    HWY_UNROLL(4)
+    for (int r = 0; r < R; ++r) {
+      const VF b_val = hn::Set(df, b_col[r * b_row_stride]);
+      HWY_UNROLL(4)
+      for (int x = X0; x < kQueryVecs; ++x) acc[r][x] = hn::MulAdd(b_val, a_vec[x], acc[r][x]);
+    }
+  }
+}
+
+// MulAddVecs over depth segments: vectors >= X take [t0, depth_end[X]), vectors >= X + 1 then
+// take [depth_end[X], depth_end[X + 1]), and so on, so vector x sums depth [t0, depth_end[x]).
+template <int R, int X>
+HWY_INLINE void MulAddSegments(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b,
+                               std::int64_t b_row_stride, std::int64_t b_depth_stride,
+                               const std::int64_t* depth_end, std::int64_t t0,
+                               VF (&acc)[R][kQueryVecs]) {
+  MulAddVecs<R, X>(a, b, b_row_stride, b_depth_stride, t0, depth_end[X], acc);
+  if constexpr (X + 1 < kQueryVecs) {
+    MulAddSegments<R, X + 1>(a, b, b_row_stride, b_depth_stride, depth_end, depth_end[X], acc);
+  }
+}
+
 // c[r][:] = (alpha ? alpha * c[r][:] : accumulate ? c[r][:] : 0) + sum_t b(r, t) * a[t][:]
-// for r in [0, R), t in [0, depth), where b(r, t) = b[r * b_row_stride + t * b_depth_stride].
+// for r in [0, R), t in [0, depth), where b(r, t) = b[r * b_row_stride + t * b_depth_stride],
+// on the query vectors x >= X0 only (the lanes of the others are left as they are). With
+// depth_end (non-decreasing, each <= depth), vector x sums t in [0, depth_end[x]) only.
 //   a: [depth][kBlockQ]   c: [R][kBlockQ]   alpha: [kBlockQ] or null
-template <int R>
+template <int R, int X0>
 HWY_INLINE void OuterProductRows(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b,
                                  std::int64_t b_row_stride, std::int64_t b_depth_stride,
-                                 std::int64_t depth, float* HWY_RESTRICT c,
-                                 const float* HWY_RESTRICT alpha, bool accumulate) {
+                                 std::int64_t depth, const std::int64_t* depth_end,
+                                 float* HWY_RESTRICT c, const float* HWY_RESTRICT alpha,
+                                 bool accumulate) {
   const DF df;
   VF acc[R][kQueryVecs];
   HWY_UNROLL(4)
-  for (int x = 0; x < kQueryVecs; ++x) {
+  for (int x = X0; x < kQueryVecs; ++x) {
     const VF scale = alpha != nullptr ? hn::Load(df, alpha + x * kLanes) : hn::Set(df, 1.0f);
     HWY_UNROLL(4)
     for (int r = 0; r < R; ++r) {
@@ -75,40 +134,61 @@ HWY_INLINE void OuterProductRows(const float* HWY_RESTRICT a, const float* HWY_R
           accumulate ? hn::Mul(hn::Load(df, c + r * kBlockQ + x * kLanes), scale) : hn::Zero(df);
     }
   }
-  for (std::int64_t t = 0; t < depth; ++t) {
-    VF a_vec[kQueryVecs];
-    HWY_UNROLL(4)
-    for (int x = 0; x < kQueryVecs; ++x) a_vec[x] = hn::Load(df, a + t * kBlockQ + x * kLanes);
-    const float* b_col = b + t * b_depth_stride;
-    HWY_UNROLL(4)
-    for (int r = 0; r < R; ++r) {
-      const VF b_val = hn::Set(df, b_col[r * b_row_stride]);
-      HWY_UNROLL(4)
-      for (int x = 0; x < kQueryVecs; ++x) acc[r][x] = hn::MulAdd(b_val, a_vec[x], acc[r][x]);
-    }
+  if (depth_end == nullptr) {
+    MulAddVecs<R, X0>(a, b, b_row_stride, b_depth_stride, 0, depth, acc);
+  } else {
+    MulAddSegments<R, X0>(a, b, b_row_stride, b_depth_stride, depth_end, 0, acc);
   }
   HWY_UNROLL(4)
   for (int r = 0; r < R; ++r) {
     HWY_UNROLL(4)
-    for (int x = 0; x < kQueryVecs; ++x) hn::Store(acc[r][x], df, c + r * kBlockQ + x * kLanes);
+    for (int x = X0; x < kQueryVecs; ++x) hn::Store(acc[r][x], df, c + r * kBlockQ + x * kLanes);
   }
+}
+
+// OuterProductRows<R, first_vec> for a run-time first_vec in [0, kQueryVecs).
+template <int R, int X = 0>
+HWY_INLINE void OuterProductRowsFrom(int first_vec, const float* a, const float* b,
+                                     std::int64_t b_row_stride, std::int64_t b_depth_stride,
+                                     std::int64_t depth, const std::int64_t* depth_end, float* c,
+                                     const float* alpha, bool accumulate) {
+  if constexpr (X + 1 < kQueryVecs) {
+    if (first_vec > X) {
+      OuterProductRowsFrom<R, X + 1>(first_vec, a, b, b_row_stride, b_depth_stride, depth,
+                                     depth_end, c, alpha, accumulate);
+      return;
+    }
+  }
+  OuterProductRows<R, X>(a, b, b_row_stride, b_depth_stride, depth, depth_end, c, alpha,
+                         accumulate);
 }
 
 // Runs OuterProductRows over `rows` rows: blocks of kRows, then single rows for the tail, so no
 // row past `rows` is ever read (keys past the tile may be padding garbage or out of bounds).
+// With row_end (non-decreasing, the last = rows), query vector x computes rows [0, row_end[x])
+// only: a block of rows starts at the first vector that still needs its first row. With
+// depth_end, see OuterProductRows. (The causal diagonal: docs/kernels.md, "Causal diagonal".)
 // (Copies with a constant depth for head_dim 64/128 and full key tiles measured no faster:
 // 182/195 vs 185/194 GFLOP/s at L = 4096, D = 64/128, so the one generic loop stays.)
 HWY_INLINE void OuterProduct(const float* a, const float* b, std::int64_t rows,
                              std::int64_t b_row_stride, std::int64_t b_depth_stride,
-                             std::int64_t depth, float* c, const float* alpha, bool accumulate) {
+                             std::int64_t depth, float* c, const float* alpha, bool accumulate,
+                             const std::int64_t* row_end = nullptr,
+                             const std::int64_t* depth_end = nullptr) {
+  const auto first_vec = [&](std::int64_t r) {
+    int x = 0;
+    while (row_end != nullptr && x + 1 < kQueryVecs && row_end[x] <= r) ++x;
+    return x;
+  };
   std::int64_t r = 0;
   for (; r + kRows <= rows; r += kRows) {
-    OuterProductRows<kRows>(a, b + r * b_row_stride, b_row_stride, b_depth_stride, depth,
-                            c + r * kBlockQ, alpha, accumulate);
+    OuterProductRowsFrom<kRows>(first_vec(r), a, b + r * b_row_stride, b_row_stride,
+                                b_depth_stride, depth, depth_end, c + r * kBlockQ, alpha,
+                                accumulate);
   }
   for (; r < rows; ++r) {
-    OuterProductRows<1>(a, b + r * b_row_stride, b_row_stride, b_depth_stride, depth,
-                        c + r * kBlockQ, alpha, accumulate);
+    OuterProductRowsFrom<1>(first_vec(r), a, b + r * b_row_stride, b_row_stride, b_depth_stride,
+                            depth, depth_end, c + r * kBlockQ, alpha, accumulate);
   }
 }
 
@@ -145,6 +225,32 @@ struct QueryBlock {
   const void* k;  // k[b, 0, kv_head, 0], stored as p.dtype
   const void* v;  // v[b, 0, kv_head, 0]
 };
+
+// The keys of a tile [j0, j0 + num_k) each query vector of a block needs: vector x computes the
+// tile's keys [0, end[x]) and skips the rest, which lie past every allowed key of its lanes (they
+// could only give -inf scores and zero probabilities). end[x] is the running max over vectors
+// 0..x of their lanes' allowed ends, rounded up to even (the vdpbf16ps value product reads keys
+// in pairs), within [0, num_k]; it never decreases and the last is num_k. On the causal diagonal
+// the leading vectors skip the keys after their queries: of a 64 x 64 diagonal square, 10 of
+// the 16 squares of 16 x 16 are computed. ends() is null when every vector needs every key.
+struct VecKeys {
+  std::int64_t end[kQueryVecs];
+  bool all;
+  const std::int64_t* ends() const { return all ? nullptr : end; }
+};
+inline VecKeys TileVecKeys(const std::int64_t* hi, std::int64_t j0, std::int64_t num_k) {
+  VecKeys keys;
+  keys.all = true;
+  std::int64_t running = 0;
+  for (int x = 0; x < kQueryVecs; ++x) {
+    for (std::int64_t l = x * kLanes; l < (x + 1) * kLanes; ++l) {
+      running = std::max(running, std::min(hi[l] - j0, num_k));
+    }
+    keys.end[x] = x + 1 < kQueryVecs ? std::min(num_k, (running + 1) / 2 * 2) : num_k;
+    keys.all = keys.all && keys.end[x] == num_k;
+  }
+  return keys;
+}
 
 // Scratch one QueryBlock needs: floats, and int64s.
 inline std::int64_t ScratchFloats(const AttentionKernelParams& p) {
@@ -373,6 +479,45 @@ inline KeyRange LaneKeys(const AttentionKernelParams& p, std::int64_t b, std::in
   return hi > lo ? KeyRange{lo, hi} : KeyRange{0, 0};
 }
 
+// qt[d][l] = q[l][d] * scale for the block's lanes l < num_q, 0 past them (q stored as T). Row by
+// row: the rows lie Hq * D elements apart, often a multiple of 4 KiB, so a walk column by column
+// keeps evicting them from one L1 set. With unit stride along D, squares of kLanes x kLanes are
+// transposed in registers (TransposeSquare); the rest of D element by element.
+template <typename T>
+inline void PackQuery(const AttentionKernelParams& p, QueryBlock& qb) {
+  const DF df;
+  const T* q = static_cast<const T*>(p.q);
+  const VF scale = hn::Set(df, p.scale);
+  const std::int64_t squares = p.q_stride[3] == 1 ? p.head_dim / kLanes * kLanes : 0;
+  for (std::int64_t l0 = 0; l0 < kBlockQ; l0 += kLanes) {
+    const T* rows[kLanes];
+    for (std::int64_t r = 0; r < kLanes; ++r) {
+      const std::int64_t l = l0 + r;
+      rows[r] = l < qb.num_q ? q + qb.b * p.q_stride[0] + qb.query[l] * p.q_stride[1] +
+                                   qb.head[l] * p.q_stride[2]
+                             : nullptr;
+    }
+    for (std::int64_t d0 = 0; d0 < squares; d0 += kLanes) {
+      VF v[kLanes];
+      HWY_UNROLL(16)
+      for (std::int64_t r = 0; r < kLanes; ++r) {
+        v[r] = rows[r] != nullptr ? hn::Mul(LoadWide(df, rows[r] + d0), scale) : hn::Zero(df);
+      }
+      TransposeSquare(df, v);
+      HWY_UNROLL(16)
+      for (std::int64_t c = 0; c < kLanes; ++c) {
+        hn::Store(v[c], df, qb.qt + (d0 + c) * kBlockQ + l0);
+      }
+    }
+    for (std::int64_t r = 0; r < kLanes; ++r) {
+      for (std::int64_t d = squares; d < p.head_dim; ++d) {
+        qb.qt[d * kBlockQ + l0 + r] =
+            rows[r] != nullptr ? WideElement(rows[r][d * p.q_stride[3]]) * p.scale : 0.0f;
+      }
+    }
+  }
+}
+
 // Starts block `block` of kv head `kv_head` in batch entry b: packs q^T * scale, computes each
 // lane's allowed key range from causal/window/key_lengths, resets the running softmax state.
 inline void StartQueryBlock(const AttentionKernelParams& p, std::int64_t b, std::int64_t kv_head,
@@ -407,14 +552,12 @@ inline void StartQueryBlock(const AttentionKernelParams& p, std::int64_t b, std:
   if (qb.key_end <= qb.key_begin) qb.key_begin = qb.key_end = 0;
   if (p.sparse.kind != SparseKernelParams::Kind::kNone) StartSparseBlock(p, qb);
 
-  for (std::int64_t d = 0; d < p.head_dim; ++d) {
-    float* row = qb.qt + d * kBlockQ;
-    for (std::int64_t l = 0; l < qb.num_q; ++l) {
-      const std::int64_t at = b * p.q_stride[0] + qb.query[l] * p.q_stride[1] +
-                              qb.head[l] * p.q_stride[2] + d * p.q_stride[3];
-      row[l] = load_element(p.q, p.dtype, at) * p.scale;
-    }
-    for (std::int64_t l = qb.num_q; l < kBlockQ; ++l) row[l] = 0.0f;
+  if (p.dtype == DType::kF32) {
+    PackQuery<float>(p, qb);
+  } else if (p.dtype == DType::kBF16) {
+    PackQuery<hwy::bfloat16_t>(p, qb);
+  } else {
+    PackQuery<hwy::float16_t>(p, qb);
   }
   std::fill(qb.ot, qb.ot + p.head_dim_v * kBlockQ, 0.0f);
 }
@@ -464,27 +607,6 @@ inline Staging BindStaging(const AttentionKernelParams& p, float* floats) {
   return s;
 }
 
-// kLanes elements of an f32, bf16 or f16 row (T = float, hwy::bfloat16_t, hwy::float16_t) as
-// f32 (exact), and one element.
-template <typename T>
-HWY_INLINE VF LoadWide(DF df, const T* HWY_RESTRICT src) {
-  if constexpr (std::is_same_v<T, float>) {
-    return hn::LoadU(df, src);
-  } else {
-    return hn::PromoteTo(df, hn::LoadU(hn::Rebind<T, DF>(), src));
-  }
-}
-template <typename T>
-HWY_INLINE float WideElement(T x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else if constexpr (std::is_same_v<T, hwy::bfloat16_t>) {
-    return bf16_bits_to_f32(x.bits);
-  } else {
-    return f16_bits_to_f32(x.bits);
-  }
-}
-
 // dst[0 : n] = the f32 values of src[0 : n].
 template <typename T>
 HWY_INLINE void WidenRow(const T* HWY_RESTRICT src, std::int64_t n, float* HWY_RESTRICT dst) {
@@ -525,11 +647,14 @@ inline TileRows StageRows(const AttentionKernelParams& p, const void* rows,
 // sparsity pair by pair (tiles SparseTileKeys found partly covered; every tile in chunked).
 inline void MaskScoreTile(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
                           std::int64_t num_k, float* HWY_RESTRICT st, bool sparse_predicate);
+// vec_end (TileVecKeys(...).ends(), nullable): query vector x needs keys [0, vec_end[x]) only; its
+// lanes of the later keys may be left as they were until the masks set them to -inf.
 inline void ScoreTile(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
                       std::int64_t num_k, float* HWY_RESTRICT st, bool sparse_predicate,
-                      Staging& staging) {
+                      Staging& staging, const std::int64_t* vec_end = nullptr) {
   const TileRows k = StageRows(p, qb.k, p.k_stride, p.head_dim, j0, num_k, staging.k);
-  OuterProduct(qb.qt, k.data, num_k, k.row_stride, k.elem_stride, p.head_dim, st, nullptr, false);
+  OuterProduct(qb.qt, k.data, num_k, k.row_stride, k.elem_stride, p.head_dim, st, nullptr, false,
+               vec_end);
   MaskScoreTile(p, qb, j0, num_k, st, sparse_predicate);
 }
 
@@ -689,23 +814,28 @@ inline const std::uint32_t* StageValuePairs(const AttentionKernelParams& p, cons
   return pairs;
 }
 
-// ScoreTile and AccumulateValues on vdpbf16ps (qb.qt holds PackQueryPairs).
+// ScoreTile and AccumulateValues on vdpbf16ps (qb.qt holds PackQueryPairs; vec_end: see
+// ScoreTile, with kQueryVecs = 4 = bf16dot's vectors, as UseBf16Dot requires).
 inline void ScoreTileBf16(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
                           std::int64_t num_k, float* HWY_RESTRICT st, bool sparse_predicate,
-                          Staging& staging) {
+                          Staging& staging, const std::int64_t* vec_end = nullptr) {
   const std::int64_t words = (p.head_dim + 1) / 2;
   bf16dot::outer_product(reinterpret_cast<const std::uint32_t*>(qb.qt),
                          StageKeyPairs(p, qb, j0, num_k, staging.k), num_k, words, 1, words, st,
-                         nullptr, false, p.scale);
+                         nullptr, false, p.scale, vec_end);
   MaskScoreTile(p, qb, j0, num_k, st, sparse_predicate);
 }
 inline void AccumulateValuesBf16(const AttentionKernelParams& p, const QueryBlock& qb,
                                  std::int64_t j0, std::int64_t num_k, const float* st,
-                                 const float* alpha, Staging& staging) {
+                                 const float* alpha, Staging& staging,
+                                 const std::int64_t* vec_end = nullptr) {
   const std::uint32_t* v = StageValuePairs(p, qb, j0, num_k, staging.v);
   bf16dot::pack_probs(st, num_k, kQueryVecs, staging.prob_pairs);
+  // The keys each vector needs, in pairs (vec_end is even but for the last, num_k).
+  std::int64_t pair_end[kQueryVecs];
+  for (int x = 0; vec_end != nullptr && x < kQueryVecs; ++x) pair_end[x] = (vec_end[x] + 1) / 2;
   bf16dot::outer_product(staging.prob_pairs, v, p.head_dim_v, 1, p.head_dim_v, (num_k + 1) / 2,
-                         qb.ot, alpha, true, 1.0f);
+                         qb.ot, alpha, true, 1.0f, nullptr, vec_end != nullptr ? pair_end : nullptr);
 }
 
 // The max to subtract for a running max m: m itself, or 0 while no key was allowed
@@ -739,30 +869,33 @@ HWY_INLINE VF ExpInPlaceAndSum(DF df, float* HWY_RESTRICT st, std::int64_t num_k
 
 // Flash step over one tile: st becomes p = exp(s - m_new) in place; alpha = exp(m_old - m_new);
 // row_sum = row_sum * alpha + sum_j p. Only the first num_vecs query vectors (the flash
-// kernel's decode path uses fewer lanes; the others are left as they are).
+// kernel's decode path uses fewer lanes; the others are left as they are), and with vec_end
+// (see ScoreTile) only keys [0, vec_end[x]) of vector x: the later ones stay -inf.
 inline void OnlineSoftmaxTile(QueryBlock& qb, std::int64_t num_k, float* HWY_RESTRICT st,
-                              int num_vecs = kQueryVecs) {
+                              int num_vecs = kQueryVecs, const std::int64_t* vec_end = nullptr) {
   const DF df;
   for (int x = 0; x < num_vecs; ++x) {
     const std::int64_t lane0 = x * kLanes;
+    const std::int64_t keys = vec_end != nullptr ? vec_end[x] : num_k;
     const VF old_max = hn::Load(df, qb.row_max + lane0);
-    const VF new_max = hn::Max(old_max, ColumnMax(df, st, num_k, lane0));
+    const VF new_max = hn::Max(old_max, ColumnMax(df, st, keys, lane0));
     const VF shift = SafeMax(df, new_max);
     // exp(-inf - shift) = 0: the first tile rescales an all-zero accumulator.
     const VF alpha = fastexp::ExpNonPositive(df, hn::Sub(old_max, shift));
-    const VF sum = ExpInPlaceAndSum(df, st, num_k, lane0, shift);
+    const VF sum = ExpInPlaceAndSum(df, st, keys, lane0, shift);
     hn::Store(new_max, df, qb.row_max + lane0);
     hn::Store(hn::MulAdd(hn::Load(df, qb.row_sum + lane0), alpha, sum), df, qb.row_sum + lane0);
     hn::Store(alpha, df, qb.alpha + lane0);
   }
 }
 
-// ot = alpha * ot + v[j0 : j0 + num_k]^T p   (alpha null: no rescale)
+// ot = alpha * ot + v[j0 : j0 + num_k]^T p   (alpha null: no rescale; vec_end: see ScoreTile)
 inline void AccumulateValues(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
                              std::int64_t num_k, const float* st, const float* alpha,
-                             Staging& staging) {
+                             Staging& staging, const std::int64_t* vec_end = nullptr) {
   const TileRows v = StageRows(p, qb.v, p.v_stride, p.head_dim_v, j0, num_k, staging.v);
-  OuterProduct(st, v.data, p.head_dim_v, v.elem_stride, v.row_stride, num_k, qb.ot, alpha, true);
+  OuterProduct(st, v.data, p.head_dim_v, v.elem_stride, v.row_stride, num_k, qb.ot, alpha, true,
+               nullptr, vec_end);
 }
 
 // out = ot^T / row_sum (0 for rows with no allowed key), lse = row_max + log(row_sum) (-inf).
@@ -781,11 +914,30 @@ inline void FinishQueryBlock(const AttentionKernelParams& p, const QueryBlock& q
     const VF row_lse = hn::Add(hn::Load(df, qb.row_max + lane0), hn::Log(df, safe_sum));
     hn::Store(hn::IfThenElse(has_keys, row_lse, hn::Set(df, kNegInf)), df, lse + lane0);
   }
-  for (std::int64_t l = 0; l < qb.num_q; ++l) {
-    float* row = p.out + qb.b * p.out_stride[0] + qb.query[l] * p.out_stride[1] +
-                 qb.head[l] * p.out_stride[2];
-    for (std::int64_t e = 0; e < p.head_dim_v; ++e) {
-      row[e * p.out_stride[3]] = qb.ot[e * kBlockQ + l] * inv_sum[l];
+  // Row by row, transposing squares of ot in registers where out has unit stride along Dv (as
+  // PackQuery), the rest of Dv element by element.
+  const std::int64_t squares = p.out_stride[3] == 1 ? p.head_dim_v / kLanes * kLanes : 0;
+  for (std::int64_t l0 = 0; l0 < qb.num_q; l0 += kLanes) {
+    float* rows[kLanes];
+    for (std::int64_t r = 0; r < kLanes; ++r) {
+      const std::int64_t l = std::min(l0 + r, qb.num_q - 1);  // (lanes past num_q: not stored)
+      rows[r] = p.out + qb.b * p.out_stride[0] + qb.query[l] * p.out_stride[1] +
+                qb.head[l] * p.out_stride[2];
+    }
+    const std::int64_t lanes = std::min(kLanes, qb.num_q - l0);
+    for (std::int64_t e0 = 0; e0 < squares; e0 += kLanes) {
+      VF v[kLanes];
+      HWY_UNROLL(16)
+      for (std::int64_t c = 0; c < kLanes; ++c) v[c] = hn::Load(df, qb.ot + (e0 + c) * kBlockQ + l0);
+      TransposeSquare(df, v);
+      for (std::int64_t r = 0; r < lanes; ++r) {
+        hn::StoreU(hn::Mul(v[r], hn::Set(df, inv_sum[l0 + r])), df, rows[r] + e0);
+      }
+    }
+    for (std::int64_t r = 0; r < lanes; ++r) {
+      for (std::int64_t e = squares; e < p.head_dim_v; ++e) {
+        rows[r][e * p.out_stride[3]] = qb.ot[e * kBlockQ + l0 + r] * inv_sum[l0 + r];
+      }
     }
   }
   if (p.lse != nullptr) {

@@ -36,9 +36,15 @@ void set_enabled(bool enabled);
 //   c: [rows][kLanes] floats        alpha: [kLanes] or null
 // a, c and alpha are 64-byte aligned. No b row >= rows is read and no c row >= rows is touched.
 // vdpbf16ps treats bf16 subnormals as zero and flushes subnormal results (DAZ/FTZ implied).
+// Skipping (the causal diagonal; VecKeys in attention_tiles-inl.h), per vector x of 16 lanes:
+//   row_end (nullable; [4], non-decreasing, the last = rows): vector x needs rows
+//     [0, row_end[x]) only; a block of rows starts at the first vector that needs its first
+//     row, and the lanes of the rows a vector skips are left as they were;
+//   depth_end (nullable; [4], non-decreasing, each <= depth): vector x sums t < depth_end[x] only.
 void outer_product(const std::uint32_t* a, const std::uint32_t* b, std::int64_t rows,
                    std::int64_t b_row_stride, std::int64_t b_depth_stride, std::int64_t depth,
-                   float* c, const float* alpha, bool accumulate, float out_scale);
+                   float* c, const float* alpha, bool accumulate, float out_scale,
+                   const std::int64_t* row_end = nullptr, const std::int64_t* depth_end = nullptr);
 
 // Probabilities to pair words: pt[t][l] = pair(bf16(st[2t][l]), bf16(st[2t + 1][l])) for
 // t < ceil(num_k / 2) and l < 16 * vecs (vecs = 1 .. 4), rounded to nearest even; when num_k is

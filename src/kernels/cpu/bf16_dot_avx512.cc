@@ -24,24 +24,19 @@ constexpr int kRows = 4;  // rows per micro-kernel call: 4 x 4 = 16 accumulators
 // 16 pair words as vdpbf16ps's operand type (a reinterpretation: both are 64-byte vectors).
 inline __m512bh as_pairs(__m512i words) { return (__m512bh)words; }
 
-// The R-row body of outer_product (see bf16_dot.h): 16 bf16 pairs of a per load, each b word
-// broadcast to all lanes (vpbroadcastd from memory), R x kVecs independent accumulator chains.
-//   a: [depth][kLanes]   c: [R][kLanes]   alpha: [kLanes] or null
-template <int R>
-__attribute__((always_inline)) inline void outer_product_rows(
-    const std::uint32_t* __restrict a, const std::uint32_t* __restrict b, std::int64_t b_row_stride,
-    std::int64_t b_depth_stride, std::int64_t depth, float* __restrict c,
-    const float* __restrict alpha, bool accumulate, float out_scale) {
-  __m512 acc[R][kVecs];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int x = 0; x < kVecs; ++x) acc[r][x] = _mm512_setzero_ps();
-  }
-  for (std::int64_t t = 0; t < depth; ++t) {
+// acc[r][x] += sum_{t in [t0, t1)} dot2(a[t][x lanes], b(r, t)) for the vectors x >= X0: 16
+// bf16 pairs of a per load, each b word broadcast to all lanes (vpbroadcastd from memory), up to
+// R x kVecs independent accumulator chains.
+template <int R, int X0>
+__attribute__((always_inline)) inline void dot_vecs(const std::uint32_t* __restrict a,
+                                                    const std::uint32_t* __restrict b,
+                                                    std::int64_t b_row_stride,
+                                                    std::int64_t b_depth_stride, std::int64_t t0,
+                                                    std::int64_t t1, __m512 (&acc)[R][kVecs]) {
+  for (std::int64_t t = t0; t < t1; ++t) {
     __m512bh a_vec[kVecs];
 #pragma GCC unroll 4
-    for (int x = 0; x < kVecs; ++x) {
+    for (int x = X0; x < kVecs; ++x) {
       a_vec[x] = as_pairs(_mm512_load_si512(a + t * kLanes + x * kVecLanes));
     }
     const std::uint32_t* b_col = b + t * b_depth_stride;
@@ -50,14 +45,49 @@ __attribute__((always_inline)) inline void outer_product_rows(
       const __m512bh b_pair =
           as_pairs(_mm512_set1_epi32(static_cast<int>(b_col[r * b_row_stride])));
 #pragma GCC unroll 4
-      for (int x = 0; x < kVecs; ++x) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], a_vec[x], b_pair);
+      for (int x = X0; x < kVecs; ++x) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], a_vec[x], b_pair);
     }
+  }
+}
+
+// dot_vecs over depth segments: vector x sums [t0, depth_end[x]) (as MulAddSegments in
+// attention_tiles-inl.h).
+template <int R, int X>
+__attribute__((always_inline)) inline void dot_segments(const std::uint32_t* __restrict a,
+                                                        const std::uint32_t* __restrict b,
+                                                        std::int64_t b_row_stride,
+                                                        std::int64_t b_depth_stride,
+                                                        const std::int64_t* depth_end,
+                                                        std::int64_t t0, __m512 (&acc)[R][kVecs]) {
+  dot_vecs<R, X>(a, b, b_row_stride, b_depth_stride, t0, depth_end[X], acc);
+  if constexpr (X + 1 < kVecs) {
+    dot_segments<R, X + 1>(a, b, b_row_stride, b_depth_stride, depth_end, depth_end[X], acc);
+  }
+}
+
+// The R-row body of outer_product (see bf16_dot.h), on the vectors x >= X0 only.
+//   a: [depth][kLanes]   c: [R][kLanes]   alpha: [kLanes] or null
+template <int R, int X0>
+__attribute__((always_inline)) inline void outer_product_rows(
+    const std::uint32_t* __restrict a, const std::uint32_t* __restrict b, std::int64_t b_row_stride,
+    std::int64_t b_depth_stride, std::int64_t depth, const std::int64_t* depth_end,
+    float* __restrict c, const float* __restrict alpha, bool accumulate, float out_scale) {
+  __m512 acc[R][kVecs];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int x = X0; x < kVecs; ++x) acc[r][x] = _mm512_setzero_ps();
+  }
+  if (depth_end == nullptr) {
+    dot_vecs<R, X0>(a, b, b_row_stride, b_depth_stride, 0, depth, acc);
+  } else {
+    dot_segments<R, X0>(a, b, b_row_stride, b_depth_stride, depth_end, 0, acc);
   }
   // c = init + out_scale * sum, one rounding (fused multiply-add). The sum starts from zero
   // rather than init / out_scale, which would round once more.
   const __m512 scale = _mm512_set1_ps(out_scale);
 #pragma GCC unroll 4
-  for (int x = 0; x < kVecs; ++x) {
+  for (int x = X0; x < kVecs; ++x) {
     const __m512 alpha_vec = alpha != nullptr ? _mm512_load_ps(alpha + x * kVecLanes) : scale;
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
@@ -73,24 +103,51 @@ __attribute__((always_inline)) inline void outer_product_rows(
   }
 }
 
+// outer_product_rows<R, first_vec> for a run-time first_vec in [0, kVecs).
+template <int R, int X = 0>
+__attribute__((always_inline)) inline void outer_product_rows_from(
+    int first_vec, const std::uint32_t* a, const std::uint32_t* b, std::int64_t b_row_stride,
+    std::int64_t b_depth_stride, std::int64_t depth, const std::int64_t* depth_end, float* c,
+    const float* alpha, bool accumulate, float out_scale) {
+  if constexpr (X + 1 < kVecs) {
+    if (first_vec > X) {
+      outer_product_rows_from<R, X + 1>(first_vec, a, b, b_row_stride, b_depth_stride, depth,
+                                        depth_end, c, alpha, accumulate, out_scale);
+      return;
+    }
+  }
+  outer_product_rows<R, X>(a, b, b_row_stride, b_depth_stride, depth, depth_end, c, alpha,
+                           accumulate, out_scale);
+}
+
+// The first vector that still needs row r (row_end: see bf16_dot.h; null: all rows).
+inline int first_vec(const std::int64_t* row_end, std::int64_t r) {
+  int x = 0;
+  while (row_end != nullptr && x + 1 < kVecs && row_end[x] <= r) ++x;
+  return x;
+}
+
 }  // namespace
 
 // a: [depth][kLanes] pair words   b: b(r, t) = b[r * b_row_stride + t * b_depth_stride]
 // c: [rows][kLanes]   alpha: [kLanes] or null
 void outer_product(const std::uint32_t* a, const std::uint32_t* b, std::int64_t rows,
                    std::int64_t b_row_stride, std::int64_t b_depth_stride, std::int64_t depth,
-                   float* c, const float* alpha, bool accumulate, float out_scale) {
+                   float* c, const float* alpha, bool accumulate, float out_scale,
+                   const std::int64_t* row_end, const std::int64_t* depth_end) {
   // Blocks of kRows rows, then single rows for the tail (as OuterProduct in
   // attention_tiles-inl.h), so no b row past `rows` is read: keys past a tile may be padding or
   // out of bounds.
   std::int64_t r = 0;
   for (; r + kRows <= rows; r += kRows) {
-    outer_product_rows<kRows>(a, b + r * b_row_stride, b_row_stride, b_depth_stride, depth,
-                              c + r * kLanes, alpha, accumulate, out_scale);
+    outer_product_rows_from<kRows>(first_vec(row_end, r), a, b + r * b_row_stride, b_row_stride,
+                                   b_depth_stride, depth, depth_end, c + r * kLanes, alpha,
+                                   accumulate, out_scale);
   }
   for (; r < rows; ++r) {
-    outer_product_rows<1>(a, b + r * b_row_stride, b_row_stride, b_depth_stride, depth,
-                          c + r * kLanes, alpha, accumulate, out_scale);
+    outer_product_rows_from<1>(first_vec(row_end, r), a, b + r * b_row_stride, b_row_stride,
+                               b_depth_stride, depth, depth_end, c + r * kLanes, alpha,
+                               accumulate, out_scale);
   }
 }
 

@@ -716,14 +716,18 @@ void FlashForward(const AttentionKernelParams& p) {
         QueryBlock& qb = *wide[n];
         const TilePart t = tile_part(qb, j0);
         if (t.hi <= t.lo) continue;
+        // The keys each query vector needs (the causal diagonal skips some; see VecKeys).
+        const std::int64_t num_k = t.hi - t.lo;
+        const VecKeys keys = TileVecKeys(qb.hi, t.lo, num_k);
+        const std::int64_t* vec_end = keys.ends();
         if (bf16_dot) {
-          ScoreTileBf16(p, qb, t.lo, t.hi - t.lo, st, t.predicate, staging);
-          OnlineSoftmaxTile(qb, t.hi - t.lo, st);
-          AccumulateValuesBf16(p, qb, t.lo, t.hi - t.lo, st, qb.alpha, staging);
+          ScoreTileBf16(p, qb, t.lo, num_k, st, t.predicate, staging, vec_end);
+          OnlineSoftmaxTile(qb, num_k, st, kQueryVecs, vec_end);
+          AccumulateValuesBf16(p, qb, t.lo, num_k, st, qb.alpha, staging, vec_end);
         } else {
-          ScoreTile(p, qb, t.lo, t.hi - t.lo, st, t.predicate, staging);
-          OnlineSoftmaxTile(qb, t.hi - t.lo, st);
-          AccumulateValues(p, qb, t.lo, t.hi - t.lo, st, qb.alpha, staging);
+          ScoreTile(p, qb, t.lo, num_k, st, t.predicate, staging, vec_end);
+          OnlineSoftmaxTile(qb, num_k, st, kQueryVecs, vec_end);
+          AccumulateValues(p, qb, t.lo, num_k, st, qb.alpha, staging, vec_end);
         }
       }
       if (num_narrow == 0) continue;
