@@ -3,8 +3,8 @@
 //
 //   q: [B, Lq, Hq, D]   k, v: [B, Lk, Hkv, D]   out: [B, Lq, Hq, D]   (f32, contiguous BSHD)
 //
-// Per case: one warm-up call, then R timed repeats (each repeat runs enough calls to last
-// >= 10 ms), median seconds per call. GFLOP/s counts every (query, key) pair
+// Per case: one warm-up call, one call for the memory probe, then R timed repeats (each repeat
+// runs enough calls to last >= 10 ms), median seconds per call. GFLOP/s counts every (query, key) pair
 // (4 * B * Hq * Lq * Lk * D); effective GFLOP/s counts only the pairs causal allows.
 #include <algorithm>
 #include <array>
@@ -217,7 +217,7 @@ struct BenchResult {
   double gflops, effective_gflops;
   double pairs;               // (query, key) pairs per (batch, head) counted in effective_gflops
   std::string sparse;         // "none", or the sparsity option as given
-  tools::MemoryUsage memory;  // the largest peak over the repeats
+  tools::MemoryUsage memory;  // the peak of one call of its own, before the timed repeats
   // Decode-like shapes: the streaming read bandwidth swept once after each timed repeat, median
   // (0 otherwise). Quoted with the K/V bandwidth, which is also a median, under the same load.
   double read_between_repeats = 0.0;
@@ -304,23 +304,19 @@ BenchResult run_case(const BenchCase& c, Kernel kernel, const BenchOptions& opti
     result.repeats = warm_seconds > 10.0 ? 1 : std::min(options.repeats, 3);
   }
 
+  // Memory on a call of its own: the probe hands the freed heap back to the OS first, so that
+  // the call's scratch counts afresh; done around every timed repeat, it made each call
+  // page-fault its scratch again (~150 faults a call at L = 1024), which a caller's loop
+  // does not.
+  result.memory = tools::measure_peak_memory(call);
   std::vector<double> times, reads;
   std::optional<tools::ReadProbe> read_probe;
   if (c.seq_q <= kDecodeMaxSeqQ) read_probe.emplace(threads);
-  bool first = true;
   for (int r = 0; r < result.repeats; ++r) {
-    double seconds = 0.0;
-    const tools::MemoryUsage memory = tools::measure_peak_memory([&] {
-      const auto start = std::chrono::steady_clock::now();
-      for (int i = 0; i < result.calls_per_repeat; ++i) call();
-      seconds = seconds_since(start) / result.calls_per_repeat;
-    });
-    times.push_back(seconds);
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < result.calls_per_repeat; ++i) call();
+    times.push_back(seconds_since(start) / result.calls_per_repeat);
     if (read_probe) reads.push_back(read_probe->sweep());
-    if (first || memory.peak_extra_bytes() > result.memory.peak_extra_bytes()) {
-      result.memory = memory;
-    }
-    first = false;
   }
   result.seconds = median(times);
   if (read_probe) result.read_between_repeats = median(reads);
