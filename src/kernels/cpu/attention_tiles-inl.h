@@ -521,7 +521,7 @@ inline void PackQuery(const AttentionKernelParams& p, QueryBlock& qb) {
 // Starts block `block` of kv head `kv_head` in batch entry b: packs q^T * scale, computes each
 // lane's allowed key range from causal/window/key_lengths, resets the running softmax state.
 inline void StartQueryBlock(const AttentionKernelParams& p, std::int64_t b, std::int64_t kv_head,
-                            std::int64_t block, QueryBlock& qb) {
+                            std::int64_t block, QueryBlock& qb, bool pack_q = true) {
   const std::int64_t group = p.num_heads_q / p.num_heads_kv;
   const std::int64_t row0 = block * kBlockQ;
   qb.b = b;
@@ -552,7 +552,8 @@ inline void StartQueryBlock(const AttentionKernelParams& p, std::int64_t b, std:
   if (qb.key_end <= qb.key_begin) qb.key_begin = qb.key_end = 0;
   if (p.sparse.kind != SparseKernelParams::Kind::kNone) StartSparseBlock(p, qb);
 
-  if (p.dtype == DType::kF32) {
+  if (!pack_q) {
+  } else if (p.dtype == DType::kF32) {
     PackQuery<float>(p, qb);
   } else if (p.dtype == DType::kBF16) {
     PackQuery<hwy::bfloat16_t>(p, qb);
@@ -739,25 +740,63 @@ HWY_INLINE std::uint32_t Bf16Bits(const void* base, std::int64_t offset) {
   return static_cast<const std::uint16_t*>(base)[offset];
 }
 
-// dst[t * stride] = (q[l][2t], q[l][2t + 1]) for the block's row l, unscaled, t < ceil(D / 2)
-// (an odd D's last pair has +0 as its high half).
+// dst[t * stride] = (q[l][2t], q[l][2t + 1]) for the block's row l, unscaled, first <= t <
+// ceil(D / 2) (an odd D's last pair has +0 as its high half).
 inline void QueryPairs(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t l,
-                       std::uint32_t* dst, std::int64_t stride) {
+                       std::uint32_t* dst, std::int64_t stride, std::int64_t first = 0) {
   const std::int64_t row =
       qb.b * p.q_stride[0] + qb.query[l] * p.q_stride[1] + qb.head[l] * p.q_stride[2];
-  for (std::int64_t t = 0; t < (p.head_dim + 1) / 2; ++t) {
+  for (std::int64_t t = first; t < (p.head_dim + 1) / 2; ++t) {
     const std::int64_t d = 2 * t;
     const std::uint32_t hi = d + 1 < p.head_dim ? Bf16Bits(p.q, row + (d + 1) * p.q_stride[3]) : 0;
     dst[t * stride] = Bf16Bits(p.q, row + d * p.q_stride[3]) | hi << 16;
   }
 }
 
-// qt[t][l] = (q[l][2t], q[l][2t + 1]) of the block's rows, unscaled, zero past num_q and D.
+// qt[t][l] = (q[l][2t], q[l][2t + 1]) of the block's rows, unscaled, zero past num_q and D
+// (StartQueryBlock with pack_q = false leaves qt to it). With unit stride along an even D a row
+// already is its pair words: squares of them are transposed in registers as in PackQuery, the
+// rest of the words lane by lane.
 inline void PackQueryPairs(const AttentionKernelParams& p, QueryBlock& qb) {
   std::uint32_t* qt = reinterpret_cast<std::uint32_t*>(qb.qt);
   const std::int64_t words = (p.head_dim + 1) / 2;
-  std::fill(qt, qt + words * kBlockQ, 0u);
-  for (std::int64_t l = 0; l < qb.num_q; ++l) QueryPairs(p, qb, l, qt + l, kBlockQ);
+#if HWY_TARGET == HWY_SCALAR  // (one lane: no squares; vdpbf16ps never runs on it anyway)
+  const std::int64_t squares = 0;
+#else
+  using DU = hn::RebindToUnsigned<DF>;  // kLanes pair words
+  const DU du;
+  const hn::Repartition<std::uint16_t, DU> du16;  // the same bytes as bf16
+  const bool rows_are_pairs = p.q_stride[3] == 1 && p.head_dim % 2 == 0;
+  const std::int64_t squares = rows_are_pairs ? words / kLanes * kLanes : 0;
+#endif
+  for (std::int64_t l0 = 0; l0 < kBlockQ; l0 += kLanes) {
+    const std::uint16_t* rows[kLanes];
+    for (std::int64_t r = 0; r < kLanes; ++r) {
+      const std::int64_t l = l0 + r;
+      rows[r] = l < qb.num_q ? static_cast<const std::uint16_t*>(p.q) + qb.b * p.q_stride[0] +
+                                   qb.query[l] * p.q_stride[1] + qb.head[l] * p.q_stride[2]
+                             : nullptr;
+    }
+#if HWY_TARGET != HWY_SCALAR
+    for (std::int64_t t0 = 0; t0 < squares; t0 += kLanes) {
+      hn::Vec<DU> v[kLanes];
+      HWY_UNROLL(16)
+      for (std::int64_t r = 0; r < kLanes; ++r) {
+        v[r] = rows[r] != nullptr ? hn::BitCast(du, hn::LoadU(du16, rows[r] + 2 * t0)) : hn::Zero(du);
+      }
+      TransposeSquare(du, v);
+      HWY_UNROLL(16)
+      for (std::int64_t c = 0; c < kLanes; ++c) hn::Store(v[c], du, qt + (t0 + c) * kBlockQ + l0);
+    }
+#endif
+    for (std::int64_t r = 0; r < kLanes; ++r) {
+      if (rows[r] != nullptr) {
+        QueryPairs(p, qb, l0 + r, qt + l0 + r, kBlockQ, squares);
+      } else {
+        for (std::int64_t t = squares; t < words; ++t) qt[t * kBlockQ + l0 + r] = 0;
+      }
+    }
+  }
 }
 
 // Keys [j0, j0 + num_k) as pair words along head_dim: [num_k][ceil(D / 2)].

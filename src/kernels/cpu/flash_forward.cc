@@ -667,7 +667,8 @@ void FlashForward(const AttentionKernelParams& p) {
       const std::int64_t kv_head = item / plan.blocks_per_kv_head % p.num_heads_kv;
       BindScratch(p, mine + n * block_floats,
                   int_scratch.as<std::int64_t>() + thread * ints + n * kScratchInts, qb);
-      StartQueryBlock(p, b, kv_head, item % plan.blocks_per_kv_head, qb);
+      // (vdpbf16ps packs q as pairs, unscaled: PackQueryPairs, or QueryPairs when narrow.)
+      StartQueryBlock(p, b, kv_head, item % plan.blocks_per_kv_head, qb, !bf16_dot);
       // This split's part of the block's keys (all of them without a split).
       qb.key_begin = std::max(qb.key_begin, split_lo);
       qb.key_end = std::min(qb.key_end, split_hi);
