@@ -1,8 +1,8 @@
 // The AVX512-BF16 micro-kernel (src/kernels/cpu/bf16_dot.h): outer_product against a float64
 // reference over rows x depth x alpha x accumulate x out_scale x K-like / V-like strides x
-// skipping (row_end, depth_end; rows past `rows` and skipped rows untouched), pack_probs bit for bit against f32_to_bf16_bits (odd and even key
-// counts, ties, overflow), the set_enabled switch and the peak probe's arithmetic. Every test
-// skips on CPUs without AVX512-BF16.
+// skipping (row_end, depth_end; rows past `rows` and skipped rows untouched), pack_probs bit for
+// bit against f32_to_bf16_bits (odd and even key counts, ties, overflow), the set_enabled switch
+// and the peak probe's arithmetic. Every test skips on CPUs without AVX512-BF16.
 #include <gtest/gtest.h>
 
 #include <bit>
@@ -52,7 +52,9 @@ struct OuterCase {
     return "rows" + std::to_string(rows) + "_depth" + std::to_string(depth) +
            (alpha ? "_alpha" : "") + (accumulate ? "_acc" : "") + (v_like ? "_Vlike" : "_Klike") +
            "_scale" + std::to_string(out_scale) +
-           (skip == Skip::kRows ? "_rowend" : skip == Skip::kDepth ? "_depthend" : "");
+           (skip == Skip::kRows    ? "_rowend"
+            : skip == Skip::kDepth ? "_depthend"
+                                   : "");
   }
 };
 

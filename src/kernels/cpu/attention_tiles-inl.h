@@ -182,9 +182,8 @@ HWY_INLINE void OuterProduct(const float* a, const float* b, std::int64_t rows,
   };
   std::int64_t r = 0;
   for (; r + kRows <= rows; r += kRows) {
-    OuterProductRowsFrom<kRows>(first_vec(r), a, b + r * b_row_stride, b_row_stride,
-                                b_depth_stride, depth, depth_end, c + r * kBlockQ, alpha,
-                                accumulate);
+    OuterProductRowsFrom<kRows>(first_vec(r), a, b + r * b_row_stride, b_row_stride, b_depth_stride,
+                                depth, depth_end, c + r * kBlockQ, alpha, accumulate);
   }
   for (; r < rows; ++r) {
     OuterProductRowsFrom<1>(first_vec(r), a, b + r * b_row_stride, b_row_stride, b_depth_stride,
@@ -474,8 +473,9 @@ inline KeyRange LaneKeys(const AttentionKernelParams& p, std::int64_t b, std::in
   const std::int64_t key_length = p.key_lengths != nullptr ? p.key_lengths[b] : p.seq_kv;
   const std::int64_t diag = query + p.diagonal_offset;
   const std::int64_t lo = p.window_left < 0 ? 0 : std::max<std::int64_t>(0, diag - p.window_left);
-  const std::int64_t hi =
-      p.window_right < 0 ? key_length : std::min<std::int64_t>(key_length, diag + p.window_right + 1);
+  const std::int64_t hi = p.window_right < 0
+                              ? key_length
+                              : std::min<std::int64_t>(key_length, diag + p.window_right + 1);
   return hi > lo ? KeyRange{lo, hi} : KeyRange{0, 0};
 }
 
@@ -782,7 +782,8 @@ inline void PackQueryPairs(const AttentionKernelParams& p, QueryBlock& qb) {
       hn::Vec<DU> v[kLanes];
       HWY_UNROLL(16)
       for (std::int64_t r = 0; r < kLanes; ++r) {
-        v[r] = rows[r] != nullptr ? hn::BitCast(du, hn::LoadU(du16, rows[r] + 2 * t0)) : hn::Zero(du);
+        v[r] =
+            rows[r] != nullptr ? hn::BitCast(du, hn::LoadU(du16, rows[r] + 2 * t0)) : hn::Zero(du);
       }
       TransposeSquare(du, v);
       HWY_UNROLL(16)
@@ -874,7 +875,8 @@ inline void AccumulateValuesBf16(const AttentionKernelParams& p, const QueryBloc
   std::int64_t pair_end[kQueryVecs];
   for (int x = 0; vec_end != nullptr && x < kQueryVecs; ++x) pair_end[x] = (vec_end[x] + 1) / 2;
   bf16dot::outer_product(staging.prob_pairs, v, p.head_dim_v, 1, p.head_dim_v, (num_k + 1) / 2,
-                         qb.ot, alpha, true, 1.0f, nullptr, vec_end != nullptr ? pair_end : nullptr);
+                         qb.ot, alpha, true, 1.0f, nullptr,
+                         vec_end != nullptr ? pair_end : nullptr);
 }
 
 // The max to subtract for a running max m: m itself, or 0 while no key was allowed
@@ -967,7 +969,8 @@ inline void FinishQueryBlock(const AttentionKernelParams& p, const QueryBlock& q
     for (std::int64_t e0 = 0; e0 < squares; e0 += kLanes) {
       VF v[kLanes];
       HWY_UNROLL(16)
-      for (std::int64_t c = 0; c < kLanes; ++c) v[c] = hn::Load(df, qb.ot + (e0 + c) * kBlockQ + l0);
+      for (std::int64_t c = 0; c < kLanes; ++c)
+        v[c] = hn::Load(df, qb.ot + (e0 + c) * kBlockQ + l0);
       TransposeSquare(df, v);
       for (std::int64_t r = 0; r < lanes; ++r) {
         hn::StoreU(hn::Mul(v[r], hn::Set(df, inv_sum[l0 + r])), df, rows[r] + e0);

@@ -146,8 +146,8 @@ void outer_product(const std::uint32_t* a, const std::uint32_t* b, std::int64_t 
   }
   for (; r < rows; ++r) {
     outer_product_rows_from<1>(first_vec(row_end, r), a, b + r * b_row_stride, b_row_stride,
-                               b_depth_stride, depth, depth_end, c + r * kLanes, alpha,
-                               accumulate, out_scale);
+                               b_depth_stride, depth, depth_end, c + r * kLanes, alpha, accumulate,
+                               out_scale);
   }
 }
 

@@ -430,11 +430,10 @@ inline void NarrowScoresBf16(const AttentionKernelParams& p, const NarrowBlock* 
                              std::int64_t count) {
   ForEachRun(narrow, count, [&](const NarrowBlock& nb, const NarrowRun& run) {
     const ValueRows v = ValueRowsOf(p, nb, run.count, run.v);
-    bf16dot::narrow_scores({nb.q_pairs, run.scratch,
-                            static_cast<const std::uint16_t*>(nb.qb->k) + nb.part.lo * p.k_stride[1],
-                            run.k, p.k_stride[1], nb.st, run.scratch, kBlockQ, run.count,
-                            nb.qb->num_q, p.head_dim, nb.part.hi - nb.part.lo, p.scale, v.first,
-                            v.row_stride, v.bytes});
+    const auto* k = static_cast<const std::uint16_t*>(nb.qb->k) + nb.part.lo * p.k_stride[1];
+    bf16dot::narrow_scores({nb.q_pairs, run.scratch, k, run.k, p.k_stride[1], nb.st, run.scratch,
+                            kBlockQ, run.count, nb.qb->num_q, p.head_dim, nb.part.hi - nb.part.lo,
+                            p.scale, v.first, v.row_stride, v.bytes});
   });
 }
 
@@ -442,8 +441,8 @@ inline void NarrowScoresBf16(const AttentionKernelParams& p, const NarrowBlock* 
 inline void NarrowValuesBf16(const AttentionKernelParams& p, const NarrowBlock* narrow,
                              std::int64_t count) {
   ForEachRun(narrow, count, [&](const NarrowBlock& nb, const NarrowRun& run) {
-    bf16dot::narrow_values({reinterpret_cast<const std::uint32_t*>(nb.st), run.scratch, kBlockQ,
-                            static_cast<const std::uint16_t*>(nb.qb->v) + nb.part.lo * p.v_stride[1],
+    const auto* v = static_cast<const std::uint16_t*>(nb.qb->v) + nb.part.lo * p.v_stride[1];
+    bf16dot::narrow_values({reinterpret_cast<const std::uint32_t*>(nb.st), run.scratch, kBlockQ, v,
                             run.v, p.v_stride[1], nb.o, run.scratch, p.head_dim_v, run.count,
                             nb.qb->num_q, nb.part.hi - nb.part.lo, p.head_dim_v});
   });
