@@ -32,7 +32,9 @@ mask allows (bottom-right aligned; "effective" GFLOP/s, DESIGN.md section 6); %p
 qkv's measured fp32 FMA peak (median over the qkv processes of this run; bf16 rows use the
 peak qkv reports for bf16 when it reports one); decode rows add GB/s = bytes of K and V in the
 row's dtype (B * Hkv * Lk * D * 2 tensors) / time, and %bw = that / qkv's measured streaming
-read bandwidth. After each shape: qkv / best peer speed ratio per dtype (> 1: qkv faster).
+read bandwidth. After each shape: qkv / best peer speed ratio per dtype (> 1: qkv faster);
+after a causal shape also qkv's causal / non-causal effective GFLOP/s, with the non-causal
+twin timed in the same rounds (the median of the per-round ratios).
 
 Needs nothing installed: it re-runs itself in .cache/venv-peers (scripts/peers_venv.sh).
 """
@@ -44,7 +46,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from peers_env import ensure_venv  # scripts/peers_env.py (this folder is on sys.path)
@@ -288,6 +290,18 @@ class Qkv:
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+class NonCausalTwin:
+    """qkv on a causal case's shape without the mask, timed in the same rounds as the causal
+    case: causal / non-causal then compares samples taken side by side. Taken from two cases
+    minutes apart, the ratio moved by 10% on a shared host."""
+
+    def __init__(self, qkv):
+        self.qkv, self.label = qkv, f"{qkv.label} non-causal"
+
+    def run(self, case, threads, repeats):
+        return self.qkv.run(replace(case, causal=False), threads, repeats)
+
+
 # ---- timing -----------------------------------------------------------------------------------
 
 
@@ -302,9 +316,14 @@ def bench_case(case, impls, args, log):
     """Times every implementation on one case; returns {label: result dict}."""
     results, runners, outputs = {}, {}, {}
     data = make_inputs(case)
+    twins = {}  # qkv label -> its non-causal twin's label (causal cases)
     for impl in impls:
         if isinstance(impl, Qkv):
             runners[impl.label] = impl
+            if case.causal:
+                twin = NonCausalTwin(impl)
+                runners[twin.label] = twin
+                twins[impl.label] = twin.label
             continue
         try:
             call, to_bshd = impl.prepare(case, data, args.threads)
@@ -321,7 +340,7 @@ def bench_case(case, impls, args, log):
             results[impl.label] = {"skipped": str(why)}
         except (RuntimeError, TypeError, ValueError) as error:  # a peer's own refusal
             results[impl.label] = {"skipped": f"{type(error).__name__}: {str(error)[:120]}"}
-    slow = any(not isinstance(r, Qkv) and r[2] > SLOW_CALL_S for r in runners.values())
+    slow = any(isinstance(r, tuple) and r[2] > SLOW_CALL_S for r in runners.values())
     rounds = 3 if slow else args.rounds
     samples = {label: [] for label in runners}
     qkv_json = {label: [] for label in runners}
@@ -333,7 +352,7 @@ def bench_case(case, impls, args, log):
             if label in results:  # a qkv that refused in an earlier round
                 continue
             time.sleep(0.05)  # let the previous implementation's spinning threads go idle
-            if isinstance(runner, Qkv):
+            if not isinstance(runner, tuple):  # Qkv or NonCausalTwin
                 try:
                     row = runner.run(case, args.threads, 1 if slow else 3)
                 except Skip as why:
@@ -346,7 +365,7 @@ def bench_case(case, impls, args, log):
                 samples[label].append(time_call(call, calls))
         log(f"  round {round_index + 1}/{rounds} done")
     for label in runners:
-        if label in results:
+        if label in results or label in twins.values():
             continue
         seconds = statistics.median(samples[label])
         result = {"seconds": seconds, "rounds": len(samples[label]),
@@ -357,6 +376,12 @@ def bench_case(case, impls, args, log):
             if "read_gbytes_per_second" in rows[0]:
                 result["read_gbytes_per_second"] = statistics.median(
                     r["read_gbytes_per_second"] for r in rows)
+        twin = twins.get(label)
+        if twin and samples[twin] and twin not in results:
+            # Effective GFLOP/s causal / non-causal, per round, median.
+            full = replace(case, causal=False).flops() / case.flops()
+            result["causal_vs_noncausal"] = statistics.median(
+                nc / c / full for c, nc in zip(samples[label], samples[twin]))
         results[label] = result
     agreement = peer_agreement(outputs)
     return {i.label: results[i.label] for i in impls if i.label in results}, agreement
@@ -439,6 +464,11 @@ def report(all_results, agreements):
                             for dtype, (ratio, best) in ratios(results).items())
         if summary:
             lines.append(f"{'':<32} qkv / best peer  {summary}")
+        same_rounds = ", ".join(f"{label[4:]} {r['causal_vs_noncausal']:.2f}"
+                                for label, r in results.items() if "causal_vs_noncausal" in r)
+        if same_rounds:
+            lines.append(f"{'':<32} qkv causal / non-causal (effective GFLOP/s, same rounds): "
+                         + same_rounds)
         if agreements.get(case):
             lines.append(f"{'':<32} peers vs torch-f32 max|diff|: " + ", ".join(
                 f"{k} {v:.1e}" for k, v in agreements[case].items()))
