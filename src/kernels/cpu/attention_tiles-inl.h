@@ -483,6 +483,11 @@ inline KeyRange LaneKeys(const AttentionKernelParams& p, std::int64_t b, std::in
 // row: the rows lie Hq * D elements apart, often a multiple of 4 KiB, so a walk column by column
 // keeps evicting them from one L1 set. With unit stride along D, squares of kLanes x kLanes are
 // transposed in registers (TransposeSquare); the rest of D element by element.
+// Offset (in elements) of lane l's row in a [B, Lq, Hq, ...] operand with these strides (q, out).
+inline std::int64_t LaneRow(const std::int64_t* stride, const QueryBlock& qb, std::int64_t l) {
+  return qb.b * stride[0] + qb.query[l] * stride[1] + qb.head[l] * stride[2];
+}
+
 template <typename T>
 inline void PackQuery(const AttentionKernelParams& p, QueryBlock& qb) {
   const DF df;
@@ -493,9 +498,7 @@ inline void PackQuery(const AttentionKernelParams& p, QueryBlock& qb) {
     const T* rows[kLanes];
     for (std::int64_t r = 0; r < kLanes; ++r) {
       const std::int64_t l = l0 + r;
-      rows[r] = l < qb.num_q ? q + qb.b * p.q_stride[0] + qb.query[l] * p.q_stride[1] +
-                                   qb.head[l] * p.q_stride[2]
-                             : nullptr;
+      rows[r] = l < qb.num_q ? q + LaneRow(p.q_stride, qb, l) : nullptr;
     }
     for (std::int64_t d0 = 0; d0 < squares; d0 += kLanes) {
       VF v[kLanes];
@@ -552,13 +555,14 @@ inline void StartQueryBlock(const AttentionKernelParams& p, std::int64_t b, std:
   if (qb.key_end <= qb.key_begin) qb.key_begin = qb.key_end = 0;
   if (p.sparse.kind != SparseKernelParams::Kind::kNone) StartSparseBlock(p, qb);
 
-  if (!pack_q) {
-  } else if (p.dtype == DType::kF32) {
-    PackQuery<float>(p, qb);
-  } else if (p.dtype == DType::kBF16) {
-    PackQuery<hwy::bfloat16_t>(p, qb);
-  } else {
-    PackQuery<hwy::float16_t>(p, qb);
+  if (pack_q) {
+    if (p.dtype == DType::kF32) {
+      PackQuery<float>(p, qb);
+    } else if (p.dtype == DType::kBF16) {
+      PackQuery<hwy::bfloat16_t>(p, qb);
+    } else {
+      PackQuery<hwy::float16_t>(p, qb);
+    }
   }
   std::fill(qb.ot, qb.ot + p.head_dim_v * kBlockQ, 0.0f);
 }
@@ -744,8 +748,7 @@ HWY_INLINE std::uint32_t Bf16Bits(const void* base, std::int64_t offset) {
 // ceil(D / 2) (an odd D's last pair has +0 as its high half).
 inline void QueryPairs(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t l,
                        std::uint32_t* dst, std::int64_t stride, std::int64_t first = 0) {
-  const std::int64_t row =
-      qb.b * p.q_stride[0] + qb.query[l] * p.q_stride[1] + qb.head[l] * p.q_stride[2];
+  const std::int64_t row = LaneRow(p.q_stride, qb, l);
   for (std::int64_t t = first; t < (p.head_dim + 1) / 2; ++t) {
     const std::int64_t d = 2 * t;
     const std::uint32_t hi = d + 1 < p.head_dim ? Bf16Bits(p.q, row + (d + 1) * p.q_stride[3]) : 0;
@@ -773,8 +776,7 @@ inline void PackQueryPairs(const AttentionKernelParams& p, QueryBlock& qb) {
     const std::uint16_t* rows[kLanes];
     for (std::int64_t r = 0; r < kLanes; ++r) {
       const std::int64_t l = l0 + r;
-      rows[r] = l < qb.num_q ? static_cast<const std::uint16_t*>(p.q) + qb.b * p.q_stride[0] +
-                                   qb.query[l] * p.q_stride[1] + qb.head[l] * p.q_stride[2]
+      rows[r] = l < qb.num_q ? static_cast<const std::uint16_t*>(p.q) + LaneRow(p.q_stride, qb, l)
                              : nullptr;
     }
 #if HWY_TARGET != HWY_SCALAR
@@ -962,8 +964,7 @@ inline void FinishQueryBlock(const AttentionKernelParams& p, const QueryBlock& q
     float* rows[kLanes];
     for (std::int64_t r = 0; r < kLanes; ++r) {
       const std::int64_t l = std::min(l0 + r, qb.num_q - 1);  // (lanes past num_q: not stored)
-      rows[r] = p.out + qb.b * p.out_stride[0] + qb.query[l] * p.out_stride[1] +
-                qb.head[l] * p.out_stride[2];
+      rows[r] = p.out + LaneRow(p.out_stride, qb, l);
     }
     const std::int64_t lanes = std::min(kLanes, qb.num_q - l0);
     for (std::int64_t e0 = 0; e0 < squares; e0 += kLanes) {
