@@ -34,7 +34,9 @@ peak qkv reports for bf16 when it reports one); decode rows add GB/s = bytes of 
 row's dtype (B * Hkv * Lk * D * 2 tensors) / time, and %bw = that / qkv's measured streaming
 read bandwidth. After each shape: qkv / best peer speed ratio per dtype (> 1: qkv faster);
 after a causal shape also qkv's causal / non-causal effective GFLOP/s, with the non-causal
-twin timed in the same rounds (the median of the per-round ratios).
+twin timed in the same rounds (the median of the per-round ratios); after a non-causal shape
+whose L is in --scaling, qkv's thread scaling against a one-thread twin timed the same way;
+after decode, qkv's K/V rate against the read probe of its own process (median of rounds).
 
 Needs nothing installed: it re-runs itself in .cache/venv-peers (scripts/peers_venv.sh).
 """
@@ -290,16 +292,34 @@ class Qkv:
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-class NonCausalTwin:
-    """qkv on a causal case's shape without the mask, timed in the same rounds as the causal
-    case: causal / non-causal then compares samples taken side by side. Taken from two cases
-    minutes apart, the ratio moved by 10% on a shared host."""
+class QkvTwin:
+    """qkv on a variant of the case, timed in the same rounds as the case itself, so that a
+    ratio between the two compares samples taken side by side (taken from two cases minutes
+    apart, such a ratio moved by 10% on a shared host):
+      non-causal  a causal case's shape without the mask (causal / non-causal effective rate)
+      1 thread    the case on one thread (thread scaling: one-thread time / --threads time)"""
 
-    def __init__(self, qkv):
-        self.qkv, self.label = qkv, f"{qkv.label} non-causal"
+    def __init__(self, qkv, kind):
+        self.qkv, self.kind, self.label = qkv, kind, f"{qkv.label} {kind}"
 
     def run(self, case, threads, repeats):
-        return self.qkv.run(replace(case, causal=False), threads, repeats)
+        if self.kind == "non-causal":
+            return self.qkv.run(replace(case, causal=False), threads, repeats)
+        return self.qkv.run(case, 1, repeats)
+
+    def ratio(self, case, case_seconds, twin_seconds):
+        """The per-round figure quoted for this twin (its median over rounds is reported)."""
+        if self.kind == "non-causal":
+            full = replace(case, causal=False).flops() / case.flops()
+            return twin_seconds / case_seconds / full
+        return twin_seconds / case_seconds
+
+
+def twins_for(qkv, case, args):
+    kinds = ["non-causal"] if case.causal else []
+    if args.threads > 1 and not case.causal and case.Lq in args.scaling:
+        kinds.append("1 thread")
+    return [QkvTwin(qkv, kind) for kind in kinds]
 
 
 # ---- timing -----------------------------------------------------------------------------------
@@ -316,14 +336,13 @@ def bench_case(case, impls, args, log):
     """Times every implementation on one case; returns {label: result dict}."""
     results, runners, outputs = {}, {}, {}
     data = make_inputs(case)
-    twins = {}  # qkv label -> its non-causal twin's label (causal cases)
+    twins = {}  # qkv label -> its twins (QkvTwin), timed in the same rounds
     for impl in impls:
         if isinstance(impl, Qkv):
             runners[impl.label] = impl
-            if case.causal:
-                twin = NonCausalTwin(impl)
+            twins[impl.label] = twins_for(impl, case, args)
+            for twin in twins[impl.label]:
                 runners[twin.label] = twin
-                twins[impl.label] = twin.label
             continue
         try:
             call, to_bshd = impl.prepare(case, data, args.threads)
@@ -352,7 +371,7 @@ def bench_case(case, impls, args, log):
             if label in results:  # a qkv that refused in an earlier round
                 continue
             time.sleep(0.05)  # let the previous implementation's spinning threads go idle
-            if not isinstance(runner, tuple):  # Qkv or NonCausalTwin
+            if not isinstance(runner, tuple):  # Qkv or QkvTwin
                 try:
                     row = runner.run(case, args.threads, 1 if slow else 3)
                 except Skip as why:
@@ -364,8 +383,9 @@ def bench_case(case, impls, args, log):
                 call, calls, _ = runner
                 samples[label].append(time_call(call, calls))
         log(f"  round {round_index + 1}/{rounds} done")
+    twin_labels = {twin.label for group in twins.values() for twin in group}
     for label in runners:
-        if label in results or label in twins.values():
+        if label in results or label in twin_labels:
             continue
         seconds = statistics.median(samples[label])
         result = {"seconds": seconds, "rounds": len(samples[label]),
@@ -373,15 +393,14 @@ def bench_case(case, impls, args, log):
         if qkv_json[label]:
             rows = qkv_json[label]
             result["peak_gflops"] = statistics.median(r["peak_gflops"] for r in rows)
-            if "read_gbytes_per_second" in rows[0]:
-                result["read_gbytes_per_second"] = statistics.median(
-                    r["read_gbytes_per_second"] for r in rows)
-        twin = twins.get(label)
-        if twin and samples[twin] and twin not in results:
-            # Effective GFLOP/s causal / non-causal, per round, median.
-            full = replace(case, causal=False).flops() / case.flops()
-            result["causal_vs_noncausal"] = statistics.median(
-                nc / c / full for c, nc in zip(samples[label], samples[twin]))
+            for key in ("read_gbytes_per_second", "kv_fraction_of_read_bandwidth",
+                        "kv_fraction_of_read_between_repeats"):
+                if key in rows[0]:  # per process (same-process probes), median over rounds
+                    result[key] = statistics.median(r[key] for r in rows)
+        for twin in twins.get(label, []):
+            if samples[twin.label] and twin.label not in results:
+                result.setdefault("twins", {})[twin.kind] = statistics.median(
+                    twin.ratio(case, c, t) for c, t in zip(samples[label], samples[twin.label]))
         results[label] = result
     agreement = peer_agreement(outputs)
     return {i.label: results[i.label] for i in impls if i.label in results}, agreement
@@ -434,7 +453,7 @@ def ratios(results):
     return out
 
 
-def report(all_results, agreements):
+def report(all_results, agreements, threads):
     peak = {d: peaks(all_results, d) for d in ("f32", "bf16")}
     read_bw = bandwidth(all_results)
     lines = []
@@ -464,11 +483,22 @@ def report(all_results, agreements):
                             for dtype, (ratio, best) in ratios(results).items())
         if summary:
             lines.append(f"{'':<32} qkv / best peer  {summary}")
-        same_rounds = ", ".join(f"{label[4:]} {r['causal_vs_noncausal']:.2f}"
-                                for label, r in results.items() if "causal_vs_noncausal" in r)
-        if same_rounds:
-            lines.append(f"{'':<32} qkv causal / non-causal (effective GFLOP/s, same rounds): "
-                         + same_rounds)
+        for kind, text in (("non-causal", "qkv causal / non-causal (effective GFLOP/s, "
+                                          "same rounds)"),
+                           ("1 thread", f"qkv thread scaling 1 -> {threads} (same rounds)")):
+            same_rounds = ", ".join(f"{label[4:]} {r['twins'][kind]:.2f}"
+                                    for label, r in results.items()
+                                    if kind in r.get("twins", {}))
+            if same_rounds:
+                lines.append(f"{'':<32} {text}: {same_rounds}")
+        if case.is_decode():
+            same_process = ", ".join(
+                f"{label[4:]} {r['kv_fraction_of_read_bandwidth']:.2f} (between repeats "
+                f"{r.get('kv_fraction_of_read_between_repeats', 0):.2f})"
+                for label, r in results.items() if "kv_fraction_of_read_bandwidth" in r)
+            if same_process:
+                lines.append(f"{'':<32} qkv K/V read / read probe of its own process "
+                             f"(median of rounds): {same_process}")
         if agreements.get(case):
             lines.append(f"{'':<32} peers vs torch-f32 max|diff|: " + ", ".join(
                 f"{k} {v:.1e}" for k, v in agreements[case].items()))
@@ -539,6 +569,9 @@ def main():
     parser.add_argument("--lengths", help="comma list of L instead of the default set")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per case")
+    parser.add_argument("--scaling", default="4096",
+                        help="comma list of L whose non-causal cases also time qkv on one "
+                             "thread in the same rounds (thread scaling); empty: none")
     parser.add_argument("--impls", help="comma list of implementation labels to run")
     parser.add_argument("--no-decode", action="store_true", help="skip the decode case")
     parser.add_argument("--ort-max-mib", type=float, default=3072,
@@ -547,6 +580,7 @@ def main():
     parser.add_argument("--png", help="write GFLOP/s against L per implementation")
     parser.add_argument("--json", help="write every measurement as JSON")
     args = parser.parse_args()
+    args.scaling = {int(x) for x in args.scaling.split(",") if x}
     ensure_venv(__file__, ["onnxruntime", "torch"])
     import onnxruntime
     import torch
@@ -576,7 +610,7 @@ def main():
     for index, case in enumerate(cases):
         log(f"[{index + 1}/{len(cases)}] {case.name()}")
         all_results[case], agreements[case] = bench_case(case, impls, args, log)
-    print(report(all_results, agreements))
+    print(report(all_results, agreements, args.threads))
     print(others.note())
     if args.png:
         plot(all_results, args.png)
