@@ -1,5 +1,7 @@
 #include "attention_case.h"
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -297,6 +299,19 @@ double max_abs(const std::vector<float>& a) {
 
 double tolerance(const std::vector<float>& reference, const std::vector<float>& plain) {
   return std::max(2e-5 * std::max(1.0, max_abs(reference)), 4.0 * max_abs_diff(reference, plain));
+}
+
+void expect_same_bits_on_any_thread_count(const Problem& problem, AttentionParams params) {
+  params.num_threads = 1;
+  const Result one = problem.run_with(params, /*with_probs=*/false);
+  for (int threads : {2, 3, 5}) {
+    params.num_threads = threads;
+    const Result many = problem.run_with(params, /*with_probs=*/false);
+    EXPECT_TRUE(bit_equal(one.out, many.out))
+        << "out, kernel " << static_cast<int>(params.kernel) << ", threads " << threads;
+    EXPECT_TRUE(bit_equal(one.lse, many.lse))
+        << "lse, kernel " << static_cast<int>(params.kernel) << ", threads " << threads;
+  }
 }
 
 }  // namespace qkv::testing

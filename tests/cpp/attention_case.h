@@ -31,7 +31,7 @@ struct Case {
   MaskKind mask = MaskKind::kNone;
   BiasKind bias = BiasKind::kNone;
   float softcap = 0.0f;
-  std::optional<float> scale;
+  std::optional<float> scale = std::nullopt;
   float input_scale = 1.0f;   // multiply q and k: large logits
   bool bhsd = false;          // q/k/v/out stored (B, H, L, D)
   DType dtype = DType::kF32;  // storage of q, k, v (bf16/f16: random values rounded to it)
@@ -82,6 +82,10 @@ bool bit_equal(const std::vector<float>& a, const std::vector<float>& b);
 
 // DESIGN.md section 5: max(2e-5 * max(1, max|ref|), 4 * error of the plain f32 implementation).
 double tolerance(const std::vector<float>& reference, const std::vector<float>& plain);
+
+// Runs `params` (kernel and everything else set) on 1 thread, then on 2, 3 and 5: out and lse
+// must keep the same bits.
+void expect_same_bits_on_any_thread_count(const Problem& problem, AttentionParams params);
 
 }  // namespace qkv::testing
 

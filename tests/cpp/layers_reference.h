@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "qkv/layers/activation.h"
+#include "qkv/layers/multi_head_attention.h"
 
 namespace qkv::testing {
 
@@ -94,6 +95,22 @@ inline Vec layer_norm_ref(const Vec& x, const Vec& residual, std::int64_t rows,
 // canonical (separate) form; biases may be empty.
 struct MhaRefWeights {
   Vec q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b;
+};
+// The same weights in f32, as the layers take them: separate() is the canonical packing for
+// MultiHeadAttention, ref() the float64 copy for mha_ref.
+struct MhaF32Weights {
+  std::vector<float> q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b;
+
+  MultiHeadAttentionWeights separate() const {
+    MultiHeadAttentionWeights w{.out_weight = o_w, .out_bias = o_b};
+    w.q_weight = q_w, w.q_bias = q_b, w.k_weight = k_w, w.k_bias = k_b;
+    w.v_weight = v_w, w.v_bias = v_b;
+    return w;
+  }
+  MhaRefWeights ref() const {
+    return {to_f64(q_w), to_f64(q_b), to_f64(k_w), to_f64(k_b),
+            to_f64(v_w), to_f64(v_b), to_f64(o_w), to_f64(o_b)};
+  }
 };
 struct MhaRefProblem {
   std::int64_t batch = 1, seq_q = 1, seq_kv = 1, embed_dim = 8, num_heads = 2, num_kv_heads = 2;

@@ -5,7 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "attention_case.h"
-#include "hwy/targets.h"
+#include "every_target.h"
 #include "kernels/cpu/bf16_dot.h"
 #include "kernels/kernels.h"
 
@@ -22,67 +22,37 @@ std::vector<Case> kernel_cases() {
   // Odd sizes, square and not, plain.
   for (std::int64_t lq : {1, 3, 7, 63, 64, 65, 127, 200}) {
     for (std::int64_t lk : {1, 7, 64, 65, 129, 200}) {
-      Case c;
-      c.seq_q = lq;
-      c.seq_kv = lk;
-      c.head_dim = 16;
-      add(c);
+      add({.seq_q = lq, .seq_kv = lk, .head_dim = 16});
     }
   }
   // Head dims, including non-powers of two; Dv != D.
   for (std::int64_t d : {1, 16, 40, 64, 80, 96, 128, 256}) {
-    Case c;
-    c.seq_q = 33;
-    c.seq_kv = 70;
-    c.head_dim = d;
-    add(c);
+    add({.seq_q = 33, .seq_kv = 70, .head_dim = d});
   }
   for (std::int64_t dv : {1, 17, 48, 130}) {
-    Case c;
-    c.seq_q = 20;
-    c.seq_kv = 150;
-    c.head_dim = 32;
-    c.head_dim_v = dv;
-    add(c);
+    add({.seq_q = 20, .seq_kv = 150, .head_dim = 32, .head_dim_v = dv});
   }
   // GQA / MQA, batches.
   for (auto [hq, hkv] : {std::pair{4, 2}, {6, 1}, {8, 8}, {3, 3}}) {
-    Case c;
-    c.batch = 2;
-    c.seq_q = 19;
-    c.seq_kv = 45;
+    Case c{.batch = 2, .seq_q = 19, .seq_kv = 45, .head_dim = 24};
     c.num_heads_q = hq;
     c.num_heads_kv = hkv;
-    c.head_dim = 24;
     add(c);
   }
   // Many query blocks per kv head: the flash kernel walks the keys once for several blocks
   // (and several heads of a GQA group) whose allowed ranges differ.
   for (bool causal : {false, true}) {
-    Case c;
-    c.batch = 2;
-    c.seq_q = 300;
-    c.seq_kv = 310;
-    c.num_heads_q = 8;
-    c.num_heads_kv = 2;
-    c.head_dim = 16;
+    Case c{.batch = 2, .seq_q = 300, .seq_kv = 310, .num_heads_q = 8, .num_heads_kv = 2};
     c.causal = causal;
     c.window_left = causal ? 100 : -1;
-    c.key_lengths = true;
-    c.nan_padding = true;
+    c.key_lengths = c.nan_padding = true;
     add(c);
   }
   // Decoding: one or a few queries, the heads of a GQA group packed into one query block.
   for (std::int64_t lq : {1, 3}) {
-    Case c;
-    c.batch = 2;
+    Case c{.batch = 2, .seq_kv = 300, .num_heads_q = 12, .num_heads_kv = 3, .head_dim = 32};
     c.seq_q = lq;
-    c.seq_kv = 300;
-    c.num_heads_q = 12;
-    c.num_heads_kv = 3;
-    c.head_dim = 32;
-    c.causal = true;
-    c.key_lengths = true;
+    c.causal = c.key_lengths = true;
     c.mask = MaskKind::kRandom;
     c.bias = BiasKind::kPerHeadRow;
     add(c);
@@ -92,15 +62,9 @@ std::vector<Case> kernel_cases() {
   // different key lengths); 4 and 1 rows per block, 6 rows (4 + 1 + 1), odd head dims and an
   // odd last tile.
   {
-    Case c;
-    c.seq_q = 1;
-    c.seq_kv = 4096;
-    c.num_heads_q = 32;
-    c.num_heads_kv = 8;
-    c.head_dim = 128;
+    Case c{.seq_q = 1, .seq_kv = 4096, .num_heads_q = 32, .num_heads_kv = 8, .head_dim = 128};
     add(c);
-    c.num_heads_q = 16;
-    c.num_heads_kv = 16;
+    c.num_heads_q = c.num_heads_kv = 16;
     c.head_dim = 40;
     c.head_dim_v = 17;
     add(c);
@@ -110,8 +74,7 @@ std::vector<Case> kernel_cases() {
     c.num_heads_kv = 2;
     c.head_dim = 33;
     c.head_dim_v = 130;
-    c.key_lengths = true;
-    c.causal = true;
+    c.key_lengths = c.causal = true;
     add(c);
     c.seq_q = 2;  // 2 queries x 6 heads: 12 rows
     c.seq_kv = 4097;
@@ -120,36 +83,20 @@ std::vector<Case> kernel_cases() {
   // Causal and windows, both alignments, Lq <, =, > Lk.
   for (Align align : {Align::kBottomRight, Align::kTopLeft}) {
     for (auto [lq, lk] : {std::pair{70, 70}, {65, 200}, {200, 65}, {1, 300}, {130, 131}}) {
-      Case c;
-      c.seq_q = lq;
-      c.seq_kv = lk;
-      c.align = align;
-      c.head_dim = 32;
-      c.causal = true;
-      add(c);
-      c.causal = false;
-      c.window_left = 17;
-      c.window_right = 5;
-      add(c);
-      c.window_left = 0;
-      c.window_right = -1;
-      add(c);
-      c.causal = true;
-      c.window_left = 40;
-      c.window_right = -1;
-      add(c);
+      Case c{.seq_q = lq, .seq_kv = lk, .head_dim = 32, .align = align};
+      for (auto [causal, left, right] :
+           {std::tuple{true, -1, -1}, {false, 17, 5}, {false, 0, -1}, {true, 40, -1}}) {
+        c.causal = causal;
+        c.window_left = left;
+        c.window_right = right;
+        add(c);
+      }
     }
   }
   // Key lengths (padding), with NaN in the padded keys and values.
   for (bool nan : {false, true}) {
     for (auto [lq, lk] : {std::pair{37, 77}, {1, 150}, {129, 129}}) {
-      Case c;
-      c.batch = 3;
-      c.seq_q = lq;
-      c.seq_kv = lk;
-      c.num_heads_q = 2;
-      c.num_heads_kv = 1;
-      c.head_dim = 20;
+      Case c{.batch = 3, .seq_q = lq, .seq_kv = lk, .num_heads_q = 2, .head_dim = 20};
       c.key_lengths = true;
       c.nan_padding = nan;
       add(c);
@@ -158,39 +105,24 @@ std::vector<Case> kernel_cases() {
     }
   }
   // Attend masks and biases, alone and combined with everything.
+  const Case masked{.batch = 2, .seq_q = 45, .seq_kv = 140, .num_heads_q = 2, .head_dim = 16};
   for (MaskKind m : {MaskKind::kRandom, MaskKind::kRowBroadcast, MaskKind::kKeyPadding}) {
-    Case c;
-    c.batch = 2;
-    c.seq_q = 45;
-    c.seq_kv = 140;
-    c.num_heads_q = 2;
-    c.head_dim = 16;
+    Case c = masked;
     c.mask = m;
     add(c);
   }
   for (BiasKind b : {BiasKind::kRandom, BiasKind::kWithNegInf, BiasKind::kPerHeadRow}) {
-    Case c;
-    c.batch = 2;
-    c.seq_q = 45;
-    c.seq_kv = 140;
-    c.num_heads_q = 2;
-    c.head_dim = 16;
+    Case c = masked;
     c.bias = b;
     add(c);
   }
   {
-    Case c;
-    c.batch = 3;
-    c.seq_q = 66;
-    c.seq_kv = 190;
-    c.num_heads_q = 4;
-    c.num_heads_kv = 2;
+    Case c{.batch = 3, .seq_q = 66, .seq_kv = 190, .num_heads_q = 4, .num_heads_kv = 2};
     c.head_dim = 40;
     c.head_dim_v = 24;
     c.causal = true;
     c.window_left = 60;
-    c.key_lengths = true;
-    c.nan_padding = true;
+    c.key_lengths = c.nan_padding = true;
     c.mask = MaskKind::kRandom;
     c.bias = BiasKind::kWithNegInf;
     c.softcap = 5.0f;
@@ -199,11 +131,7 @@ std::vector<Case> kernel_cases() {
   }
   // Softcap, explicit scale, large logits (|q.k| ~ 1e3), BHSD strides.
   {
-    Case c;
-    c.seq_q = 50;
-    c.seq_kv = 90;
-    c.head_dim = 64;
-    c.softcap = 30.0f;
+    Case c{.seq_q = 50, .seq_kv = 90, .head_dim = 64, .softcap = 30.0f};
     add(c);
     c.softcap = 0.0f;
     c.scale = 0.37f;
@@ -269,13 +197,8 @@ INSTANTIATE_TEST_SUITE_P(F16, KernelSweep,
 // The sweep above runs on the best target; here each compiled target this CPU supports is
 // forced in turn, over the cases that exercise masks and tails.
 TEST(KernelTargets, EveryTargetMatchesReference) {
-  const std::vector<std::int64_t> targets = hwy::SupportedAndGeneratedTargets();
-  ASSERT_FALSE(targets.empty());
-  std::vector<Case> cases = kernel_cases();
-  for (std::int64_t target : targets) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
-    EXPECT_STREQ(attention_cpu_target_name(), hwy::TargetName(target));
+  const std::vector<Case> cases = kernel_cases();
+  for_each_target(attention_cpu_target_name, [&](std::int64_t) {
     for (std::size_t i = 0; i < cases.size(); i += 3) {
       SCOPED_TRACE(cases[i].name());
       check_against_reference(Problem(cases[i]));
@@ -287,8 +210,7 @@ TEST(KernelTargets, EveryTargetMatchesReference) {
         check_against_reference(Problem(c));
       }
     }
-  }
-  hwy::SetSupportedTargetsForTest(0);
+  });
 }
 
 // bf16 takes vdpbf16ps where the CPU has AVX512-BF16 (the sweeps above); the widening path
@@ -303,34 +225,21 @@ TEST(KernelTargets, Bf16WithoutVdpbf16ps) {
 }
 
 TEST(KernelThreads, BitIdenticalWhateverTheThreadCount) {
-  Case wide;
-  wide.batch = 2;
-  wide.seq_q = 300;
-  wide.seq_kv = 333;
-  wide.num_heads_q = 3;
-  wide.head_dim = 64;
-  wide.causal = true;
-  wide.key_lengths = true;
+  Case wide{.batch = 2, .seq_q = 300, .seq_kv = 333, .num_heads_q = 3, .head_dim = 64};
+  wide.causal = wide.key_lengths = true;
   wide.bias = BiasKind::kRandom;
-  Case decode;  // key splits and the row-wise decode path
-  decode.seq_q = 1;
-  decode.seq_kv = 5000;
-  decode.num_heads_q = 8;
-  decode.num_heads_kv = 2;
-  decode.head_dim = 64;
+  // Key splits and the row-wise decode path.
+  const Case decode{
+      .seq_q = 1, .seq_kv = 5000, .num_heads_q = 8, .num_heads_kv = 2, .head_dim = 64};
   for (Case c : {wide, decode}) {
     for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
       c.dtype = dtype;
       SCOPED_TRACE(c.name());
       const Problem problem(c);
       for (Kernel kernel : {Kernel::kFlash, Kernel::kChunked, Kernel::kReference}) {
-        const Result one = problem.run(kernel, false, 1);
-        for (int threads : {2, 3, 5}) {
-          const Result many = problem.run(kernel, false, threads);
-          ASSERT_TRUE(bit_equal(one.out, many.out))
-              << "kernel " << static_cast<int>(kernel) << " threads " << threads;
-          ASSERT_TRUE(bit_equal(one.lse, many.lse));
-        }
+        AttentionParams params = problem.params();
+        params.kernel = kernel;
+        expect_same_bits_on_any_thread_count(problem, params);
       }
     }
   }
@@ -338,11 +247,7 @@ TEST(KernelThreads, BitIdenticalWhateverTheThreadCount) {
 
 // Fully masked rows: out exactly 0 and lse exactly -inf, never NaN, in every kernel.
 TEST(KernelEdges, FullyMaskedRowsGiveZeroAndNegInf) {
-  Case c;
-  c.batch = 2;
-  c.seq_q = 10;
-  c.seq_kv = 4;
-  c.causal = true;
+  Case c{.batch = 2, .seq_q = 10, .seq_kv = 4, .causal = true};
   c.align = Align::kBottomRight;  // Lq > Lk: the first 6 rows see no key
   c.key_lengths = true;           // and batch 1 has no keys at all
   c.nan_padding = true;
@@ -364,10 +269,7 @@ TEST(KernelEdges, FullyMaskedRowsGiveZeroAndNegInf) {
 
 // Large logits: softmax must subtract the max; a naive exp would overflow to inf / NaN.
 TEST(KernelEdges, HugeLogitsStayFinite) {
-  Case c;
-  c.seq_q = 70;
-  c.seq_kv = 70;
-  c.head_dim = 64;
+  Case c{.seq_q = 70, .seq_kv = 70, .head_dim = 64};
   c.input_scale = 30.0f;  // |q.k| * scale ~ 1e3 and beyond
   const Problem problem(c);
   const Result ref = problem.run(Kernel::kReference, false);

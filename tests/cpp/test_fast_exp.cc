@@ -16,6 +16,7 @@
 #include <random>
 #include <vector>
 
+#include "every_target.h"
 #include "hwy/targets.h"
 #include "kernels/cpu/fast_exp.h"
 
@@ -37,20 +38,6 @@ struct ErrorStats {
   std::int64_t count = 0;
   bool bad_value = false;  // NaN, negative, or a denormal/zero where exp is normal
 };
-
-// Runs body(target) once per compiled target this CPU supports, with that target forced.
-template <class Body>
-void for_each_target(Body body) {
-  const std::vector<std::int64_t> targets = hwy::SupportedAndGeneratedTargets();
-  ASSERT_FALSE(targets.empty());
-  for (std::int64_t target : targets) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
-    EXPECT_STREQ(fast_exp_cpu_target_name(), hwy::TargetName(target));
-    body(target);
-  }
-  hwy::SetSupportedTargetsForTest(0);
-}
 
 // What the sweep measures: an exp, and whether on SCALAR too (hwy::Exp's SCALAR code is slow
 // enough to double the sweep's time, and the comparison is about the vector targets).
@@ -83,7 +70,7 @@ std::vector<std::vector<ErrorStats>> sweep(const std::vector<Subject>& subjects,
     }
     for (std::size_t f = 0; f < subjects.size(); ++f) {
       std::size_t t = 0;
-      for_each_target([&](std::int64_t target) {
+      for_each_target(fast_exp_cpu_target_name, [&](std::int64_t target) {
         ErrorStats& s = stats[f][t++];
         if (target == HWY_SCALAR && !subjects[f].on_scalar) return;
         subjects[f].fn(x.data(), y.data(), n);
@@ -137,7 +124,7 @@ TEST(FastExp, ExactValuesAndNoNaNEveryTarget) {
   const float tiny = std::numeric_limits<float>::denorm_min();
   const float min_normal = std::numeric_limits<float>::min();
   const float max = std::numeric_limits<float>::max();
-  for_each_target([&](std::int64_t) {
+  for_each_target(fast_exp_cpu_target_name, [&](std::int64_t) {
     const std::vector<float> y = apply(exp_nonpositive_cpu, {0.0f, -0.0f, -kInf});
     EXPECT_EQ(y[0], 1.0f);
     EXPECT_EQ(y[1], 1.0f);
@@ -183,7 +170,7 @@ TEST(FastExp, MonotoneEveryTarget) {
       window[i] = std::bit_cast<float>(static_cast<std::uint32_t>(first + i));  // x falls with i
     }
   }
-  for_each_target([&](std::int64_t) {
+  for_each_target(fast_exp_cpu_target_name, [&](std::int64_t) {
     for (const std::vector<float>& x : samples) {
       const std::vector<float> y = apply(exp_nonpositive_cpu, x);
       std::int64_t inversions = 0;
@@ -200,7 +187,7 @@ TEST(FastExp, TailsAndMisalignedArraysMatchTheVectorPath) {
   for (float& v : x) v = dist(rng);
   x[5] = -kInf;
   x[40] = 0.0f;
-  for_each_target([&](std::int64_t) {
+  for_each_target(fast_exp_cpu_target_name, [&](std::int64_t) {
     std::vector<float> whole(x.size());
     exp_nonpositive_cpu(x.data(), whole.data(), static_cast<std::int64_t>(x.size()));
     for (std::int64_t offset = 0; offset < 3; ++offset) {
@@ -234,7 +221,7 @@ TEST(FastExpSpeed, NsPerElementVsHwyExp) {
     const auto stop = std::chrono::steady_clock::now();
     return std::chrono::duration<double, std::nano>(stop - start).count() / (kN * kReps);
   };
-  for_each_target([&](std::int64_t target) {
+  for_each_target(fast_exp_cpu_target_name, [&](std::int64_t target) {
     if (target == HWY_SCALAR) return;  // the vector targets are what the kernels run
     double fast = 1e30, hwy_exp = 1e30;
     for (std::int64_t t = 0; t < kTrials; ++t) {

@@ -14,7 +14,7 @@
 #include <cstring>
 
 #include "attention_case.h"
-#include "hwy/targets.h"
+#include "every_target.h"
 #include "kernels/kernels.h"
 #include "qkv/sparse.h"
 
@@ -47,12 +47,18 @@ AttentionParams params_of(const Problem& pr, const DecodeCase& dc) {
   return params;
 }
 
-// qkv::attention with the case's params (and sparsity) on `kernel` and `num_threads`.
-Result run(const Problem& pr, const DecodeCase& dc, Kernel kernel, int num_threads = 0) {
+// qkv::attention with the case's params (and sparsity) on `kernel`.
+Result run(const Problem& pr, const DecodeCase& dc, Kernel kernel) {
   AttentionParams params = params_of(pr, dc);
   params.kernel = kernel;
-  params.num_threads = num_threads;
   return pr.run_with(params, /*with_probs=*/false);
+}
+
+// Two batch entries of `seq_q` queries on `seq_kv` keys, 32 query heads on 8 kv heads: the base
+// of the mask and the sparsity cases.
+DecodeCase gqa_32_8(std::int64_t seq_q, std::int64_t seq_kv) {
+  const Case c{.batch = 2, .seq_q = seq_q, .seq_kv = seq_kv, .num_heads_q = 32, .num_heads_kv = 8};
+  return {.c = c};
 }
 
 std::vector<DecodeCase> decode_cases() {
@@ -67,16 +73,10 @@ std::vector<DecodeCase> decode_cases() {
   for (auto [hq, hkv] : {std::pair{32, 8}, {8, 1}}) {
     for (std::int64_t lq : {1, 2, 5}) {
       for (std::int64_t lk : {1, 100, 2047, 4099, 20000}) {
-        DecodeCase dc;
+        DecodeCase dc{.c = {.seq_q = lq, .seq_kv = lk, .num_heads_q = hq, .num_heads_kv = hkv}};
         dc.c.batch = lk >= 20000 ? 2 : 3;
-        dc.c.seq_q = lq;
-        dc.c.seq_kv = lk;
-        dc.c.num_heads_q = hq;
-        dc.c.num_heads_kv = hkv;
         dc.c.head_dim = lk >= 20000 ? 32 : 64;
-        dc.c.causal = true;
-        dc.c.key_lengths = true;
-        dc.c.nan_padding = true;
+        dc.c.causal = dc.c.key_lengths = dc.c.nan_padding = true;
         add(dc);
       }
     }
@@ -84,24 +84,15 @@ std::vector<DecodeCase> decode_cases() {
   // Every key, no padding (the splits all hold keys); head_dim 128 (the bench shape's).
   for (std::int64_t lq : {1, 2}) {
     for (std::int64_t lk : {2047, 4099}) {
-      DecodeCase dc;
-      dc.c.seq_q = lq;
-      dc.c.seq_kv = lk;
-      dc.c.num_heads_q = 32;
-      dc.c.num_heads_kv = 8;
-      dc.c.head_dim = 128;
-      add(dc);
+      const Case c{
+          .seq_q = lq, .seq_kv = lk, .num_heads_q = 32, .num_heads_kv = 8, .head_dim = 128};
+      add({.c = c});
     }
   }
   // Masks and biases on split shapes and on one that does not split.
   for (std::int64_t lk : {2047, 4099}) {
     for (std::int64_t lq : {1, 5}) {
-      DecodeCase dc;
-      dc.c.batch = 2;
-      dc.c.seq_q = lq;
-      dc.c.seq_kv = lk;
-      dc.c.num_heads_q = 32;
-      dc.c.num_heads_kv = 8;
+      DecodeCase dc = gqa_32_8(lq, lk);
       dc.c.head_dim = 48;
       // A window that leaves most splits empty, with causal (bottom-right).
       dc.c.causal = true;
@@ -133,11 +124,7 @@ std::vector<DecodeCase> decode_cases() {
   }
   // Top-left causal with Lq > 1: the early rows see only the first keys (most splits empty).
   {
-    DecodeCase dc;
-    dc.c.seq_q = 5;
-    dc.c.seq_kv = 4099;
-    dc.c.num_heads_q = 8;
-    dc.c.num_heads_kv = 1;
+    DecodeCase dc{.c = {.seq_q = 5, .seq_kv = 4099, .num_heads_q = 8, .num_heads_kv = 1}};
     dc.c.causal = true;
     dc.c.align = Align::kTopLeft;
     add(dc);
@@ -146,12 +133,7 @@ std::vector<DecodeCase> decode_cases() {
   // in between has nothing; and with dilation.
   for (std::int64_t lq : {1, 2}) {
     for (std::int64_t lk : {4099, 20000}) {
-      DecodeCase dc;
-      dc.c.batch = 2;
-      dc.c.seq_q = lq;
-      dc.c.seq_kv = lk;
-      dc.c.num_heads_q = 32;
-      dc.c.num_heads_kv = 8;
+      DecodeCase dc = gqa_32_8(lq, lk);
       dc.c.head_dim = 32;
       dc.c.key_lengths = lk < 20000;
       dc.sparse_window = 300;
@@ -199,20 +181,14 @@ INSTANTIATE_TEST_SUITE_P(Cases, FlashDecoding, ::testing::ValuesIn(decode_cases(
 // The same on every compiled target this CPU supports (AVX2 has 16-row blocks and a 4-row
 // decode path; SCALAR 4 and 1), over a third of the cases.
 TEST(FlashDecodingTargets, EveryTargetMatchesReference) {
-  const std::vector<std::int64_t> targets = hwy::SupportedAndGeneratedTargets();
-  ASSERT_FALSE(targets.empty());
   const std::vector<DecodeCase> cases = decode_cases();
-  for (std::int64_t target : targets) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
-    EXPECT_STREQ(attention_cpu_target_name(), hwy::TargetName(target));
+  for_each_target(attention_cpu_target_name, [&](std::int64_t target) {
     for (std::size_t i = target % 3; i < cases.size(); i += 3) {
       if (cases[i].c.seq_kv >= 20000) continue;  // the scalar target takes a while
       SCOPED_TRACE(cases[i].name());
       check_against_reference(cases[i]);
     }
-  }
-  hwy::SetSupportedTargetsForTest(0);
+  });
 }
 
 // The splits are fixed by the shape and merged in a fixed order: the same bits on any number of
@@ -220,15 +196,10 @@ TEST(FlashDecodingTargets, EveryTargetMatchesReference) {
 TEST(FlashDecodingThreads, BitIdenticalWhateverTheThreadCount) {
   std::vector<DecodeCase> cases;
   for (auto [lq, hq, hkv] : {std::tuple{1, 32, 8}, {1, 8, 1}, {2, 32, 8}, {5, 32, 8}}) {
-    DecodeCase dc;
-    dc.c.batch = 2;
-    dc.c.seq_q = lq;
-    dc.c.seq_kv = 9000;
-    dc.c.num_heads_q = hq;
+    DecodeCase dc{.c = {.batch = 2, .seq_q = lq, .seq_kv = 9000, .num_heads_q = hq}};
     dc.c.num_heads_kv = hkv;
     dc.c.head_dim = 64;
-    dc.c.causal = true;
-    dc.c.key_lengths = true;
+    dc.c.causal = dc.c.key_lengths = true;
     dc.c.bias = BiasKind::kRandom;
     dc.c.seed = 77 + lq;
     cases.push_back(dc);
@@ -236,21 +207,15 @@ TEST(FlashDecodingThreads, BitIdenticalWhateverTheThreadCount) {
   cases.push_back(cases.front());
   cases.back().sparse_window = 200;
   cases.back().global = {3};
-  for (std::int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
+  for_each_target(attention_cpu_target_name, [&](std::int64_t) {
     for (const DecodeCase& dc : cases) {
       SCOPED_TRACE(dc.name());
       const Problem pr(dc.c);
-      const Result one = run(pr, dc, Kernel::kFlash, 1);
-      for (int threads : {2, 3, 5}) {
-        const Result many = run(pr, dc, Kernel::kFlash, threads);
-        EXPECT_TRUE(bit_equal(one.out, many.out)) << "out, threads " << threads;
-        EXPECT_TRUE(bit_equal(one.lse, many.lse)) << "lse, threads " << threads;
-      }
+      AttentionParams params = params_of(pr, dc);
+      params.kernel = Kernel::kFlash;
+      expect_same_bits_on_any_thread_count(pr, params);
     }
-  }
-  hwy::SetSupportedTargetsForTest(0);
+  });
 }
 
 }  // namespace

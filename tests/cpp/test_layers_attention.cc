@@ -9,20 +9,14 @@
 #include "layers_reference.h"
 #include "qkv/layers/multi_head_attention.h"
 
-namespace qkv {
+namespace qkv::testing {
 namespace {
-
-using testing::expect_close;
-using testing::random_floats;
-using testing::to_f64;
-using testing::Vec;
 
 constexpr double kTol = 3e-5;
 
 // Random canonical weights for one config, and the three packings built from them.
-struct Weights {
+struct Weights : MhaF32Weights {
   std::int64_t E, H, Hkv, hd, kvw, kdim, vdim;
-  std::vector<float> q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b;
   std::vector<float> blocks_w, blocks_b, per_head_w, per_head_b;
 
   Weights(std::int64_t e, std::int64_t h, std::int64_t hkv, std::int64_t kd, std::int64_t vd,
@@ -57,23 +51,16 @@ struct Weights {
     return {.embed_dim = E, .num_heads = H, .num_kv_heads = Hkv, .kdim = kdim, .vdim = vdim};
   }
   MultiHeadAttentionWeights packed(QkvPacking packing) const {
+    if (packing == QkvPacking::kSeparate) return separate();
     MultiHeadAttentionWeights w{.packing = packing, .out_weight = o_w, .out_bias = o_b};
-    if (packing == QkvPacking::kSeparate) {
-      w.q_weight = q_w, w.q_bias = q_b, w.k_weight = k_w, w.k_bias = k_b;
-      w.v_weight = v_w, w.v_bias = v_b;
-    } else if (packing == QkvPacking::kFusedBlocks) {
+    if (packing == QkvPacking::kFusedBlocks) {
       w.qkv_weight = blocks_w, w.qkv_bias = blocks_b;
     } else {
       w.qkv_weight = per_head_w, w.qkv_bias = per_head_b;
     }
     return w;
   }
-  testing::MhaRefWeights ref() const {
-    return {to_f64(q_w), to_f64(q_b), to_f64(k_w), to_f64(k_b),
-            to_f64(v_w), to_f64(v_b), to_f64(o_w), to_f64(o_b)};
-  }
-  testing::MhaRefProblem problem(std::int64_t batch, std::int64_t seq_q,
-                                 std::int64_t seq_kv) const {
+  MhaRefProblem problem(std::int64_t batch, std::int64_t seq_q, std::int64_t seq_kv) const {
     return {.batch = batch,
             .seq_q = seq_q,
             .seq_kv = seq_kv,
@@ -102,7 +89,7 @@ TEST(LayersMha, SelfAttentionAllPackingsSweep) {
       for (std::int64_t seq : {1, 3, 17}) {
         const std::vector<float> x = random_floats(batch * seq * s.E, seq * 7 + batch);
         const auto ref =
-            testing::mha_ref(w.problem(batch, seq, seq), w.ref(), to_f64(x), to_f64(x), to_f64(x));
+            mha_ref(w.problem(batch, seq, seq), w.ref(), to_f64(x), to_f64(x), to_f64(x));
         for (QkvPacking packing :
              {QkvPacking::kSeparate, QkvPacking::kFusedBlocks, QkvPacking::kFusedPerHead}) {
           if (packing == QkvPacking::kFusedPerHead && s.Hkv != s.H) continue;
@@ -160,7 +147,7 @@ TEST(LayersMha, MasksCausalWindowKeyLengths) {
                  .window_left = m.left,
                  .window_right = m.right};
     if (m.lengths) p.key_lengths = key_lengths, o.key_lengths = key_lengths;
-    const auto ref = testing::mha_ref(p, w.ref(), to_f64(x), to_f64(x), to_f64(x));
+    const auto ref = mha_ref(p, w.ref(), to_f64(x), to_f64(x), to_f64(x));
     std::vector<float> out(x.size());
     mha.forward(x.data(), batch, seq, out.data(), o);
     expect_close(out, ref.out, kTol,
@@ -181,19 +168,19 @@ TEST(LayersMha, CrossAttentionLqNotLkAndKdimVdim) {
     auto p = w.problem(batch, seq_q, seq_kv);
     p.causal = causal;
     p.key_lengths = {17, 9};
-    const auto ref = testing::mha_ref(p, w.ref(), to_f64(query), to_f64(kmem), to_f64(vmem));
+    const auto ref = mha_ref(p, w.ref(), to_f64(query), to_f64(kmem), to_f64(vmem));
     std::vector<float> out(query.size());
     mha.forward_cross(query.data(), batch, seq_q, kmem.data(), vmem.data(), seq_kv, out.data(),
                       {.causal = causal, .key_lengths = p.key_lengths});
     expect_close(out, ref.out, kTol, "cross causal=" + std::to_string(causal));
   }
-  testing::expect_error(
+  expect_error(
       [&] {
         std::vector<float> out(query.size());
         mha.forward_cross(query.data(), batch, seq_q, kmem.data(), seq_kv, out.data());
       },
       "one memory needs kdim == vdim, got kdim = 5, vdim = 7");
-  testing::expect_error(
+  expect_error(
       [&] {
         std::vector<float> out(query.size());
         mha.forward(query.data(), batch, seq_q, out.data());
@@ -204,8 +191,8 @@ TEST(LayersMha, CrossAttentionLqNotLkAndKdimVdim) {
   const Weights f(16, 2, 2, 16, 16, 41);
   const std::vector<float> q2 = random_floats(batch * seq_q * 16, 42);
   const std::vector<float> mem = random_floats(batch * seq_kv * 16, 43);
-  const auto ref = testing::mha_ref(f.problem(batch, seq_q, seq_kv), f.ref(), to_f64(q2),
-                                    to_f64(mem), to_f64(mem));
+  const auto ref =
+      mha_ref(f.problem(batch, seq_q, seq_kv), f.ref(), to_f64(q2), to_f64(mem), to_f64(mem));
   for (QkvPacking packing : {QkvPacking::kFusedBlocks, QkvPacking::kFusedPerHead}) {
     MultiHeadAttention fused(f.config(), f.packed(packing));
     std::vector<float> out(q2.size());
@@ -222,7 +209,7 @@ TEST(LayersMha, AttentionWeightsPerHeadAndAveraged) {
   auto p = w.problem(batch, seq, seq);
   p.causal = true;
   p.key_lengths = {7, 4};
-  const auto ref = testing::mha_ref(p, w.ref(), to_f64(x), to_f64(x), to_f64(x));
+  const auto ref = mha_ref(p, w.ref(), to_f64(x), to_f64(x), to_f64(x));
   std::vector<float> out(x.size()), weights(batch * H * seq * seq, 42.0f);
   mha.forward(x.data(), batch, seq, out.data(),
               {.causal = true, .key_lengths = p.key_lengths, .attn_weights = weights.data()});
@@ -253,8 +240,7 @@ TEST(LayersMha, KvCacheTokenByTokenEqualsFullCausal) {
     mha.forward(x.data(), batch, seq, full.data(), {.causal = true});
     auto p = w.problem(batch, seq, seq);
     p.causal = true;
-    expect_close(full, testing::mha_ref(p, w.ref(), to_f64(x), to_f64(x), to_f64(x)).out, kTol,
-                 "full");
+    expect_close(full, mha_ref(p, w.ref(), to_f64(x), to_f64(x), to_f64(x)).out, kTol, "full");
 
     // Feed the sequence in pieces of 1, 3, 1, 5, ... tokens: [B, piece, E] each.
     for (std::int64_t max_seq : {0, 17}) {
@@ -279,8 +265,8 @@ TEST(LayersMha, KvCacheTokenByTokenEqualsFullCausal) {
       }
       if (max_seq > 0) {
         std::vector<float> one(batch * E), out(batch * E);
-        testing::expect_error([&] { mha.forward_cached(one.data(), batch, 1, cache, out.data()); },
-                              "17 cached + 1 new tokens exceed max_seq = 17");
+        expect_error([&] { mha.forward_cached(one.data(), batch, 1, cache, out.data()); },
+                     "17 cached + 1 new tokens exceed max_seq = 17");
         EXPECT_EQ(cache.size(), 17);
       }
     }
@@ -298,14 +284,12 @@ TEST(LayersMha, FailedCachedCallLeavesCacheUnchanged) {
                Error);
   EXPECT_EQ(cache.size(), 3);
   KvCache wrong(2, 2, 8);
-  testing::expect_error(
-      [&] { mha.forward_cached(x.data(), 1, 1, wrong, out.data()); },
-      "cache is [B = 2, Hkv = 2, head_dim = 8], expected [B = 1, Hkv = 2, head_dim = 8]");
+  expect_error([&] { mha.forward_cached(x.data(), 1, 1, wrong, out.data()); },
+               "cache is [B = 2, Hkv = 2, head_dim = 8], expected [B = 1, Hkv = 2, head_dim = 8]");
 }
 
 TEST(LayersMha, ValidationErrors) {
   const Weights w(16, 2, 2, 16, 16, 81);
-  using testing::expect_error;
   expect_error(
       [&] {
         MultiHeadAttention({.embed_dim = 16, .num_heads = 3}, w.packed(QkvPacking::kSeparate));
@@ -342,4 +326,4 @@ TEST(LayersMha, ValidationErrors) {
 }
 
 }  // namespace
-}  // namespace qkv
+}  // namespace qkv::testing

@@ -14,13 +14,8 @@
 #include "qkv/layers/layer_norm.h"
 #include "qkv/layers/linear.h"
 
-namespace qkv {
+namespace qkv::testing {
 namespace {
-
-using testing::expect_close;
-using testing::random_floats;
-using testing::to_f64;
-using testing::Vec;
 
 constexpr Activation kAllActivations[] = {Activation::kNone, Activation::kGeluErf,
                                           Activation::kGeluTanh, Activation::kRelu};
@@ -37,7 +32,7 @@ double max_relative_error(Activation act, float limit = 16.0f) {
   apply_activation(act, y.data(), static_cast<std::int64_t>(y.size()));
   double worst = 0, worst_x = 0;
   for (std::size_t i = 0; i < x.size(); ++i) {
-    const double ref = testing::activation_ref(act, x[i]);
+    const double ref = activation_ref(act, x[i]);
     if (std::abs(ref) < FLT_MIN) {
       EXPECT_LE(std::abs(y[i]), FLT_MIN) << "x = " << x[i];
       continue;
@@ -76,7 +71,7 @@ TEST(LayersActivation, OddLengthsTouchOnlyTheirElements) {
       const std::vector<float> original = x;
       apply_activation(act, x.data(), n);
       for (std::int64_t i = 0; i < n; ++i) {
-        const double ref = testing::activation_ref(act, original[i]);
+        const double ref = activation_ref(act, original[i]);
         ASSERT_NEAR(x[i], ref, 4e-7 * std::max(1.0, std::abs(ref)))
             << activation_name(act) << " n=" << n << " i=" << i;
       }
@@ -123,8 +118,7 @@ void check_linear(const LinearCase& c) {
   EXPECT_EQ(linear.out_features(), c.out);
   std::vector<float> y(c.rows * c.out, 42.0f);
   linear.forward(x.data(), c.rows, y.data(), c.x_stride);
-  const Vec ref =
-      testing::linear_ref(to_f64(x), c.rows, c.in, to_f64(w), to_f64(b), c.out, c.act, stride);
+  const Vec ref = linear_ref(to_f64(x), c.rows, c.in, to_f64(w), to_f64(b), c.out, c.act, stride);
   expect_close(y, ref, 2e-6 * std::sqrt(static_cast<double>(c.in)) + 1e-6,
                "rows=" + std::to_string(c.rows) + " in=" + std::to_string(c.in) +
                    " out=" + std::to_string(c.out) + " act=" + activation_name(c.act));
@@ -164,7 +158,7 @@ TEST(LayersLinear, PrimitiveCachePerRowsCount) {
       const std::vector<float> x = random_floats(rows * in, 9 + rows + round);
       std::vector<float> y(rows * out);
       linear.forward(x.data(), rows, y.data());
-      expect_close(y, testing::linear_ref(to_f64(x), rows, in, to_f64(w), to_f64(b), out), 2e-5,
+      expect_close(y, linear_ref(to_f64(x), rows, in, to_f64(w), to_f64(b), out), 2e-5,
                    "rows=" + std::to_string(rows));
     }
   }
@@ -172,12 +166,11 @@ TEST(LayersLinear, PrimitiveCachePerRowsCount) {
   const std::vector<float> x = random_floats(in, 77);
   std::vector<float> y(out);
   moved.forward(x.data(), 1, y.data());
-  expect_close(y, testing::linear_ref(to_f64(x), 1, in, to_f64(w), to_f64(b), out), 2e-5, "moved");
+  expect_close(y, linear_ref(to_f64(x), 1, in, to_f64(w), to_f64(b), out), 2e-5, "moved");
 }
 
 TEST(LayersLinear, ValidationErrors) {
   const std::vector<float> w(12, 0.5f), b(4, 0.5f);
-  using testing::expect_error;
   expect_error([&] { Linear({.weight = w, .bias = {}, .in_features = 3, .out_features = 5}); },
                "weight has 12 elements, expected 15 for weight shape [out_features = 5, "
                "in_features = 3]");
@@ -217,13 +210,12 @@ TEST(LayersLayerNorm, SweepWithAndWithoutResidual) {
 
       std::vector<float> y(rows * features);
       norm.forward(x.data(), nullptr, rows, y.data());
-      expect_close(
-          y,
-          testing::layer_norm_ref(to_f64(x), {}, rows, features, to_f64(gamma), to_f64(beta), eps),
-          3e-5, what + " no residual");
+      expect_close(y,
+                   layer_norm_ref(to_f64(x), {}, rows, features, to_f64(gamma), to_f64(beta), eps),
+                   3e-5, what + " no residual");
 
-      const Vec ref_res = testing::layer_norm_ref(to_f64(x), to_f64(r), rows, features,
-                                                  to_f64(gamma), to_f64(beta), eps);
+      const Vec ref_res =
+          layer_norm_ref(to_f64(x), to_f64(r), rows, features, to_f64(gamma), to_f64(beta), eps);
       norm.forward(x.data(), r.data(), rows, y.data());
       expect_close(y, ref_res, 3e-5, what + " residual");
       std::vector<float> in_place = x;  // y aliases x
@@ -246,11 +238,10 @@ TEST(LayersLayerNorm, ConstantRowGivesBeta) {
 
 TEST(LayersLayerNorm, ValidationErrors) {
   const std::vector<float> g(4, 1.0f), b(3, 0.0f);
-  using testing::expect_error;
   expect_error([&] { LayerNorm(g, b, 4, 1e-5f); }, "beta has 3 elements, expected features = 4");
   expect_error([&] { LayerNorm(b, g, 4, 1e-5f); }, "gamma has 3 elements, expected features = 4");
   expect_error([&] { LayerNorm(g, g, 4, 0.0f); }, "eps");
 }
 
 }  // namespace
-}  // namespace qkv
+}  // namespace qkv::testing

@@ -10,17 +10,11 @@
 #include "qkv/layers/dropout.h"
 #include "qkv/layers/encoder_layer.h"
 
-namespace qkv {
+namespace qkv::testing {
 namespace {
 
-using testing::expect_close;
-using testing::random_floats;
-using testing::to_f64;
-using testing::Vec;
-
-struct LayerData {
+struct LayerData : MhaF32Weights {
   EncoderLayerConfig config;
-  std::vector<float> q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b;
   std::vector<float> g1, b1, f1_w, f1_b, f2_w, f2_b, g2, b2;
 
   LayerData(const EncoderLayerConfig& c, std::uint64_t seed) : config(c) {
@@ -34,23 +28,10 @@ struct LayerData {
     f2_w = r(E * F), f2_b = r(E), g2 = r(E, 0.5f, 1.5f), b2 = r(E);
   }
   EncoderLayerWeights weights() const {
-    return {.attention = {.packing = QkvPacking::kSeparate,
-                          .q_weight = q_w,
-                          .q_bias = q_b,
-                          .k_weight = k_w,
-                          .k_bias = k_b,
-                          .v_weight = v_w,
-                          .v_bias = v_b,
-                          .out_weight = o_w,
-                          .out_bias = o_b},
-            .norm1_gamma = g1,
-            .norm1_beta = b1,
-            .ff1_weight = f1_w,
-            .ff1_bias = f1_b,
-            .ff2_weight = f2_w,
-            .ff2_bias = f2_b,
-            .norm2_gamma = g2,
-            .norm2_beta = b2};
+    EncoderLayerWeights w{.attention = separate()};
+    w.norm1_gamma = g1, w.norm1_beta = b1, w.ff1_weight = f1_w, w.ff1_bias = f1_b;
+    w.ff2_weight = f2_w, w.ff2_bias = f2_b, w.norm2_gamma = g2, w.norm2_beta = b2;
+    return w;
   }
 
   // float64 reference of one layer (inference: no dropout).
@@ -58,26 +39,23 @@ struct LayerData {
                 const std::vector<std::int64_t>& key_lengths) const {
     const auto& c = config;
     const std::int64_t E = c.embed_dim, rows = batch * seq;
-    testing::MhaRefProblem p{.batch = batch,
-                             .seq_q = seq,
-                             .seq_kv = seq,
-                             .embed_dim = E,
-                             .num_heads = c.num_heads,
-                             .num_kv_heads = c.num_kv_heads ? c.num_kv_heads : c.num_heads,
-                             .kdim = E,
-                             .vdim = E,
-                             .key_lengths = key_lengths};
-    const testing::MhaRefWeights w{to_f64(q_w), to_f64(q_b), to_f64(k_w), to_f64(k_b),
-                                   to_f64(v_w), to_f64(v_b), to_f64(o_w), to_f64(o_b)};
-    auto attn = [&](const Vec& in) { return testing::mha_ref(p, w, in, in, in).out; };
+    MhaRefProblem p{.batch = batch,
+                    .seq_q = seq,
+                    .seq_kv = seq,
+                    .embed_dim = E,
+                    .num_heads = c.num_heads,
+                    .num_kv_heads = c.num_kv_heads ? c.num_kv_heads : c.num_heads,
+                    .kdim = E,
+                    .vdim = E,
+                    .key_lengths = key_lengths};
+    auto attn = [&](const Vec& in) { return mha_ref(p, ref(), in, in, in).out; };
     auto ffn = [&](const Vec& in) {
-      const Vec h =
-          testing::linear_ref(in, rows, E, to_f64(f1_w), to_f64(f1_b), c.d_ff, c.activation);
-      return testing::linear_ref(h, rows, c.d_ff, to_f64(f2_w), to_f64(f2_b), E);
+      const Vec h = linear_ref(in, rows, E, to_f64(f1_w), to_f64(f1_b), c.d_ff, c.activation);
+      return linear_ref(h, rows, c.d_ff, to_f64(f2_w), to_f64(f2_b), E);
     };
     auto ln = [&](const Vec& in, const Vec& res, const std::vector<float>& g,
                   const std::vector<float>& b) {
-      return testing::layer_norm_ref(in, res, rows, E, to_f64(g), to_f64(b), c.eps);
+      return layer_norm_ref(in, res, rows, E, to_f64(g), to_f64(b), c.eps);
     };
     auto add = [](Vec a, const Vec& b) {
       for (std::size_t i = 0; i < a.size(); ++i) a[i] += b[i];
@@ -134,7 +112,7 @@ TEST(LayersEncoder, StackWithFinalNormEqualsLayerByLayer) {
   EXPECT_EQ(encoder.num_layers(), 2);
   std::vector<float> x = random_floats(2 * 5 * 16, 5);
   Vec ref = d1.reference(d0.reference(to_f64(x), 2, 5, {}), 2, 5, {});
-  ref = testing::layer_norm_ref(ref, {}, 10, 16, to_f64(g), to_f64(b), c.eps);
+  ref = layer_norm_ref(ref, {}, 10, 16, to_f64(g), to_f64(b), c.eps);
   encoder.forward(x.data(), 2, 5);
   expect_close(x, ref, 5e-5, "encoder");
 }
@@ -144,14 +122,13 @@ TEST(LayersEncoder, ValidationErrorsNameTheField) {
   LayerData d(c, 1);
   auto w = d.weights();
   w.ff1_weight = w.ff1_weight.first(10);
-  testing::expect_error([&] { EncoderLayer(c, w); },
-                        "EncoderLayer: ff1: Linear: weight has 10 elements, expected 384");
+  expect_error([&] { EncoderLayer(c, w); },
+               "EncoderLayer: ff1: Linear: weight has 10 elements, expected 384");
   w = d.weights();
   w.norm2_beta = w.norm2_beta.first(3);
-  testing::expect_error([&] { EncoderLayer(c, w); }, "EncoderLayer: norm2: LayerNorm: beta has 3");
+  expect_error([&] { EncoderLayer(c, w); }, "EncoderLayer: norm2: LayerNorm: beta has 3");
   c.dropout = 1.0f;
-  testing::expect_error([&] { EncoderLayer(c, d.weights()); },
-                        "dropout = 1.000000 must be in [0, 1)");
+  expect_error([&] { EncoderLayer(c, d.weights()); }, "dropout = 1.000000 must be in [0, 1)");
 }
 
 // ---- dropout ----
@@ -189,8 +166,7 @@ TEST(LayersDropout, RateScaleReproducibleThreadIndependent) {
   std::vector<float> untouched = ones;
   dropout(untouched.data(), n, 0.0f, 42, 7);
   EXPECT_EQ(untouched, ones);
-  testing::expect_error([&] { dropout(untouched.data(), n, 1.0f, 1, 1); },
-                        "p = 1.000000 must be in [0, 1)");
+  expect_error([&] { dropout(untouched.data(), n, 1.0f, 1, 1); }, "p = 1.000000 must be in [0, 1)");
 }
 
 TEST(LayersDropout, EncoderTrainingModeOnlyAndSeeded) {
@@ -223,4 +199,4 @@ TEST(LayersDropout, EncoderTrainingModeOnlyAndSeeded) {
 }
 
 }  // namespace
-}  // namespace qkv
+}  // namespace qkv::testing

@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "every_target.h"
 #include "expect_error.h"
-#include "hwy/targets.h"
 #include "kernels/kernels.h"
 #include "qkv/attention.h"
 #include "qkv/linear_attention.h"
@@ -156,36 +156,20 @@ std::vector<LinearCase> linear_cases() {
     cases.push_back(c);
   };
   for (std::int64_t l : {1, 7, 63, 65, 200, 517}) {
-    for (bool causal : {false, true}) {
-      LinearCase c;
-      c.seq_q = c.seq_kv = l;
-      c.causal = causal;
-      add(c);
-    }
+    for (bool causal : {false, true}) add({.seq_q = l, .seq_kv = l, .causal = causal});
   }
   for (std::int64_t d : {1, 16, 64, 80}) {
     for (std::int64_t dv :
          {std::int64_t{-1}, std::int64_t{1}, std::int64_t{24}, std::int64_t{65}}) {
-      LinearCase c;
-      c.seq_q = 33;
-      c.seq_kv = 70;
-      c.head_dim = d;
-      c.head_dim_v = dv;
-      c.causal = dv == 24;
-      add(c);
+      add({.seq_q = 33, .seq_kv = 70, .head_dim = d, .head_dim_v = dv, .causal = dv == 24});
     }
   }
   // GQA / MQA, batches, key lengths, BHSD.
   for (auto [hq, hkv] : {std::pair{4, 2}, {6, 1}, {3, 3}}) {
     for (bool causal : {false, true}) {
-      LinearCase c;
-      c.batch = 3;
-      c.seq_q = 70;
-      c.seq_kv = 131;
+      LinearCase c{.batch = 3, .seq_q = 70, .seq_kv = 131, .head_dim = 24, .head_dim_v = 20};
       c.num_heads_q = hq;
       c.num_heads_kv = hkv;
-      c.head_dim = 24;
-      c.head_dim_v = 20;
       c.causal = causal;
       c.key_lengths = true;
       c.bhsd = hq == 6;
@@ -195,12 +179,7 @@ std::vector<LinearCase> linear_cases() {
   // Causal with Lq != Lk in both alignments: rows without keys, prefixes, many chunks.
   for (Align align : {Align::kBottomRight, Align::kTopLeft}) {
     for (auto [lq, lk] : {std::pair{65, 200}, {200, 65}, {1, 300}, {517, 130}, {130, 517}}) {
-      LinearCase c;
-      c.seq_q = lq;
-      c.seq_kv = lk;
-      c.num_heads_q = 2;
-      c.head_dim = 32;
-      c.causal = true;
+      LinearCase c{.seq_q = lq, .seq_kv = lk, .num_heads_q = 2, .head_dim = 32, .causal = true};
       c.align = align;
       c.key_lengths = lq == 130;
       add(c);
@@ -244,13 +223,8 @@ INSTANTIATE_TEST_SUITE_P(Cases, LinearSweep, ::testing::ValuesIn(linear_cases())
                          [](const auto& info) { return info.param.name(); });
 
 TEST(LinearTargets, EveryTargetMatchesReference) {
-  const std::vector<std::int64_t> targets = hwy::SupportedAndGeneratedTargets();
-  ASSERT_FALSE(targets.empty());
   const std::vector<LinearCase> cases = linear_cases();
-  for (std::int64_t target : targets) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
-    EXPECT_STREQ(linear_attention_cpu_target_name(), hwy::TargetName(target));
+  for_each_target(linear_attention_cpu_target_name, [&](std::int64_t) {
     for (std::size_t i = 0; i < cases.size(); i += 4) {
       SCOPED_TRACE(cases[i].name());
       const LinearProblem problem(cases[i]);
@@ -258,22 +232,15 @@ TEST(LinearTargets, EveryTargetMatchesReference) {
         check_fast_against_reference(problem, map, 16);
       }
     }
-  }
-  hwy::SetSupportedTargetsForTest(0);
+  });
 }
 
 // Few (batch, kv head) pairs split the sequence into segments (merged in a fixed order); the
 // result must not depend on how many threads run them.
 TEST(LinearThreads, BitIdenticalWhateverTheThreadCount) {
   for (bool causal : {false, true}) {
-    LinearCase c;
-    c.batch = 1;
-    c.seq_q = 700;
-    c.seq_kv = 650;
-    c.num_heads_q = 2;
-    c.num_heads_kv = 1;
-    c.head_dim = 32;
-    c.causal = causal;
+    const LinearCase c{
+        .seq_q = 700, .seq_kv = 650, .num_heads_q = 2, .head_dim = 32, .causal = causal};
     const LinearProblem problem(c);
     for (FeatureMap map : {FeatureMap::kEluPlusOne, FeatureMap::kFavorPositive}) {
       LinearAttentionParams p = problem.params(map);
@@ -294,12 +261,7 @@ TEST(LinearThreads, BitIdenticalWhateverTheThreadCount) {
 // bottom-right, i top-left): the prefix definition, checked at rows around chunk boundaries.
 TEST(LinearCausal, RowEqualsNonCausalOnItsKeyPrefix) {
   for (Align align : {Align::kBottomRight, Align::kTopLeft}) {
-    LinearCase c;
-    c.seq_q = 150;
-    c.seq_kv = 170;
-    c.num_heads_q = 2;
-    c.head_dim = 16;
-    c.head_dim_v = 8;
+    LinearCase c{.seq_q = 150, .seq_kv = 170, .num_heads_q = 2, .head_dim = 16, .head_dim_v = 8};
     c.causal = true;
     c.align = align;
     const LinearProblem problem(c);
@@ -336,11 +298,7 @@ TEST(LinearCausal, RowEqualsNonCausalOnItsKeyPrefix) {
 // Rows with no allowed key (key length 0; bottom-right causal with Lq > Lk) give exactly 0,
 // never NaN, though the padded keys are NaN.
 TEST(LinearEdges, RowsWithoutKeysAreZero) {
-  LinearCase c;
-  c.batch = 2;
-  c.seq_q = 10;
-  c.seq_kv = 4;
-  c.causal = true;
+  LinearCase c{.batch = 2, .seq_q = 10, .seq_kv = 4, .causal = true};
   c.key_lengths = true;  // batch 1 has no keys
   const LinearProblem problem(c);
   for (FeatureMap map : {FeatureMap::kEluPlusOne, FeatureMap::kFavorPositive}) {
@@ -477,41 +435,31 @@ TEST(LinearFavor, ProjectionIsOrthogonalBlocksWithChiNorms) {
 TEST(LinearValidation, RejectsWhatLinearAttentionCannotExpress) {
   LinearCase c;
   LinearProblem problem(c);
-  const auto fails = [&](LinearAttentionParams p, const std::string& expected) {
-    expect_error([&] { problem.run(p); }, expected);
+  using Params = LinearAttentionParams;
+  const Params elu = problem.params(FeatureMap::kEluPlusOne);
+  const Params favor = problem.params(FeatureMap::kFavorPositive);
+  // `base` with `change` applied must fail naming the argument.
+  const auto fails = [&](Params base, const std::string& expected, auto change) {
+    change(base);
+    expect_error([&] { problem.run(base); }, expected);
   };
-  const LinearAttentionParams elu = problem.params(FeatureMap::kEluPlusOne);
-  const LinearAttentionParams favor = problem.params(FeatureMap::kFavorPositive);
-  LinearAttentionParams p = elu;
-  p.softcap = 5.0f;
-  fails(p, "softcap:");
-  p = elu;
-  p.window_left = 3;
-  fails(p, "window: (3, -1)");
-  p = elu;
+  fails(elu, "softcap:", [](Params& p) { p.softcap = 5.0f; });
+  fails(elu, "window: (3, -1)", [](Params& p) { p.window_left = 3; });
   std::uint8_t mask = 1;
-  p.mask = TensorView::contiguous(&mask, DType::kBool, {1, 1, 1, 1});
-  fails(p, "mask:");
+  fails(elu, "mask:", [&](Params& p) {
+    p.mask = TensorView::contiguous(&mask, DType::kBool, {1, 1, 1, 1});
+  });
   float bias = 0.0f;
-  p = elu;
-  p.bias = TensorView::contiguous(&bias, DType::kF32, {1, 1, 1, 1});
-  fails(p, "bias:");
-  p = elu;
-  p.scale = 0.5f;
-  fails(p, "scale: 0.5");
-  p = favor;
-  p.scale = -1.0f;
-  fails(p, "scale: must be finite and > 0");
-  p = favor;
-  p.nb_features = 0;
-  fails(p, "nb_features: must be in [1, 65536], got 0");
-  p = favor;
-  p.chunk_size = 0;
-  fails(p, "chunk_size:");
-  p = favor;
+  fails(elu, "bias:", [&](Params& p) {
+    p.bias = TensorView::contiguous(&bias, DType::kF32, {1, 1, 1, 1});
+  });
+  fails(elu, "scale: 0.5", [](Params& p) { p.scale = 0.5f; });
+  fails(favor, "scale: must be finite and > 0", [](Params& p) { p.scale = -1.0f; });
+  fails(favor, "nb_features: must be in [1, 65536], got 0", [](Params& p) { p.nb_features = 0; });
+  fails(favor, "chunk_size:", [](Params& p) { p.chunk_size = 0; });
   const std::vector<std::int64_t> lengths = {8};
-  p.key_lengths = lengths;
-  fails(p, "key_lengths: entry 0 is 8, outside [0, seq_kv = 7]");
+  fails(favor, "key_lengths: entry 0 is 8, outside [0, seq_kv = 7]",
+        [&](Params& p) { p.key_lengths = lengths; });
 
   std::vector<float> out(7 * 16), lse(7);
   const TensorView q = problem.view(problem.q.data(), 7, 1, 16);

@@ -83,6 +83,13 @@ class NpyTest : public ::testing::Test {
     }
   }
 
+  // Writes `bytes` to `name`, then expects reading it to fail as in expect_read_error.
+  void expect_bad_file(const std::string& name, const std::string& bytes,
+                       const std::string& fragment) const {
+    write_bytes(name, bytes);
+    expect_read_error(name, fragment);
+  }
+
   fs::path dir_;
 };
 
@@ -162,135 +169,127 @@ TEST_F(NpyTest, NotARegularFile) {
 }
 
 TEST_F(NpyTest, BadMagic) {
-  write_bytes("a.npy", "PK\x03\x04 this is a zip file");
-  expect_read_error("a.npy", "not a .npy file (bad magic string)");
-  write_bytes("empty.npy", "");
-  expect_read_error("empty.npy", "bad magic");
-  write_bytes("short.npy", "\x93NU");
-  expect_read_error("short.npy", "bad magic");
+  expect_bad_file("a.npy", "PK\x03\x04 this is a zip file", "not a .npy file (bad magic string)");
+  expect_bad_file("empty.npy", "", "bad magic");
+  expect_bad_file("short.npy", "\x93NU", "bad magic");
 }
 
 TEST_F(NpyTest, BadVersion) {
-  write_bytes("a.npy", npy_bytes(dict("<f4", "(1,)"), std::string(4, '\0'), 4));
-  expect_read_error("a.npy", "unsupported .npy format version 4.0");
-  write_bytes("b.npy", npy_bytes(dict("<f4", "(1,)"), std::string(4, '\0'), 1, 1));
-  expect_read_error("b.npy", "unsupported .npy format version 1.1");
-  write_bytes("c.npy", npy_bytes(dict("<f4", "(1,)"), std::string(4, '\0'), 0));
-  expect_read_error("c.npy", "unsupported .npy format version 0.0");
+  expect_bad_file("a.npy", npy_bytes(dict("<f4", "(1,)"), std::string(4, '\0'), 4),
+                  "unsupported .npy format version 4.0");
+  expect_bad_file("b.npy", npy_bytes(dict("<f4", "(1,)"), std::string(4, '\0'), 1, 1),
+                  "unsupported .npy format version 1.1");
+  expect_bad_file("c.npy", npy_bytes(dict("<f4", "(1,)"), std::string(4, '\0'), 0),
+                  "unsupported .npy format version 0.0");
 }
 
 TEST_F(NpyTest, TruncatedHeader) {
-  write_bytes("a.npy", std::string("\x93NUMPY\x01", 7));
-  expect_read_error("a.npy", "truncated header (file ends inside the version)");
-  write_bytes("b.npy", std::string("\x93NUMPY\x02\x00\x10\x00", 10));
-  expect_read_error("b.npy", "truncated header (file ends inside the header length)");
+  expect_bad_file("a.npy", std::string("\x93NUMPY\x01", 7),
+                  "truncated header (file ends inside the version)");
+  expect_bad_file("b.npy", std::string("\x93NUMPY\x02\x00\x10\x00", 10),
+                  "truncated header (file ends inside the header length)");
   const std::string full = npy_bytes(dict("<f4", "(1,)"), "");
-  write_bytes("c.npy", full.substr(0, full.size() - 5));
-  expect_read_error("c.npy", "truncated header (header length");
+  expect_bad_file("c.npy", full.substr(0, full.size() - 5), "truncated header (header length");
   // A v2 header length near 4 GiB must be rejected without trying to read it.
-  write_bytes("d.npy", std::string("\x93NUMPY\x02\x00\xff\xff\xff\xff{}", 14));
-  expect_read_error("d.npy", "header length 4294967295 runs past the end");
+  expect_bad_file("d.npy", std::string("\x93NUMPY\x02\x00\xff\xff\xff\xff{}", 14),
+                  "header length 4294967295 runs past the end");
   std::string huge = npy_bytes("", "", 2);
   huge[10] = '\x01';
   huge[11] = '\x01';  // header length 0x01010000 = 16842752, and the file is that long
   huge.resize(12 + 0x01010000, ' ');
-  write_bytes("e.npy", huge);
-  expect_read_error("e.npy", "header length 16842752 is implausibly large");
+  expect_bad_file("e.npy", huge, "header length 16842752 is implausibly large");
 }
 
 TEST_F(NpyTest, HeaderNotADict) {
-  write_bytes("a.npy", npy_bytes("[('descr', '<f4')]\n", ""));
-  expect_read_error("a.npy", "header is not a dict");
-  write_bytes("b.npy", npy_bytes("", ""));
-  expect_read_error("b.npy", "header is not a dict");
+  expect_bad_file("a.npy", npy_bytes("[('descr', '<f4')]\n", ""), "header is not a dict");
+  expect_bad_file("b.npy", npy_bytes("", ""), "header is not a dict");
 }
 
 TEST_F(NpyTest, MalformedHeader) {
-  write_bytes("a.npy", npy_bytes("{'descr': '<f4' 'shape': (1,)}", std::string(4, '\0')));
-  expect_read_error("a.npy", "malformed header (expected ',' or '}'");
-  write_bytes("b.npy", npy_bytes("{'descr': '<f4, 'shape': (1,)}", ""));
-  expect_read_error("b.npy", "malformed header");
-  write_bytes("c.npy", npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (1,)} x", ""));
-  expect_read_error("c.npy", "unexpected text after the dict");
-  write_bytes("d.npy", npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (1, a)}", ""));
-  expect_read_error("d.npy", "expected an integer");
-  write_bytes("e.npy", npy_bytes("{'descr': '<f4', 'fortran_order': None, 'shape': (1,)}", ""));
-  expect_read_error("e.npy", "unexpected value");
-  write_bytes("f.npy", npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (1,", ""));
-  expect_read_error("f.npy", "malformed header");
+  expect_bad_file("a.npy", npy_bytes("{'descr': '<f4' 'shape': (1,)}", std::string(4, '\0')),
+                  "malformed header (expected ',' or '}'");
+  expect_bad_file("b.npy", npy_bytes("{'descr': '<f4, 'shape': (1,)}", ""), "malformed header");
+  expect_bad_file("c.npy",
+                  npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (1,)} x", ""),
+                  "unexpected text after the dict");
+  expect_bad_file("d.npy",
+                  npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (1, a)}", ""),
+                  "expected an integer");
+  expect_bad_file("e.npy", npy_bytes("{'descr': '<f4', 'fortran_order': None, 'shape': (1,)}", ""),
+                  "unexpected value");
+  expect_bad_file("f.npy", npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (1,", ""),
+                  "malformed header");
 }
 
 TEST_F(NpyTest, MissingDuplicateAndUnexpectedKeys) {
-  write_bytes("a.npy", npy_bytes("{'descr': '<f4', 'fortran_order': False, }", ""));
-  expect_read_error("a.npy", "header has no 'shape' key");
-  write_bytes("b.npy", npy_bytes("{'shape': (1,), 'fortran_order': False, }", ""));
-  expect_read_error("b.npy", "header has no 'descr' key");
-  write_bytes("c.npy", npy_bytes("{'descr': '<f4', 'shape': (1,), }", ""));
-  expect_read_error("c.npy", "header has no 'fortran_order' key");
-  write_bytes("d.npy",
-              npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (1,), 'x': 1}", ""));
-  expect_read_error("d.npy", "malformed header");  // 1 is not a value numpy writes
-  write_bytes("e.npy",
-              npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (1,), 'x': ''}", ""));
-  expect_read_error("e.npy", "unexpected key 'x' in header");
-  write_bytes(
+  expect_bad_file("a.npy", npy_bytes("{'descr': '<f4', 'fortran_order': False, }", ""),
+                  "header has no 'shape' key");
+  expect_bad_file("b.npy", npy_bytes("{'shape': (1,), 'fortran_order': False, }", ""),
+                  "header has no 'descr' key");
+  expect_bad_file("c.npy", npy_bytes("{'descr': '<f4', 'shape': (1,), }", ""),
+                  "header has no 'fortran_order' key");
+  expect_bad_file("d.npy",
+                  npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (1,), 'x': 1}", ""),
+                  "malformed header");  // 1 is not a value numpy writes
+  expect_bad_file("e.npy",
+                  npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (1,), 'x': ''}", ""),
+                  "unexpected key 'x' in header");
+  expect_bad_file(
       "f.npy",
-      npy_bytes("{'descr': '<f4', 'descr': '<f4', 'fortran_order': False, 'shape': ()}", ""));
-  expect_read_error("f.npy", "key 'descr' appears twice");
+      npy_bytes("{'descr': '<f4', 'descr': '<f4', 'fortran_order': False, 'shape': ()}", ""),
+      "key 'descr' appears twice");
 }
 
 TEST_F(NpyTest, FortranOrder) {
-  write_bytes("a.npy", npy_bytes(dict("<f4", "(2, 2)", "True"), std::string(16, '\0')));
-  expect_read_error("a.npy", "Fortran order; only C order is supported");
-  write_bytes("b.npy", npy_bytes("{'descr': '<f4', 'fortran_order': 'no', 'shape': ()}", ""));
-  expect_read_error("b.npy", "'fortran_order' in header is not True or False");
+  expect_bad_file("a.npy", npy_bytes(dict("<f4", "(2, 2)", "True"), std::string(16, '\0')),
+                  "Fortran order; only C order is supported");
+  expect_bad_file("b.npy", npy_bytes("{'descr': '<f4', 'fortran_order': 'no', 'shape': ()}", ""),
+                  "'fortran_order' in header is not True or False");
 }
 
 TEST_F(NpyTest, UnsupportedDescr) {
-  write_bytes("a.npy", npy_bytes(dict("<f8", "(1,)"), std::string(8, '\0')));
-  expect_read_error("a.npy", "unsupported dtype '<f8' (float64); expected float32, bool, uint8");
-  write_bytes("b.npy", npy_bytes(dict(">f4", "(1,)"), std::string(4, '\0')));
-  expect_read_error("b.npy", "unsupported dtype '>f4' (big-endian float32)");
-  write_bytes("c.npy", npy_bytes(dict("<f2", "(1,)"), std::string(2, '\0')));
-  expect_read_error("c.npy", "unsupported dtype '<f2' (float16)");
-  write_bytes("d.npy", npy_bytes(dict("<U7", "(1,)"), std::string(28, '\0')));
-  expect_read_error("d.npy", "unsupported dtype '<U7'; expected");
-  write_bytes("e.npy", npy_bytes("{'descr': [('a', '<f4'), ('b', '<i4')], 'fortran_order': "
-                                 "False, 'shape': (1,), }",
-                                 std::string(8, '\0')));
-  expect_read_error("e.npy", "unsupported dtype [('a', '<f4'), ('b', '<i4')] (structured)");
+  expect_bad_file("a.npy", npy_bytes(dict("<f8", "(1,)"), std::string(8, '\0')),
+                  "unsupported dtype '<f8' (float64); expected float32, bool, uint8");
+  expect_bad_file("b.npy", npy_bytes(dict(">f4", "(1,)"), std::string(4, '\0')),
+                  "unsupported dtype '>f4' (big-endian float32)");
+  expect_bad_file("c.npy", npy_bytes(dict("<f2", "(1,)"), std::string(2, '\0')),
+                  "unsupported dtype '<f2' (float16)");
+  expect_bad_file("d.npy", npy_bytes(dict("<U7", "(1,)"), std::string(28, '\0')),
+                  "unsupported dtype '<U7'; expected");
+  expect_bad_file("e.npy",
+                  npy_bytes("{'descr': [('a', '<f4'), ('b', '<i4')], 'fortran_order': "
+                            "False, 'shape': (1,), }",
+                            std::string(8, '\0')),
+                  "unsupported dtype [('a', '<f4'), ('b', '<i4')] (structured)");
 }
 
 TEST_F(NpyTest, BadShapes) {
-  write_bytes("neg.npy", npy_bytes(dict("<f4", "(2, -1)"), ""));
-  expect_read_error("neg.npy", "negative dimension in shape (2, -1)");
-  write_bytes("huge.npy", npy_bytes(dict("<f4", "(4294967296, 4294967296)"), ""));
-  expect_read_error("huge.npy", "shape (4294967296, 4294967296) is too large");
-  write_bytes("bytes.npy", npy_bytes(dict("<i8", "(1152921504606846976, 2)"), ""));
-  expect_read_error("bytes.npy", "is too large");  // fits as elements, not as bytes
-  write_bytes("digits.npy", npy_bytes(dict("<f4", "(99999999999999999999,)"), ""));
-  expect_read_error("digits.npy", "shape dimension too large");
-  write_bytes("rank5.npy", npy_bytes(dict("<f4", "(1, 1, 1, 1, 1)"), std::string(4, '\0')));
-  expect_read_error("rank5.npy", "rank 5 is not supported (at most 4 dims): shape (1, 1, 1, 1, 1)");
-  write_bytes("list.npy", npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': [1]}", ""));
-  expect_read_error("list.npy", "'shape' in header is not a tuple");
+  expect_bad_file("neg.npy", npy_bytes(dict("<f4", "(2, -1)"), ""),
+                  "negative dimension in shape (2, -1)");
+  expect_bad_file("huge.npy", npy_bytes(dict("<f4", "(4294967296, 4294967296)"), ""),
+                  "shape (4294967296, 4294967296) is too large");
+  expect_bad_file("bytes.npy", npy_bytes(dict("<i8", "(1152921504606846976, 2)"), ""),
+                  "is too large");  // fits as elements, not as bytes
+  expect_bad_file("digits.npy", npy_bytes(dict("<f4", "(99999999999999999999,)"), ""),
+                  "shape dimension too large");
+  expect_bad_file("rank5.npy", npy_bytes(dict("<f4", "(1, 1, 1, 1, 1)"), std::string(4, '\0')),
+                  "rank 5 is not supported (at most 4 dims): shape (1, 1, 1, 1, 1)");
+  expect_bad_file("list.npy",
+                  npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': [1]}", ""),
+                  "'shape' in header is not a tuple");
 }
 
 TEST_F(NpyTest, TruncatedData) {
-  write_bytes("a.npy", npy_bytes(dict("<f4", "(2, 3)"), std::string(23, '\0')));
-  expect_read_error("a.npy",
-                    "truncated data: shape (2, 3) of float32 needs 24 data bytes, the file has 23");
-  write_bytes("b.npy", npy_bytes(dict("<i8", "(1,)"), ""));
-  expect_read_error("b.npy", "truncated data");
+  expect_bad_file("a.npy", npy_bytes(dict("<f4", "(2, 3)"), std::string(23, '\0')),
+                  "truncated data: shape (2, 3) of float32 needs 24 data bytes, the file has 23");
+  expect_bad_file("b.npy", npy_bytes(dict("<i8", "(1,)"), ""), "truncated data");
 }
 
 TEST_F(NpyTest, TrailingBytes) {
-  write_bytes("a.npy", npy_bytes(dict("|b1", "(3,)"), std::string(4, '\1')));
-  expect_read_error("a.npy",
-                    "trailing bytes after the data: shape (3,) of bool needs 3 data bytes, the "
-                    "file has 4");
-  write_bytes("b.npy", npy_bytes(dict("<f4", "()"), std::string(8, '\0')));
-  expect_read_error("b.npy", "trailing bytes");
+  expect_bad_file("a.npy", npy_bytes(dict("|b1", "(3,)"), std::string(4, '\1')),
+                  "trailing bytes after the data: shape (3,) of bool needs 3 data bytes, the "
+                  "file has 4");
+  expect_bad_file("b.npy", npy_bytes(dict("<f4", "()"), std::string(8, '\0')), "trailing bytes");
 }
 
 TEST_F(NpyTest, ErrorWithoutLabelStartsWithPath) {

@@ -10,8 +10,8 @@
 #include <variant>
 
 #include "attention_case.h"
+#include "every_target.h"
 #include "expect_error.h"
-#include "hwy/targets.h"
 #include "kernels/kernels.h"
 #include "qkv/sparse.h"
 
@@ -178,10 +178,7 @@ std::vector<SparseCase> sparse_cases() {
   for (std::int64_t lq : {1, 7, 63, 65, 200, 517}) {
     for (std::int64_t lk : {1, 7, 63, 65, 200, 517}) {
       if (lq * lk > 100000 && lq != lk) continue;  // keep the reference's time down
-      Case c;
-      c.seq_q = lq;
-      c.seq_kv = lk;
-      c.head_dim = 16;
+      const Case c{.seq_q = lq, .seq_kv = lk, .head_dim = 16};
       for (const SparseSpec& s : {longformer, dilated, lf_global, bigbird7, block_odd, block_one}) {
         SparseSpec spec = s;
         if (spec.kind == SparseSpec::Kind::kLongformer) {
@@ -196,25 +193,14 @@ std::vector<SparseCase> sparse_cases() {
   for (const SparseSpec& spec :
        {longformer, dilated, lf_global, bigbird, bigbird7, block, block_odd, block_wide}) {
     for (Align align : {Align::kBottomRight, Align::kTopLeft}) {
-      Case c;
-      c.batch = 2;
-      c.seq_q = 150;
-      c.seq_kv = 200;
-      c.num_heads_q = 4;
-      c.num_heads_kv = 2;
+      Case c{.batch = 2, .seq_q = 150, .seq_kv = 200, .num_heads_q = 4, .num_heads_kv = 2};
       c.head_dim = 24;
       c.causal = true;
       c.align = align;
-      c.key_lengths = true;
-      c.nan_padding = true;
+      c.key_lengths = c.nan_padding = true;
       add(c, spec);
     }
-    Case c;
-    c.batch = 2;
-    c.seq_q = 200;
-    c.seq_kv = 140;
-    c.num_heads_q = 6;
-    c.num_heads_kv = 3;
+    Case c{.batch = 2, .seq_q = 200, .seq_kv = 140, .num_heads_q = 6, .num_heads_kv = 3};
     c.head_dim = 32;
     c.head_dim_v = 20;
     c.mask = MaskKind::kRandom;
@@ -225,25 +211,15 @@ std::vector<SparseCase> sparse_cases() {
     c.bhsd = true;
     add(c, spec);
     // Decoding: few queries, a GQA group's heads in one query block.
-    c = Case{};
-    c.batch = 2;
-    c.seq_q = 3;
-    c.seq_kv = 300;
-    c.num_heads_q = 12;
-    c.num_heads_kv = 3;
+    c = {.batch = 2, .seq_q = 3, .seq_kv = 300, .num_heads_q = 12, .num_heads_kv = 3};
     c.head_dim = 16;
-    c.causal = true;
-    c.key_lengths = true;
+    c.causal = c.key_lengths = true;
     c.bias = BiasKind::kPerHeadRow;
     add(c, spec);
   }
   // Many query blocks per task, long enough for several key tiles on each side of the band.
   {
-    Case c;
-    c.seq_q = 700;
-    c.seq_kv = 700;
-    c.num_heads_q = 2;
-    c.head_dim = 16;
+    const Case c{.seq_q = 700, .seq_kv = 700, .num_heads_q = 2, .head_dim = 16};
     SparseSpec wide{.name = "lf_w150_g", .window = 150, .global = {3, 400, 699}};
     add(c, wide);
     SparseSpec wide_dil{.name = "lf_w200_dil130", .window = 200, .dilation = 130};
@@ -369,12 +345,7 @@ TEST(SparseBigBird, DocumentedDraw) {
 // A pattern that allows every pair gives exactly the dense result, bit for bit.
 TEST(SparseEdges, CoveringEverythingEqualsDense) {
   for (bool causal : {false, true}) {
-    Case c;
-    c.batch = 2;
-    c.seq_q = 333;
-    c.seq_kv = 517;
-    c.num_heads_q = 4;
-    c.num_heads_kv = 2;
+    Case c{.batch = 2, .seq_q = 333, .seq_kv = 517, .num_heads_q = 4, .num_heads_kv = 2};
     c.head_dim = 32;
     c.causal = causal;
     c.key_lengths = true;
@@ -401,10 +372,7 @@ TEST(SparseEdges, CoveringEverythingEqualsDense) {
 
 // Rows the sparsity leaves without keys: out exactly 0, lse exactly -inf, never NaN.
 TEST(SparseEdges, FullyMaskedRows) {
-  Case c;
-  c.seq_q = 130;
-  c.seq_kv = 130;
-  c.num_heads_q = 2;
+  const Case c{.seq_q = 130, .seq_kv = 130, .num_heads_q = 2};
   const Problem pr(c);
   std::vector<std::uint8_t> layout = {1, 0, 0,  // query block 1 (rows 64..127) attends nothing
                                       0, 0, 0,  //
@@ -432,30 +400,19 @@ TEST(SparseEdges, FullyMaskedRows) {
 
 // Each compiled Highway target this CPU supports, over a subset of the sweep.
 TEST(SparseTargets, EveryTargetMatchesDense) {
-  const std::vector<std::int64_t> targets = hwy::SupportedAndGeneratedTargets();
   const std::vector<SparseCase> cases = sparse_cases();
-  for (std::int64_t target : targets) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
-    EXPECT_STREQ(attention_cpu_target_name(), hwy::TargetName(target));
+  for_each_target(attention_cpu_target_name, [&](std::int64_t) {
     for (std::size_t i = 0; i < cases.size(); i += 7) {
       SCOPED_TRACE(cases[i].name());
       check_sparse_case(cases[i]);
     }
-  }
-  hwy::SetSupportedTargetsForTest(0);
+  });
 }
 
 TEST(SparseThreads, BitIdenticalWhateverTheThreadCount) {
-  Case c;
-  c.batch = 2;
-  c.seq_q = 600;
-  c.seq_kv = 640;
-  c.num_heads_q = 4;
-  c.num_heads_kv = 2;
+  Case c{.batch = 2, .seq_q = 600, .seq_kv = 640, .num_heads_q = 4, .num_heads_kv = 2};
   c.head_dim = 32;
-  c.causal = true;
-  c.key_lengths = true;
+  c.causal = c.key_lengths = true;
   const Problem pr(c);
   const std::int64_t global[] = {0, 300};
   const Sparsity patterns[] = {
@@ -465,12 +422,8 @@ TEST(SparseThreads, BitIdenticalWhateverTheThreadCount) {
     AttentionParams params = pr.params();
     params.sparsity = sparsity;
     for (Kernel kernel : {Kernel::kFlash, Kernel::kChunked}) {
-      const Result one = run(pr, params, kernel, 1);
-      for (int threads : {2, 3, 5}) {
-        const Result many = run(pr, params, kernel, threads);
-        EXPECT_TRUE(bit_equal(one.out, many.out)) << "threads " << threads;
-        EXPECT_TRUE(bit_equal(one.lse, many.lse)) << "threads " << threads;
-      }
+      params.kernel = kernel;
+      expect_same_bits_on_any_thread_count(pr, params);
     }
   }
 }
@@ -479,10 +432,7 @@ TEST(SparseThreads, BitIdenticalWhateverTheThreadCount) {
 TEST(SparsePairs, AllowedPairsMatchTheMask) {
   const std::int64_t global[] = {2, 50, 51};
   SparseSpec block{.kind = SparseSpec::Kind::kBlock, .block_q = 10, .block_k = 7, .per_head = true};
-  Case shape;
-  shape.seq_q = 90;
-  shape.seq_kv = 120;
-  shape.num_heads_q = 3;
+  const Case shape{.seq_q = 90, .seq_kv = 120, .num_heads_q = 3};
   const Sparsity patterns[] = {
       LongformerSparsity{.window = 9, .dilation = 4, .global = global},
       LongformerSparsity{.window = 30, .global = global},
@@ -509,10 +459,7 @@ TEST(SparsePairs, AllowedPairsMatchTheMask) {
 }
 
 TEST(SparseValidation, NamesTheArgumentAndSizes) {
-  Case c;
-  c.seq_q = 100;
-  c.seq_kv = 130;
-  const Problem pr(c);
+  const Problem pr(Case{.seq_q = 100, .seq_kv = 130});
   const auto attempt = [&](Sparsity sparsity) {
     AttentionParams params = pr.params();
     params.sparsity = sparsity;
