@@ -521,10 +521,11 @@ inline void PackQuery(const AttentionKernelParams& p, QueryBlock& qb) {
   }
 }
 
-// Starts block `block` of kv head `kv_head` in batch entry b: packs q^T * scale, computes each
-// lane's allowed key range from causal/window/key_lengths, resets the running softmax state.
+// Starts block `block` of kv head `kv_head` in batch entry b: computes each lane's allowed key
+// range from causal/window/key_lengths, resets the running softmax state. The tile products then
+// need StartTileProducts; the narrow decode path (flash_forward.cc) keeps q and o rows of its own.
 inline void StartQueryBlock(const AttentionKernelParams& p, std::int64_t b, std::int64_t kv_head,
-                            std::int64_t block, QueryBlock& qb, bool pack_q = true) {
+                            std::int64_t block, QueryBlock& qb) {
   const std::int64_t group = p.num_heads_q / p.num_heads_kv;
   const std::int64_t row0 = block * kBlockQ;
   qb.b = b;
@@ -554,17 +555,6 @@ inline void StartQueryBlock(const AttentionKernelParams& p, std::int64_t b, std:
   }
   if (qb.key_end <= qb.key_begin) qb.key_begin = qb.key_end = 0;
   if (p.sparse.kind != SparseKernelParams::Kind::kNone) StartSparseBlock(p, qb);
-
-  if (pack_q) {
-    if (p.dtype == DType::kF32) {
-      PackQuery<float>(p, qb);
-    } else if (p.dtype == DType::kBF16) {
-      PackQuery<hwy::bfloat16_t>(p, qb);
-    } else {
-      PackQuery<hwy::float16_t>(p, qb);
-    }
-  }
-  std::fill(qb.ot, qb.ot + p.head_dim_v * kBlockQ, 0.0f);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -757,7 +747,7 @@ inline void QueryPairs(const AttentionKernelParams& p, const QueryBlock& qb, std
 }
 
 // qt[t][l] = (q[l][2t], q[l][2t + 1]) of the block's rows, unscaled, zero past num_q and D
-// (StartQueryBlock with pack_q = false leaves qt to it). With unit stride along an even D a row
+// (StartTileProducts with pairs = true). With unit stride along an even D a row
 // already is its pair words: squares of them are transposed in registers as in PackQuery, the
 // rest of the words lane by lane.
 inline void PackQueryPairs(const AttentionKernelParams& p, QueryBlock& qb) {
@@ -800,6 +790,21 @@ inline void PackQueryPairs(const AttentionKernelParams& p, QueryBlock& qb) {
       }
     }
   }
+}
+
+// A started block's inputs to the tile products: q^T * scale packed into qt (or, for the
+// vdpbf16ps products, q's pair words: PackQueryPairs) and ot zeroed.
+inline void StartTileProducts(const AttentionKernelParams& p, QueryBlock& qb, bool pairs = false) {
+  if (pairs) {
+    PackQueryPairs(p, qb);
+  } else if (p.dtype == DType::kF32) {
+    PackQuery<float>(p, qb);
+  } else if (p.dtype == DType::kBF16) {
+    PackQuery<hwy::bfloat16_t>(p, qb);
+  } else {
+    PackQuery<hwy::float16_t>(p, qb);
+  }
+  std::fill(qb.ot, qb.ot + p.head_dim_v * kBlockQ, 0.0f);
 }
 
 // Keys [j0, j0 + num_k) as pair words along head_dim: [num_k][ceil(D / 2)].

@@ -74,6 +74,7 @@ void ChunkedForward(const AttentionKernelParams& p) {
     const std::int64_t last_block = std::min(num_blocks, (chunk + 1) * blocks_per_chunk);
     for (std::int64_t block = chunk * blocks_per_chunk; block < last_block; ++block) {
       StartQueryBlock(p, b_kv / p.num_heads_kv, b_kv % p.num_heads_kv, block, qb);
+      StartTileProducts(p, qb);
       const std::int64_t num_keys = qb.key_end - qb.key_begin;
       for (std::int64_t j0 = qb.key_begin; j0 < qb.key_end; j0 += kBlockK) {
         const std::int64_t num_k = std::min<std::int64_t>(kBlockK, qb.key_end - j0);

@@ -115,6 +115,7 @@ std::vector<std::int64_t> GroupOrder(const AttentionKernelParams& p, const WorkP
 // finish. It needs unit strides along head_dim (true for BSHD and BHSD).
 
 constexpr std::int64_t kNarrowRows = kBlockQ / 4;
+static_assert(kNarrowRows <= kLanes, "FinishNarrow fills one vector of lanes");
 constexpr int kDotRows = kNarrowRows < 4 ? static_cast<int>(kNarrowRows) : 4;
 // Keys per dot-product step: kDotRows x kDotKeys accumulators (16 of AVX-512's 32 registers;
 // 8 of AVX2's 16).
@@ -335,6 +336,25 @@ inline std::int64_t NarrowFloats(const AttentionKernelParams& p) {
   return NarrowRowFloats(p) + kBlockK * kBlockQ;
 }
 
+// q_rows[r][d] = q[r][d] * scale for the block's rows r < num_q (the products PackQuery forms,
+// read straight from q: a narrow block never packs q^T).
+template <typename T>
+void NarrowQueryRows(const AttentionKernelParams& p, const QueryBlock& qb, float* q_rows) {
+  const DF df;
+  const VF scale = hn::Set(df, p.scale);
+  const std::int64_t d_vecs = p.q_stride[3] == 1 ? p.head_dim / kLanes * kLanes : 0;
+  for (std::int64_t r = 0; r < qb.num_q; ++r) {
+    const T* row = static_cast<const T*>(p.q) + LaneRow(p.q_stride, qb, r);
+    float* dst = q_rows + r * p.head_dim;
+    for (std::int64_t d = 0; d < d_vecs; d += kLanes) {
+      hn::StoreU(hn::Mul(LoadWide(df, row + d), scale), df, dst + d);
+    }
+    for (std::int64_t d = d_vecs; d < p.head_dim; ++d) {
+      dst[d] = WideElement(row[d * p.q_stride[3]]) * p.scale;
+    }
+  }
+}
+
 inline NarrowBlock StartNarrow(const AttentionKernelParams& p, QueryBlock& qb, float* scratch,
                                bool bf16_dot) {
   NarrowBlock nb;
@@ -346,12 +366,12 @@ inline NarrowBlock StartNarrow(const AttentionKernelParams& p, QueryBlock& qb, f
     nb.q_pairs = reinterpret_cast<std::uint32_t*>(nb.q_rows);
     const std::int64_t words = (p.head_dim + 1) / 2;
     for (std::int64_t r = 0; r < qb.num_q; ++r) QueryPairs(p, qb, r, nb.q_pairs + r * words, 1);
+  } else if (p.dtype == DType::kF32) {
+    NarrowQueryRows<float>(p, qb, nb.q_rows);
+  } else if (p.dtype == DType::kBF16) {
+    NarrowQueryRows<hwy::bfloat16_t>(p, qb, nb.q_rows);
   } else {
-    for (std::int64_t r = 0; r < qb.num_q; ++r) {
-      for (std::int64_t d = 0; d < p.head_dim; ++d) {
-        nb.q_rows[r * p.head_dim + d] = qb.qt[d * kBlockQ + r];
-      }
-    }
+    NarrowQueryRows<hwy::float16_t>(p, qb, nb.q_rows);
   }
   std::fill(nb.o, nb.o + qb.num_q * p.head_dim_v, 0.0f);
   // The softmax runs on the query vectors holding the rows; their lanes past num_q are never
@@ -533,11 +553,27 @@ void NarrowTile(const AttentionKernelParams& p, NarrowBlock* narrow, std::int64_
   }
 }
 
-// qb.ot (the layout FinishQueryBlock reads) from the o rows.
+// qb.ot (the layout FinishQueryBlock and WritePartial read) from the o rows: lanes [0, kLanes)
+// (num_q <= kNarrowRows <= kLanes), zero past num_q; kLanes x kLanes squares transposed in
+// registers, the rest of Dv element by element.
 inline void FinishNarrow(const AttentionKernelParams& p, const NarrowBlock& nb) {
-  for (std::int64_t r = 0; r < nb.qb->num_q; ++r) {
-    for (std::int64_t e = 0; e < p.head_dim_v; ++e) {
-      nb.qb->ot[e * kBlockQ + r] = nb.o[r * p.head_dim_v + e];
+  const DF df;
+  const std::int64_t num_q = nb.qb->num_q, dv = p.head_dim_v;
+  float* ot = nb.qb->ot;
+  const std::int64_t squares = dv / kLanes * kLanes;
+  for (std::int64_t e0 = 0; e0 < squares; e0 += kLanes) {
+    VF v[kLanes];
+    HWY_UNROLL(16)
+    for (std::int64_t r = 0; r < kLanes; ++r) {
+      v[r] = r < num_q ? hn::LoadU(df, nb.o + r * dv + e0) : hn::Zero(df);
+    }
+    TransposeSquare(df, v);
+    HWY_UNROLL(16)
+    for (std::int64_t c = 0; c < kLanes; ++c) hn::Store(v[c], df, ot + (e0 + c) * kBlockQ);
+  }
+  for (std::int64_t e = squares; e < dv; ++e) {
+    for (std::int64_t r = 0; r < kLanes; ++r) {
+      ot[e * kBlockQ + r] = r < num_q ? nb.o[r * dv + e] : 0.0f;
     }
   }
 }
@@ -666,8 +702,7 @@ void FlashForward(const AttentionKernelParams& p) {
       const std::int64_t kv_head = item / plan.blocks_per_kv_head % p.num_heads_kv;
       BindScratch(p, mine + n * block_floats,
                   int_scratch.as<std::int64_t>() + thread * ints + n * kScratchInts, qb);
-      // (vdpbf16ps packs q as pairs, unscaled: PackQueryPairs, or QueryPairs when narrow.)
-      StartQueryBlock(p, b, kv_head, item % plan.blocks_per_kv_head, qb, !bf16_dot);
+      StartQueryBlock(p, b, kv_head, item % plan.blocks_per_kv_head, qb);
       // This split's part of the block's keys (all of them without a split).
       qb.key_begin = std::max(qb.key_begin, split_lo);
       qb.key_end = std::min(qb.key_end, split_hi);
@@ -676,7 +711,7 @@ void FlashForward(const AttentionKernelParams& p) {
             StartNarrow(p, qb, mine + n * block_floats + ScratchFloats(p), bf16_dot);
       } else {
         wide[num_wide++] = &qb;
-        if (bf16_dot) PackQueryPairs(p, qb);
+        StartTileProducts(p, qb, /*pairs=*/bf16_dot);  // (vdpbf16ps: q as pairs, unscaled)
       }
       if (qb.key_end > qb.key_begin) {
         key_begin = std::min(key_begin, qb.key_begin);
