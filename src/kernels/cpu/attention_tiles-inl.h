@@ -747,9 +747,9 @@ inline void QueryPairs(const AttentionKernelParams& p, const QueryBlock& qb, std
 }
 
 // qt[t][l] = (q[l][2t], q[l][2t + 1]) of the block's rows, unscaled, zero past num_q and D
-// (StartTileProducts with pairs = true). With unit stride along an even D a row
-// already is its pair words: squares of them are transposed in registers as in PackQuery, the
-// rest of the words lane by lane.
+// (StartTileProducts with pairs = true). With unit stride along an even D a row already is its
+// pair words: squares of them are transposed in registers as in PackQuery, the rest of the words
+// lane by lane.
 inline void PackQueryPairs(const AttentionKernelParams& p, QueryBlock& qb) {
   std::uint32_t* qt = reinterpret_cast<std::uint32_t*>(qb.qt);
   const std::int64_t words = (p.head_dim + 1) / 2;
