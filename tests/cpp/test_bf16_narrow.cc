@@ -19,7 +19,6 @@
 namespace qkv::testing {
 namespace {
 
-
 constexpr std::uint16_t kNanBits = 0x7fc0;  // a bf16 quiet NaN
 constexpr float kGuard = -12345.0f;
 
@@ -27,6 +26,18 @@ double widen(std::uint16_t bits) { return static_cast<double>(bf16_bits_to_f32(b
 
 std::uint16_t random_bf16(SplitMix64& rng, float lo, float hi) {
   return f32_to_bf16_bits(lo + (hi - lo) * rng.uniform24());
+}
+
+// bad plus the elements of buffer outside the outputs that are no longer kGuard (reported, as
+// "<label>[i]", while bad stays <= 3).
+int stray_writes(const std::string& label, const std::vector<float>& buffer,
+                 const std::vector<bool>& is_output, int bad) {
+  for (std::size_t i = 0; i < buffer.size(); ++i) {
+    if (!is_output[i] && buffer[i] != kGuard && ++bad <= 3) {
+      ADD_FAILURE() << label << "[" << i << "] outside the outputs was written";
+    }
+  }
+  return bad;
 }
 
 // Returns the number of mismatches (reported with the first few).
@@ -95,12 +106,7 @@ int run_scores_case(std::int64_t heads, std::int64_t rows, std::int64_t depth, s
       }
     }
   }
-  for (std::size_t i = 0; i < st.size(); ++i) {
-    if (!written[i] && st[i] != kGuard && ++bad <= 3) {
-      ADD_FAILURE() << name << ": st[" << i << "] outside the outputs was written";
-    }
-  }
-  return bad;
+  return stray_writes(name + ": st", st, written, bad);
 }
 
 TEST(Bf16Narrow, ScoresMatchFloat64Reference) {
@@ -191,12 +197,7 @@ int run_values_case(std::int64_t heads, std::int64_t rows, std::int64_t num_k, s
       }
     }
   }
-  for (std::size_t i = 0; i < o.size(); ++i) {
-    if (!is_output[i] && o[i] != kGuard && ++bad <= 3) {
-      ADD_FAILURE() << name << ": o[" << i << "] outside the outputs was written";
-    }
-  }
-  return bad;
+  return stray_writes(name + ": o", o, is_output, bad);
 }
 
 TEST(Bf16Narrow, ValuesMatchFloat64Reference) {
