@@ -3,7 +3,9 @@
 # (or sudo) the first time; later runs only check.
 set -euo pipefail
 
-packages=(g++ cmake ninja-build ccache libhwy-dev libdnnl-dev libgtest-dev libbenchmark-dev
+# ocl-icd-opencl-dev: Debian's oneDNN is built with the OpenCL GPU runtime, so its CMake config
+# (dnnl-config.cmake) calls find_package(OpenCL REQUIRED); libdnnl-dev only recommends it.
+packages=(g++ cmake ninja-build ccache libhwy-dev libdnnl-dev ocl-icd-opencl-dev libgtest-dev
           python3 python3-pip python3-numpy python3-pytest)
 missing=()
 for p in "${packages[@]}"; do

@@ -18,6 +18,15 @@ KERNELS = ["reference", "chunked", "flash", "auto"]
 # ---------------------------------------------------------------------------------------------
 # Helpers
 
+def cpu_flags():
+    """The CPU's feature flags as /proc/cpuinfo lists them."""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
 def make_problem(rng, batch=2, seq_q=5, seq_kv=7, num_heads_q=4, num_heads_kv=2, head_dim=8,
                  head_dim_v=None, data_scale=1.0, **options):
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
@@ -471,15 +480,15 @@ def test_error(inputs, case):
 
 def test_no_partial_output_when_a_later_output_fails(inputs):
     # --out is staged first; --lse goes to a directory that exists but cannot be written, so it
-    # fails only when the outputs are written: --out must not appear either.
+    # fails only when the outputs are written: --out must not appear either. A read-only
+    # directory stops everyone but root; /proc refuses new files to root too.
     read_only = inputs.dir / "ro"
     read_only.mkdir()
     read_only.chmod(0o555)
     try:
-        if os.access(read_only, os.W_OK):
-            pytest.skip("running as root: permissions are not enforced")
-        inputs.fails(*BASE, "--lse", "ro/l.npy", "--weights", "w.npy",
-                     expect=["--lse ro/l.npy: cannot create output file"])
+        lse = "ro/l.npy" if not os.access(read_only, os.W_OK) else "/proc/qkv-l.npy"
+        inputs.fails(*BASE, "--lse", lse, "--weights", "w.npy",
+                     expect=[f"--lse {lse}: cannot create output file"])
         assert list(read_only.iterdir()) == []
     finally:
         read_only.chmod(0o755)
@@ -502,9 +511,16 @@ def test_bench_dtype(cli, dtype):
     record = json.loads(result.stdout)
     assert record["dtype"] == dtype
     assert record["gflops"] > 0 and record["fp32_peak_gflops"] > 0
-    # %peak divides by the dtype's peak: vdpbf16ps for bf16 where the CPU has it, else fp32.
-    assert record["peak_gflops"] >= record["fp32_peak_gflops"] * (0.5 if dtype == "bf16" else 1)
-    if dtype != "bf16":
+    # %peak divides by the dtype's peak: the vdpbf16ps probe for bf16 where the CPU has
+    # AVX512-BF16 (hwy_target names the probe that ran), else the fp32 FMA probe. How fast the
+    # two probes are is the machine's business, not the test's.
+    assert record["peak_gflops"] > 0
+    assert record["fraction_of_peak"] == pytest.approx(
+        record["gflops"] / record["peak_gflops"], rel=1e-3)
+    if dtype == "bf16" and "avx512_bf16" in cpu_flags():
+        assert record["hwy_target"] == "AVX512_BF16"
+    else:
+        assert record["hwy_target"] != "AVX512_BF16"
         assert record["peak_gflops"] == record["fp32_peak_gflops"]
     # K/V bytes follow the storage: 2 * Lk * D elements of 4 or 2 bytes.
     element = 4 if dtype == "f32" else 2
