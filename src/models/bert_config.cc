@@ -1,4 +1,4 @@
-#include "models/bert_config.h"
+#include "qkv/models/bert_config.h"
 
 #include <limits>
 

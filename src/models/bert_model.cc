@@ -1,4 +1,4 @@
-#include "models/bert_model.h"
+#include "qkv/models/bert_model.h"
 
 #include <algorithm>
 #include <string>

@@ -1,4 +1,4 @@
-#include "models/sentence_embedder.h"
+#include "qkv/models/sentence_embedder.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "models/wordpiece_tokenizer.h"
+#include "qkv/models/wordpiece_tokenizer.h"
 
 #include <cerrno>
 #include <cstring>

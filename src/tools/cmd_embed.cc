@@ -21,7 +21,7 @@
 
 #include "core/parallel.h"
 #include "io/npy.h"
-#include "models/sentence_embedder.h"
+#include "qkv/models/sentence_embedder.h"
 #include "qkv/error.h"
 #include "tools/cli.h"
 

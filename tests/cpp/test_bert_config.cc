@@ -10,7 +10,7 @@
 #include <tuple>
 
 #include "expect_error.h"
-#include "models/bert_config.h"
+#include "qkv/models/bert_config.h"
 #include "qkv/error.h"
 
 namespace qkv::models {

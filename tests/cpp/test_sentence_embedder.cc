@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "io/json.h"
-#include "models/sentence_embedder.h"
+#include "qkv/models/sentence_embedder.h"
 
 namespace qkv::models {
 namespace {

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "models/unicode_text.h"
-#include "models/wordpiece_tokenizer.h"
+#include "qkv/models/wordpiece_tokenizer.h"
 #include "qkv/error.h"
 
 namespace qkv::models {

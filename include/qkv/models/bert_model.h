@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "models/bert_config.h"
+#include "qkv/models/bert_config.h"
 #include "qkv/layers/encoder_layer.h"
 #include "qkv/layers/layer_norm.h"
 

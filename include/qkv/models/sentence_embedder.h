@@ -24,9 +24,9 @@
 #include <string>
 #include <vector>
 
-#include "models/bert_config.h"
-#include "models/bert_model.h"
-#include "models/wordpiece_tokenizer.h"
+#include "qkv/models/bert_config.h"
+#include "qkv/models/bert_model.h"
+#include "qkv/models/wordpiece_tokenizer.h"
 
 namespace qkv::models {
 
