@@ -55,7 +55,9 @@ if ! command -v debootstrap >/dev/null; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
 fi
 
-root=$(mktemp -d "$cache_dir/root.XXXXXX")
+# Outside the repository, so that nothing that walks the tree (grep -r, rm -rf .cache) ever
+# steps into the chroot's bind mount of /dev.
+root=$(mktemp -d /var/tmp/qkv-fresh-machine.XXXXXX)
 # Unmounts everything below the chroot, and deletes it only when nothing is mounted there any
 # more (a bind mount of /dev left behind must never be deleted through).
 cleanup() {

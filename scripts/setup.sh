@@ -5,8 +5,10 @@ set -euo pipefail
 
 # ocl-icd-opencl-dev: Debian's oneDNN is built with the OpenCL GPU runtime, so its CMake config
 # (dnnl-config.cmake) calls find_package(OpenCL REQUIRED); libdnnl-dev only recommends it.
+# python3-venv, python3-dev: the test venv and the Python module's build (scripts/python_env.sh,
+# pip install .); python3-numpy, python3-pytest: the CLI tests on a plain preset build.
 packages=(g++ cmake ninja-build ccache libhwy-dev libdnnl-dev ocl-icd-opencl-dev libgtest-dev
-          python3 python3-pip python3-numpy python3-pytest)
+          python3 python3-pip python3-venv python3-dev python3-numpy python3-pytest)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -62,9 +62,9 @@ struct AttentionParams {
 };
 
 struct AttentionOutputs {
-  TensorView out;    // required, f32, [B, Lq, Hq, Dv]
-  TensorView lse;    // optional, f32, [B, Hq, Lq, 1]; natural log; -inf for fully masked rows
-  TensorView probs;  // optional, f32, [B, Hq, Lq, Lk]; not available from Kernel::kFlash
+  TensorView out = {};    // required, f32, [B, Lq, Hq, Dv]
+  TensorView lse = {};    // optional, f32, [B, Hq, Lq, 1]; natural log; -inf for fully masked rows
+  TensorView probs = {};  // optional, f32, [B, Hq, Lq, Lk]; not available from Kernel::kFlash
 };
 
 // Validates everything and throws qkv::Error naming the bad argument and shapes; then runs one

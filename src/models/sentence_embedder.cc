@@ -97,16 +97,22 @@ std::int64_t SentenceEmbedder::dimension() const {
 }
 
 void SentenceEmbedder::embed(std::span<const std::string> texts, float* out,
-                             const std::function<void(std::int64_t, std::int64_t)>& progress) const {
+                             const std::function<void(std::int64_t, std::int64_t)>& progress,
+                             std::int64_t batch_size) const {
   std::vector<std::vector<std::int32_t>> ids(texts.size());
   for (std::size_t i = 0; i < texts.size(); ++i) {
     ids[i] = tokenizer_.encode(texts[i], static_cast<int>(max_length_));
   }
-  embed_ids(ids, out, progress);
+  embed_ids(ids, out, progress, batch_size);
 }
 
 void SentenceEmbedder::embed_ids(std::span<const std::vector<std::int32_t>> ids, float* out,
-                                 const std::function<void(std::int64_t, std::int64_t)>& progress) const {
+                                 const std::function<void(std::int64_t, std::int64_t)>& progress,
+                                 std::int64_t batch_size) const {
+  if (batch_size < 0) {
+    throw Error("batch size " + std::to_string(batch_size) + " must be >= 1 (0 = as loaded)");
+  }
+  if (batch_size == 0) batch_size = batch_size_;
   const std::int64_t count = static_cast<std::int64_t>(ids.size());
   for (std::int64_t i = 0; i < count; ++i) {
     const std::int64_t length = static_cast<std::int64_t>(ids[i].size());
@@ -128,8 +134,8 @@ void SentenceEmbedder::embed_ids(std::span<const std::vector<std::int32_t>> ids,
   std::vector<std::int64_t> lengths;
   std::vector<float> hidden;
   std::vector<float*> rows;
-  for (std::int64_t first = 0; first < count; first += batch_size_) {
-    const std::int64_t n = std::min(batch_size_, count - first);
+  for (std::int64_t first = 0; first < count; first += batch_size) {
+    const std::int64_t n = std::min(batch_size, count - first);
     const std::int64_t seq = static_cast<std::int64_t>(ids[order[first]].size());
     batch_ids.assign(static_cast<std::size_t>(n * seq), tokenizer_.pad_id());
     lengths.resize(static_cast<std::size_t>(n));

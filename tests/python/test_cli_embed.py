@@ -340,7 +340,7 @@ def test_bad_options(cli, model_dir, args, expect):
 def real_model_dir():
     directory = os.environ.get("QKV_MODEL_DIR")
     if not directory:
-        pytest.skip("QKV_MODEL_DIR is not set (scripts/test.sh sets it)")
+        pytest.fail("QKV_MODEL_DIR is not set (scripts/test.sh sets it)")
     return directory
 
 

@@ -50,13 +50,16 @@ class SentenceEmbedder {
   const BertModel& model() const { return model_; }
 
   // out: [texts.size(), dimension()], written. `progress(done, total)` (optional) is called after
-  // each batch with the number of texts finished so far.
+  // each batch with the number of texts finished so far. `batch_size`: texts per forward pass,
+  // 0 = the one given at load (EmbedderOptions); >= 1 otherwise.
   void embed(std::span<const std::string> texts, float* out,
-             const std::function<void(std::int64_t, std::int64_t)>& progress = {}) const;
+             const std::function<void(std::int64_t, std::int64_t)>& progress = {},
+             std::int64_t batch_size = 0) const;
 
   // The same on token ids already made ([CLS] .. [SEP], each 1..max_length() long).
   void embed_ids(std::span<const std::vector<std::int32_t>> ids, float* out,
-                 const std::function<void(std::int64_t, std::int64_t)>& progress = {}) const;
+                 const std::function<void(std::int64_t, std::int64_t)>& progress = {},
+                 std::int64_t batch_size = 0) const;
 
  private:
   SentenceEmbedder(WordPieceTokenizer tokenizer, BertModel model, PoolingConfig pooling,

@@ -1,0 +1,298 @@
+"""qkv: exact transformer attention on the CPU.
+
+    import qkv
+    out = qkv.attention(q, k, v, causal=True)            # numpy, torch or jax arrays
+    out, lse = qkv.attention(q, k, v, window=(256, 0), return_lse=True)
+    emb = qkv.SentenceEmbedder(model_dir).encode(["a sentence", "another"])
+    import qkv.torch                                      # PyTorch's SDPA, computed by qkv
+
+Arrays go in as zero-copy views with their own strides (DLPack or the buffer protocol): f32, and
+bf16/f16 where the framework has them (torch.bfloat16, jax bfloat16, numpy with ml_dtypes).
+Results come back in the caller's framework (numpy in, numpy out; torch in, torch out; jax in,
+jax out), float32, or are written into `out=`. The GIL is released while qkv computes. Errors
+raise TypeError (not an array, wrong dtype) or ValueError (shapes, options: the library's
+message, naming the argument and the shapes). docs/python.md has the details.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from typing import Any, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _qkv
+from ._qkv import Sparsity
+
+__all__ = ["attention", "linear_attention", "longformer", "bigbird", "block_layout",
+           "bigbird_layout", "Sparsity", "SentenceEmbedder"]
+__version__ = "0.1.0"
+
+try:  # numpy has no bfloat16 of its own; ml_dtypes' is the one JAX and others use.
+    import ml_dtypes as _ml_dtypes
+    _NUMPY_BF16: Optional[np.dtype] = np.dtype(_ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is optional
+    _NUMPY_BF16 = None
+
+Array = Any  # numpy.ndarray, torch.Tensor, jax.Array or anything with DLPack / a buffer
+
+
+def _framework(x: Any) -> str:
+    """'torch', 'jax' or 'numpy': the framework results are returned in."""
+    module = type(x).__module__
+    if module.startswith("torch"):
+        return "torch"
+    if module.startswith("jax"):
+        return "jax"
+    return "numpy"
+
+
+def _shape(name: str, x: Any, expected: str) -> Tuple[int, ...]:
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        raise TypeError(f"{name}: expected an array (numpy, torch or jax: DLPack or the buffer "
+                        f"protocol), got {type(x).__name__}")
+    if len(shape) != 4:
+        raise ValueError(f"{name}: shape {tuple(shape)} has {len(shape)} dims; expected 4: "
+                         f"{expected}")
+    return tuple(shape)
+
+
+def _input(name: str, x: Any) -> Tuple[Any, bool]:
+    """The array as _qkv imports it, and whether it is bf16 held as uint16 words."""
+    if type(x).__module__.startswith("torch"):
+        if x.requires_grad:  # DLPack refuses tensors that require grad; qkv only reads them
+            x = x.detach()
+        if x.device.type != "cpu":
+            raise ValueError(f"{name}: the tensor is on device '{x.device}'; qkv computes on "
+                             f"the CPU (move it with .cpu())")
+    elif _NUMPY_BF16 is not None and isinstance(x, np.ndarray) and x.dtype == _NUMPY_BF16:
+        return x.view(np.uint16), True
+    return x, False
+
+
+def _empty(framework: str, shape: Tuple[int, ...]) -> Any:
+    """A float32 array for an output: torch for torch inputs, else numpy (jax converts after)."""
+    if framework == "torch":
+        import torch
+        return torch.empty(shape, dtype=torch.float32)
+    return np.empty(shape, np.float32)
+
+
+def _result(framework: str, x: Any) -> Any:
+    if framework == "jax":
+        import jax.numpy as jnp
+        return jnp.asarray(x)
+    return x
+
+
+def _int(name: str, value: Any) -> int:
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an integer, got {type(value).__name__}") from None
+
+
+def _lengths(key_lengths: Any) -> Any:
+    """key_lengths as an int array _qkv reads (lists and tuples are converted)."""
+    if key_lengths is None or hasattr(key_lengths, "shape"):
+        return key_lengths
+    array = np.asarray(key_lengths)
+    if array.dtype.kind not in "iu":
+        raise TypeError(f"key_lengths: expected integers, got {array.dtype}")
+    return array.astype(np.int64)
+
+
+def attention(q: Array, k: Array, v: Array, *, layout: str = "bshd", causal: bool = False,
+              align: str = "bottom_right", window: Tuple[int, int] = (-1, -1),
+              key_lengths: Optional[Union[Array, Sequence[int]]] = None,
+              mask: Optional[Array] = None, bias: Optional[Array] = None,
+              scale: Optional[float] = None, softcap: float = 0.0,
+              sparsity: Optional[Sparsity] = None, kernel: str = "auto", num_threads: int = 0,
+              return_lse: bool = False, return_weights: bool = False,
+              out: Optional[Array] = None) -> Any:
+    """Exact scaled dot-product attention (qkv::attention; docs/semantics.md).
+
+    Shapes with layout="bshd" (default; with "bhsd" each of q, k, v, out is (B, H, L, D)):
+        q: (B, Lq, Hq, D)   k: (B, Lk, Hkv, D)   v: (B, Lk, Hkv, Dv)   ->  out: (B, Lq, Hq, Dv)
+        lse: (B, Hq, Lq)    weights: (B, Hq, Lq, Lk)
+    Hq must be a multiple of Hkv (GQA / MQA: query head h reads kv head h // (Hq // Hkv)).
+    q, k, v: float32, bfloat16 or float16 (one dtype), any strides; accumulation is float32.
+
+    For query row i and key j:  s = (q_i . k_j) * scale  (scale: 1/sqrt(D) by default);
+    if softcap > 0: s = softcap * tanh(s / softcap);  s += bias;  s = -inf where not allowed;
+    out_i = softmax_j(s) v;  lse_i = log(sum_j exp(s_ij)). A row with no allowed key gives
+    out 0 and lse -inf, never NaN.
+
+    Allowed pairs (all must hold):
+        causal: j <= i'; window=(left, right): i' - left <= j <= i' + right (-1: unbounded),
+            with i' = i + Lk - Lq for align="bottom_right" (default) or i' = i ("top_left",
+            PyTorch's is_causal);
+        key_lengths: (B,) ints, j < key_lengths[b] (padding);
+        mask: bool/uint8 broadcastable to (B, Hq, Lq, Lk), TRUE MEANS MAY ATTEND;
+        sparsity: qkv.longformer(...), qkv.bigbird(...) or qkv.block_layout(...).
+    bias: float32 broadcastable to (B, Hq, Lq, Lk) (-inf allowed).
+
+    kernel: "auto" (flash; chunked when weights are asked for), "flash", "chunked",
+    "reference". num_threads: 0 = OpenMP's default; results do not depend on it.
+
+    Returns out, or a tuple (out, lse), (out, weights) or (out, lse, weights) as asked, all
+    float32 in q's framework. out=: a writable float32 array of out's shape to write into
+    (nothing is written when an error is raised).
+    """
+    framework = _framework(q)
+    q, q_bits = _input("q", q)
+    k, k_bits = _input("k", k)
+    v, v_bits = _input("v", v)
+    bhsd = layout == "bhsd"
+    q_shape = _shape("q", q, "(B, Hq, Lq, D) for layout 'bhsd'" if bhsd else "(B, Lq, Hq, D)")
+    v_shape = _shape("v", v, "(B, Hkv, Lk, Dv) for layout 'bhsd'" if bhsd else "(B, Lk, Hkv, Dv)")
+    batch, seq_q, heads_q = (q_shape[0], q_shape[2], q_shape[1]) if bhsd else q_shape[:3]
+    if out is None:
+        out_shape = ((batch, heads_q, seq_q, v_shape[3]) if bhsd
+                     else (batch, seq_q, heads_q, v_shape[3]))
+        out = _empty(framework, out_shape)
+    lse = _empty(framework, (batch, heads_q, seq_q)) if return_lse else None
+    weights = None
+    if return_weights:
+        k_shape = _shape("k", k, "(B, Hkv, Lk, D)" if bhsd else "(B, Lk, Hkv, D)")
+        weights = _empty(framework, (batch, heads_q, seq_q, k_shape[2] if bhsd else k_shape[1]))
+    if mask is not None:
+        mask = _input("mask", mask)[0]
+    if bias is not None:
+        bias = _input("bias", bias)[0]
+    if sparsity is not None and not isinstance(sparsity, Sparsity):
+        raise TypeError(f"sparsity: expected qkv.longformer(...), qkv.bigbird(...) or "
+                        f"qkv.block_layout(...), got {type(sparsity).__name__}")
+    try:
+        window_left, window_right = window
+    except (TypeError, ValueError):
+        raise TypeError(f"window: expected (left, right), got {window!r}") from None
+    _qkv.attention(q, k, v, out, lse, weights, mask, bias, _lengths(key_lengths), sparsity,
+                   None if scale is None else float(scale), float(softcap), bool(causal), align,
+                   _int("window", window_left), _int("window", window_right), kernel,
+                   _int("num_threads", num_threads), layout,
+                   q_bits | (k_bits << 1) | (v_bits << 2))
+    if not (return_lse or return_weights):
+        return _result(framework, out)
+    results = [out] + ([lse] if return_lse else []) + ([weights] if return_weights else [])
+    return tuple(_result(framework, x) for x in results)
+
+
+def linear_attention(q: Array, k: Array, v: Array, *, layout: str = "bshd",
+                     feature_map: str = "elu", nb_features: int = 256, seed: int = 1,
+                     scale: Optional[float] = None, causal: bool = False,
+                     align: str = "bottom_right",
+                     key_lengths: Optional[Union[Array, Sequence[int]]] = None,
+                     kernel: str = "auto", num_threads: int = 0, chunk_size: int = 64,
+                     out: Optional[Array] = None) -> Any:
+    """Linear attention in O(N) (qkv::linear_attention; docs/linear-attention.md): an
+    approximation of softmax attention, phi(q) . phi(k) in place of exp(q . k).
+
+    Shapes as attention(): q (B, Lq, Hq, D), k (B, Lk, Hkv, D), v (B, Lk, Hkv, Dv) -> out
+    (B, Lq, Hq, Dv), or each (B, H, L, D) with layout="bhsd".
+    feature_map: "elu" (Linear Transformer, elu(x) + 1; no scale) or "favor" (Performer
+    FAVOR+ with nb_features random features drawn from seed; scale: the softmax temperature
+    it approximates, 1/sqrt(D) by default). causal / align / key_lengths as in attention().
+    kernel: "auto", "cpu" or "reference". Returns out (float32, q's framework).
+    """
+    framework = _framework(q)
+    q, q_bits = _input("q", q)
+    k, k_bits = _input("k", k)
+    v, v_bits = _input("v", v)
+    bhsd = layout == "bhsd"
+    q_shape = _shape("q", q, "(B, Hq, Lq, D) for layout 'bhsd'" if bhsd else "(B, Lq, Hq, D)")
+    v_shape = _shape("v", v, "(B, Hkv, Lk, Dv) for layout 'bhsd'" if bhsd else "(B, Lk, Hkv, Dv)")
+    if out is None:
+        out = _empty(framework, q_shape[:3] + (v_shape[3],))
+    _qkv.linear_attention(q, k, v, out, _lengths(key_lengths), feature_map,
+                          _int("nb_features", nb_features), _int("seed", seed),
+                          None if scale is None else float(scale), bool(causal), align, kernel,
+                          _int("num_threads", num_threads), _int("chunk_size", chunk_size),
+                          layout, q_bits | (k_bits << 1) | (v_bits << 2))
+    return _result(framework, out)
+
+
+def longformer(window: int = 256, dilation: int = 1, global_: Sequence[int] = ()) -> Sparsity:
+    """Longformer's pattern (qkv::LongformerSparsity; docs/sparse.md): query i (at i') may
+    attend key j when i' or j is a global position, or |i' - j| <= window and
+    (i' - j) % dilation == 0. `global_` (trailing _: `global` is a Python keyword) lists the
+    global positions."""
+    return _qkv.longformer(_int("window", window), _int("dilation", dilation),
+                           [_int("global_", g) for g in global_])
+
+
+def bigbird(block: int = 64, num_random_blocks: int = 3, num_global_blocks: int = 2,
+            seed: int = 0) -> Sparsity:
+    """BigBird's ITC pattern (qkv::BigBirdSparsity; docs/sparse.md): blocks of `block` queries
+    and keys; the first num_global_blocks are global, each query block sees its neighbours and
+    num_random_blocks random blocks drawn from `seed` (reproducible)."""
+    return _qkv.bigbird(_int("block", block), _int("num_random_blocks", num_random_blocks),
+                        _int("num_global_blocks", num_global_blocks), _int("seed", seed))
+
+
+def block_layout(layout: Array, block_q: int = 64, block_k: int = 64) -> Sparsity:
+    """A block matrix of your own (qkv::BlockSparsity): query block qb may attend key block kb
+    where layout[..., qb, kb] is true. layout: bool/uint8, (ceil(Lq / block_q),
+    ceil(Lk / block_k)), or with a leading head dim (Hq or 1). The Sparsity keeps a reference
+    to the array (not a copy): do not change it while the Sparsity is in use."""
+    return _qkv.block_layout(layout, _int("block_q", block_q), _int("block_k", block_k))
+
+
+def bigbird_layout(seq_q: int, seq_kv: int, num_heads_q: int = 1, *, block: int = 64,
+                   num_random_blocks: int = 3, num_global_blocks: int = 2,
+                   seed: int = 0) -> np.ndarray:
+    """The block matrix qkv.bigbird(...) resolves to for these sizes: bool
+    (num_heads_q, ceil(seq_q / block), ceil(seq_kv / block))."""
+    return _qkv.bigbird_layout(_int("block", block), _int("num_random_blocks", num_random_blocks),
+                               _int("num_global_blocks", num_global_blocks), _int("seed", seed),
+                               _int("seq_q", seq_q), _int("seq_kv", seq_kv),
+                               _int("num_heads_q", num_heads_q))
+
+
+class SentenceEmbedder:
+    """Sentence embeddings from a sentence-transformers / Hugging Face BERT folder
+    (config.json, model.safetensors, vocab.txt, ...), computed as sentence-transformers does:
+    WordPiece, the BERT encoder on qkv's layers, pooling, normalisation (docs/cli-embed.md).
+
+        embedder = qkv.SentenceEmbedder(".cache/models/.../model")
+        vectors = embedder.encode(["first text", "second text"])   # (2, 384) float32
+
+    max_length: tokens per text with [CLS]/[SEP] (0: the model's own setting); batch_size:
+    texts per forward pass; normalize: None = as modules.json says. One embedder may be shared
+    by threads: calls run one at a time, without the GIL.
+    """
+
+    def __init__(self, model_dir: Union[str, os.PathLike], *, max_length: int = 0,
+                 batch_size: int = 32, normalize: Optional[bool] = None):
+        self._impl = _qkv.SentenceEmbedder(os.fspath(model_dir), _int("max_length", max_length),
+                                           _int("batch_size", batch_size), normalize)
+
+    @property
+    def dimension(self) -> int:
+        """The embedding size (hidden size x pooling modes)."""
+        return self._impl.dimension
+
+    @property
+    def max_length(self) -> int:
+        return self._impl.max_length
+
+    @property
+    def normalize(self) -> bool:
+        return self._impl.normalize
+
+    def encode(self, texts: Union[str, Sequence[str]],
+               batch_size: Optional[int] = None) -> np.ndarray:
+        """Embeds `texts`: (N, dimension) float32 in input order, or (dimension,) for one str
+        (as sentence-transformers' encode). batch_size: None = the embedder's."""
+        single = isinstance(texts, str)
+        items = [texts] if single else list(texts)
+        for i, text in enumerate(items):
+            if not isinstance(text, str):
+                raise TypeError(f"texts[{i}]: expected str, got {type(text).__name__}")
+        size = 0 if batch_size is None else _int("batch_size", batch_size)
+        if batch_size is not None and size < 1:
+            raise ValueError(f"batch_size: must be >= 1, got {size}")
+        vectors = self._impl.encode(items, size)
+        return vectors[0] if single else vectors

@@ -1,0 +1,169 @@
+"""qkv.torch.scaled_dot_product_attention against torch's own SDPA on the same inputs: PyTorch's
+semantics (BHSD, bool mask True = takes part, float mask added, is_causal top-left, scale,
+enable_gqa), dtypes, shapes of 3 to 5 dims, errors, and torch.compile / torch.library checks."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import qkv.torch as qt
+
+
+def tensors(seed, batch=2, heads_q=4, heads_kv=4, seq_q=37, seq_kv=53, head_dim=16,
+            head_dim_v=None, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    q = torch.randn(batch, heads_q, seq_q, head_dim, generator=g).to(dtype)
+    k = torch.randn(batch, heads_kv, seq_kv, head_dim, generator=g).to(dtype)
+    v = torch.randn(batch, heads_kv, seq_kv, head_dim_v, generator=g).to(dtype)
+    return q, k, v
+
+
+def torch_reference(q, k, v, **options):
+    """torch's SDPA in float64 (its math kernel): the oracle for both."""
+    mask = options.get("attn_mask")
+    if mask is not None and mask.is_floating_point():
+        options = dict(options, attn_mask=mask.double())
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **options)
+
+
+def check(q, k, v, atol=2e-5, **options):
+    ours = qt.scaled_dot_product_attention(q, k, v, **options)
+    theirs = F.scaled_dot_product_attention(q, k, v, **options)
+    assert ours.dtype == q.dtype and ours.shape == theirs.shape
+    expected = torch_reference(q, k, v, **options)
+    # qkv within the tolerance of float64, and no further from it than torch's own f32/bf16.
+    ours_error = (ours.double() - expected).abs().max().item()
+    theirs_error = (theirs.double() - expected).abs().max().item()
+    assert ours_error <= max(atol, 4 * theirs_error), (ours_error, theirs_error)
+
+
+CASES = {
+    "plain": ({}, {}),
+    "causal": ({}, {"is_causal": True}),
+    "causal_lq_lt_lk": ({"seq_q": 11, "seq_kv": 40}, {"is_causal": True}),
+    "causal_lq_gt_lk": ({"seq_q": 40, "seq_kv": 11}, {"is_causal": True}),
+    "scale": ({}, {"scale": 0.3}),
+    "gqa": ({"heads_q": 6, "heads_kv": 2}, {"enable_gqa": True}),
+    "mqa_causal": ({"heads_q": 5, "heads_kv": 1}, {"enable_gqa": True, "is_causal": True}),
+    "dv_ne_d": ({"head_dim": 24, "head_dim_v": 9}, {}),
+    "decode": ({"seq_q": 1, "seq_kv": 77}, {}),
+    "odd": ({"batch": 1, "heads_q": 3, "heads_kv": 3, "seq_q": 65, "seq_kv": 129,
+             "head_dim": 7}, {"is_causal": True}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_torch_sdpa(case):
+    shape, options = CASES[case]
+    check(*tensors(1, **shape), **options)
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 4, 37, 53), (37, 53), (1, 53), (2, 1, 1, 53),
+                                        (4, 37, 53), (1, 1, 37, 1)])
+def test_bool_mask_true_takes_part(mask_shape):
+    q, k, v = tensors(2)
+    mask = torch.rand(mask_shape, generator=torch.Generator().manual_seed(3)) < 0.7
+    # Keep at least one key per row, where torch's math kernel would give NaN.
+    mask = mask | (torch.arange(53) == 0)
+    check(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 4, 37, 53), (37, 53), (2, 1, 37, 53)])
+def test_float_mask_is_added(mask_shape):
+    q, k, v = tensors(4)
+    bias = torch.randn(mask_shape, generator=torch.Generator().manual_seed(5))
+    bias[..., 7] = float("-inf")
+    check(q, k, v, attn_mask=bias)
+
+
+def test_fully_masked_rows_are_zero_not_nan():
+    q, k, v = tensors(6)
+    mask = torch.ones(37, 53, dtype=torch.bool)
+    mask[3] = False
+    out = qt.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert not out.isnan().any()
+    assert (out[:, :, 3] == 0).all()
+    others = torch.arange(37) != 3
+    expected = torch_reference(q, k, v, attn_mask=mask)
+    assert (out[:, :, others].double() - expected[:, :, others]).abs().max() < 2e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_half_dtypes_match_torch(dtype, is_causal):
+    # bf16/f16 inputs: qkv accumulates in f32 and rounds the output once; torch's kernels round
+    # more often. Both are compared with float64 on the same rounded inputs.
+    q, k, v = tensors(7, dtype=dtype)
+    check(q, k, v, atol=2e-2 if dtype == torch.bfloat16 else 2e-3, is_causal=is_causal)
+
+
+def test_bf16_float_mask():
+    q, k, v = tensors(8, dtype=torch.bfloat16)
+    bias = torch.randn(37, 53, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    check(q, k, v, atol=2e-2, attn_mask=bias)
+
+
+def test_three_and_five_dims():
+    q, k, v = tensors(10)
+    check(q[0], k[0], v[0], is_causal=True)  # (H, L, E)
+    q5, k5, v5 = (x.reshape(1, 2, *x.shape[1:]) for x in (q, k, v))  # (1, 2, H, L, E)
+    check(q5, k5, v5)
+    mask = torch.rand(1, 2, 4, 37, 53, generator=torch.Generator().manual_seed(11)) < 0.8
+    check(q5, k5, v5, attn_mask=mask | (torch.arange(53) == 0))
+
+
+def test_non_contiguous_inputs_are_read_in_place():
+    # (B, L, H, E) memory viewed as (B, H, L, E): the layout many models keep.
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in tensors(12))
+    assert not q.is_contiguous()
+    check(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("kwargs,error,fragment", [
+    ({"dropout_p": 0.1}, ValueError, "dropout_p"),
+    ({"is_causal": True, "attn_mask": torch.ones(37, 53, dtype=torch.bool)}, RuntimeError,
+     "attn_mask should not be set when is_causal=True"),
+    ({"attn_mask": torch.ones(37, 53, dtype=torch.int32)}, TypeError, "attn_mask: dtype"),
+    ({"attn_mask": torch.ones(37, 52, dtype=torch.bool)}, ValueError, "not broadcastable"),
+])
+def test_bad_arguments(kwargs, error, fragment):
+    q, k, v = tensors(13)
+    with pytest.raises(error, match=None) as info:
+        qt.scaled_dot_product_attention(q, k, v, **kwargs)
+    assert fragment in str(info.value)
+
+
+def test_bad_tensors():
+    q, k, v = tensors(14, heads_q=6, heads_kv=2)
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        qt.scaled_dot_product_attention(q, k, v)
+    with pytest.raises(TypeError, match="float64 is not supported"):
+        qt.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
+    with pytest.raises(TypeError, match="share one dtype"):
+        qt.scaled_dot_product_attention(q, k.half(), v, enable_gqa=True)
+    with pytest.raises(ValueError, match="at least 3"):
+        qt.scaled_dot_product_attention(q[0, 0], k[0, 0], v[0, 0])
+    with pytest.raises(ValueError, match="does not match"):
+        qt.scaled_dot_product_attention(q, k[..., :5], v, enable_gqa=True)
+
+
+def test_is_a_torch_library_op_that_compiles():
+    q, k, v = tensors(15)
+    op = torch.ops.qkv.scaled_dot_product_attention.default
+    torch.library.opcheck(op, (q, k, v, None, 0.0, True, None, False))
+
+    def f(q, k, v):
+        return qt.scaled_dot_product_attention(q, k, v, is_causal=True) * 2
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    np.testing.assert_array_equal(compiled(q, k, v).numpy(), f(q, k, v).numpy())
+
+
+def test_tensors_that_require_grad_are_read():
+    q, k, v = (x.requires_grad_() for x in tensors(16))
+    with torch.no_grad():
+        expected = F.scaled_dot_product_attention(q, k, v)
+    out = qt.scaled_dot_product_attention(q, k, v)
+    assert (out.detach() - expected).abs().max() < 2e-5
