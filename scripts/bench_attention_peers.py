@@ -15,6 +15,9 @@ Peers (DESIGN.md section 6: timed in the same run, reported as ratios):
                          that exceeds --ort-max-mib). GQA: K/V repeated to Hq heads beforehand
   ort-gqa-f32            decode only: com.microsoft GroupQueryAttention appending one token to a
                          KV cache of Lk - 1 keys, past and present bound to one buffer
+  qkv.torch-f32/-bf16    qkv's Python module in this process: qkv.torch.scaled_dot_product_attention
+                         on the torch peers' tensors (--python-module; the report then compares
+                         its ratio to torch with the CLI's, same rounds)
   qkv-f32, qkv-bf16      `qkv bench --json --shape B,Hq,Hkv,Lq,Lk,D [--causal] --dtype T
                          --threads N`, one process per round; its JSON carries the fp32 FMA
                          peak (peak_gflops) and read bandwidth measured in the same process
@@ -269,6 +272,34 @@ class OrtGqaDecode:
         return call, lambda out: out.copy_outputs_to_cpu()[2].reshape(B, 1, Hq, D)
 
 
+class QkvTorchOp:
+    """qkv's Python module in this process: qkv.torch.scaled_dot_product_attention on the same
+    (B, H, L, D) torch tensors as torch-f32/-bf16 (a torch.library op; --python-module)."""
+
+    def __init__(self, dtype, module_dir):
+        self.dtype, self.label, self.module_dir = dtype, f"qkv.torch-{dtype}", module_dir
+
+    def prepare(self, case, data, threads):
+        import torch
+        if str(self.module_dir) not in sys.path:
+            sys.path.insert(0, str(self.module_dir))
+        try:
+            import qkv.torch as qt
+        except ImportError as error:
+            raise Skip(f"cannot import qkv from {self.module_dir}: {error}")
+        if case.causal and case.Lq != case.Lk:
+            raise Skip("is_causal is top-left aligned; qkv bench is bottom-right")
+        torch.set_num_threads(threads)  # qkv.torch runs on torch.get_num_threads() threads
+        q, k, v = (to_torch_bhsd(x, self.dtype) for x in data)
+        gqa = case.Hq != case.Hkv
+
+        def call():
+            return qt.scaled_dot_product_attention(q, k, v, is_causal=case.causal,
+                                                   enable_gqa=gqa)
+
+        return call, lambda out: out.float().transpose(1, 2).numpy()
+
+
 # ---- qkv: one `qkv bench` process per round ---------------------------------------------------
 
 
@@ -439,7 +470,7 @@ def ratios(results):
     for label, r in results.items():
         if "seconds" in r:
             fastest[label] = r["seconds"]
-    peers = {k: v for k, v in fastest.items() if not k.startswith("qkv-")}
+    peers = {k: v for k, v in fastest.items() if not k.startswith("qkv")}
     for dtype in ("f32", "bf16"):
         mine = fastest.get(f"qkv-{dtype}")
         same = {k: v for k, v in peers.items() if k.endswith(dtype)}
@@ -491,6 +522,15 @@ def report(all_results, agreements, threads):
                                     if kind in r.get("twins", {}))
             if same_rounds:
                 lines.append(f"{'':<32} {text}: {same_rounds}")
+        module = []
+        for dtype in ("f32", "bf16"):
+            py, cli, peer = (results.get(f"{kind}-{dtype}", {}).get("seconds")
+                             for kind in ("qkv.torch", "qkv", "torch"))
+            if py and cli and peer:
+                module.append(f"{dtype} {peer / py:.2f}x vs {peer / cli:.2f}x "
+                              f"(module / CLI {cli / py:.2f})")
+        if module:
+            lines.append(f"{'':<32} qkv.torch / torch vs qkv bench / torch: " + ", ".join(module))
         if case.is_decode():
             same_process = ", ".join(
                 f"{label[4:]} {r['kv_fraction_of_read_bandwidth']:.2f} (between repeats "
@@ -577,6 +617,9 @@ def main():
     parser.add_argument("--ort-max-mib", type=float, default=3072,
                         help="skip ORT's unfused (causal) path above this many MiB of scores")
     parser.add_argument("--qkv", default=str(ROOT / "build" / "release" / "qkv"))
+    parser.add_argument("--python-module", default=str(ROOT / "build" / "release" / "python"),
+                        help="folder holding the qkv Python package (qkv.torch-* rows; "
+                             "scripts/test.sh builds it there)")
     parser.add_argument("--png", help="write GFLOP/s against L per implementation")
     parser.add_argument("--json", help="write every measurement as JSON")
     args = parser.parse_args()
@@ -594,6 +637,8 @@ def main():
              TorchMatmulDecode("bf16"), OrtMha(args.ort_max_mib), OrtGqaDecode()]
     if Path(args.qkv).exists():
         impls += [Qkv("f32", args.qkv), Qkv("bf16", args.qkv)]
+    if (Path(args.python_module) / "qkv").is_dir():
+        impls += [QkvTorchOp("f32", args.python_module), QkvTorchOp("bf16", args.python_module)]
     else:
         print(f"note: {args.qkv} not found (scripts/build.sh builds it); timing peers only")
     if args.impls:

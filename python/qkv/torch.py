@@ -11,7 +11,8 @@ scores); is_causal is top-left aligned; scale defaults to 1/sqrt(E); enable_gqa 
 multiple of Hkv. One difference: a query row that the mask leaves with no key gets zeros from
 qkv, where PyTorch's math kernel gives NaN.
 
-It is registered as the torch.library custom op torch.ops.qkv.scaled_dot_product_attention with a
+It runs on torch.get_num_threads() threads (torch.set_num_threads sets them), as torch's own
+does. It is registered as the torch.library custom op torch.ops.qkv.scaled_dot_product_attention with a
 fake (meta) implementation, so torch.compile traces it as one node. CPU tensors only; float32,
 bfloat16 and float16 (computed with float32 accumulation). Forward only for now: dropout_p must
 be 0 and gradients do not flow through it yet.
@@ -89,7 +90,8 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             full = attn_mask.expand(mask_shape).reshape(-1, *mask_shape[-3:])
             mask, bias = (full, None) if mask is not None else (None, full)
     out = qkv.attention(_as_4d(query), _as_4d(key), _as_4d(value), layout="bhsd",
-                        causal=is_causal, align="top_left", mask=mask, bias=bias, scale=scale)
+                        causal=is_causal, align="top_left", mask=mask, bias=bias, scale=scale,
+                        num_threads=torch.get_num_threads())
     out = out.reshape(*query.shape[:-1], value.shape[-1])
     return out if query.dtype == torch.float32 else out.to(query.dtype)
 
