@@ -147,6 +147,10 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
     require_no_nan_or_pos_inf(params.bias);
     p.bias = static_cast<const float*>(params.bias.data);
   }
+  const ops::NamedView written[] = {{"out", &out}, {"lse", &lse}, {"probs", &probs}};
+  const ops::NamedView read[] = {
+      {"q", &q}, {"k", &k}, {"v", &v}, {"mask", &params.mask}, {"bias", &params.bias}};
+  ops::require_no_overlap(written, read);
   ResolvedSparsity sparsity;  // owns what p.sparse points to, for the kernel call
   if (params.sparsity) {
     resolve_sparsity(*params.sparsity, seq_q, seq_kv, num_heads_q, p.diagonal_offset, sparsity);

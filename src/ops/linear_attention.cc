@@ -132,6 +132,9 @@ void linear_attention(const TensorView& q, const TensorView& k, const TensorView
         "reference attention kernel can return softmax probabilities)");
   }
   reject_exact_only_options(params);
+  const ops::NamedView written[] = {{"out", &out}};
+  const ops::NamedView read[] = {{"q", &q}, {"k", &k}, {"v", &v}};
+  ops::require_no_overlap(written, read);
 
   const bool favor = params.feature_map == FeatureMap::kFavorPositive;
   float scale = 1.0f;

@@ -113,6 +113,44 @@ AttentionShape validate_operands(const TensorView& q, const TensorView& k, const
   return s;
 }
 
+namespace {
+
+// [first byte, one past the last byte] of the elements a view addresses.
+std::pair<std::uintptr_t, std::uintptr_t> byte_extent(const TensorView& view) {
+  std::int64_t low = 0, high = 0;  // element offsets of the lowest and highest element
+  for (int d = 0; d < 4; ++d) {
+    const std::int64_t reach = (view.sizes[d] - 1) * view.strides[d];
+    (reach < 0 ? low : high) += reach;
+  }
+  const std::int64_t size = dtype_size(view.dtype);
+  const auto base = reinterpret_cast<std::uintptr_t>(view.data);
+  return {base + static_cast<std::uintptr_t>(low * size),
+          base + static_cast<std::uintptr_t>((high + 1) * size)};
+}
+
+bool overlaps(const TensorView& a, const TensorView& b) {
+  const auto [a_first, a_end] = byte_extent(a);
+  const auto [b_first, b_end] = byte_extent(b);
+  return a_first < b_end && b_first < a_end;
+}
+
+}  // namespace
+
+void require_no_overlap(std::span<const NamedView> outputs, std::span<const NamedView> inputs) {
+  for (std::size_t o = 0; o < outputs.size(); ++o) {
+    const auto& [name, view] = outputs[o];
+    if (view->empty()) continue;
+    auto check = [&](const NamedView& other) {
+      if (!other.second->empty() && overlaps(*view, *other.second)) {
+        throw Error(std::string(name) + ": its memory overlaps " + other.first +
+                    "'s (an output must not share memory with an input or another output)");
+      }
+    };
+    for (const NamedView& input : inputs) check(input);
+    for (std::size_t later = o + 1; later < outputs.size(); ++later) check(outputs[later]);
+  }
+}
+
 void validate_key_lengths(std::span<const std::int64_t> key_lengths, const TensorView& q,
                           const TensorView& k) {
   if (key_lengths.empty()) return;

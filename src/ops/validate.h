@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 
 #include "qkv/tensor.h"
 
@@ -67,6 +68,13 @@ void set_operands(KernelParams& p, const AttentionShape& s, const TensorView& q,
     p.out_stride[d] = out.strides[d];
   }
 }
+
+// Outputs must not share memory with an input or another output: a kernel that writes out
+// rows while it still reads q (or another output's rows) would compute from overwritten data.
+// Checked on byte extents (first to last element), so interleaved views of one buffer are
+// refused too. `outputs` and `inputs`: (name, view) pairs; empty views are skipped.
+using NamedView = std::pair<const char*, const TensorView*>;
+void require_no_overlap(std::span<const NamedView> outputs, std::span<const NamedView> inputs);
 
 // key_lengths: empty, or [B] entries each in [0, Lk].
 void validate_key_lengths(std::span<const std::int64_t> key_lengths, const TensorView& q,

@@ -137,6 +137,54 @@ TEST(Validation, OptionalOutputs) {
   expect_error([](Valid& p) { p.outputs.out.strides[1] = 0; }, {"out: stride 0 in dim 1"});
 }
 
+TEST(Validation, OutputsMustNotOverlapInputsOrEachOther) {
+  auto expect_refused = [](auto break_it, const char* needle) {
+    Valid p;
+    break_it(p);
+    const std::vector<float> q_before = p.q, bias_before = p.bias;
+    try {
+      p.run();
+      FAIL() << "no error thrown; expected one mentioning " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(p.q, q_before);
+    EXPECT_EQ(p.bias, bias_before);
+    EXPECT_TRUE(p.out_untouched());
+  };
+  // out written over q's memory (in place), over k, probs over the bias, lse inside out.
+  expect_refused(
+      [](Valid& p) { p.outputs.out = TensorView::contiguous(p.q.data(), DType::kF32, {2, 3, 4, 6}); },
+      "out: its memory overlaps q's");
+  expect_refused(
+      [](Valid& p) {
+        // Negative strides: from k's last element backwards, wholly inside k.
+        p.outputs.out.data = p.k.data() + (p.k.size() - 1);
+        p.outputs.out.strides = {-72, -24, -6, -1};
+      },
+      "out: its memory overlaps k's");
+  expect_refused(
+      [](Valid& p) {
+        p.params.bias = TensorView::contiguous(p.bias.data(), DType::kF32, {2, 4, 3, 5});
+        p.outputs.probs = p.params.bias;
+      },
+      "probs: its memory overlaps bias's");
+  expect_refused(
+      [](Valid& p) {
+        p.outputs.lse = TensorView::contiguous(p.out.data() + 10, DType::kF32, {2, 4, 3, 1});
+      },
+      "out: its memory overlaps lse's");
+}
+
+TEST(Validation, OutputsNextToInputsInOneBufferAreFine) {
+  Valid p;
+  std::vector<float> buffer(p.q.size() + p.out.size(), 0.5f);  // q, then out, back to back
+  p.qv = TensorView::contiguous(buffer.data(), DType::kF32, {2, 3, 4, 8});
+  p.outputs.out = TensorView::contiguous(buffer.data() + p.q.size(), DType::kF32, {2, 3, 4, 6});
+  p.run();
+  EXPECT_NEAR(buffer[p.q.size()], 0.5f, 1e-6f);
+}
+
 TEST(Validation, Scalars) {
   expect_error([](Valid& p) { p.params.scale = 0.0f; }, {"scale: must be finite and > 0"});
   expect_error([](Valid& p) { p.params.scale = -1.0f; }, {"scale:"});

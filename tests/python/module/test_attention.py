@@ -203,6 +203,14 @@ def test_errors_after_out_checks_write_nothing(rng):
     assert (out == 7).all()
 
 
+def test_out_sharing_memory_with_an_input_is_refused(rng):
+    p = make_problem(rng, num_heads_q=2, num_heads_kv=2)
+    q = p["q"].copy()
+    with pytest.raises(ValueError, match="out: its memory overlaps q's"):
+        qkv.attention(q, p["k"], p["v"], out=q)  # in place would read overwritten rows
+    np.testing.assert_array_equal(q, p["q"])
+
+
 def test_read_only_out_is_refused(rng):
     p = make_problem(rng)
     out = np.zeros((2, 5, 4, 8), np.float32)
