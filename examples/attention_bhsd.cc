@@ -77,8 +77,9 @@ int main() {
   for (std::int64_t i = 0; i < n; ++i) {
     max_error = std::max(max_error, std::abs(out[i] - expected[i]));
   }
-  std::printf("attention_bhsd: B=%lld H=%lld L=%lld D=%lld causal, kernel %s: max |qkv - f64| = %.3g\n",
-              (long long)kBatch, (long long)kHeads, (long long)kSeq, (long long)kHeadDim,
-              qkv::resolved_kernel_name({.causal = true}, {.out = bhsd(out)}), max_error);
+  std::printf(
+      "attention_bhsd: B=%lld H=%lld L=%lld D=%lld causal, kernel %s: max |qkv - f64| = %.3g\n",
+      (long long)kBatch, (long long)kHeads, (long long)kSeq, (long long)kHeadDim,
+      qkv::resolved_kernel_name({.causal = true}, {.out = bhsd(out)}), max_error);
   return max_error <= 1e-5 ? 0 : 1;
 }

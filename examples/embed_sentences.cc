@@ -41,9 +41,9 @@ int main(int argc, char** argv) {
         }
         cosine[a][b] = dot / std::sqrt(norm_a * norm_b);
       }
-      std::printf("  [%zu] %-40s [%.4f %.4f %.4f ...]  cos: %.4f %.4f %.4f\n", a,
-                  texts[a].c_str(), embeddings[a * dim], embeddings[a * dim + 1],
-                  embeddings[a * dim + 2], cosine[a][0], cosine[a][1], cosine[a][2]);
+      std::printf("  [%zu] %-40s [%.4f %.4f %.4f ...]  cos: %.4f %.4f %.4f\n", a, texts[a].c_str(),
+                  embeddings[a * dim], embeddings[a * dim + 1], embeddings[a * dim + 2],
+                  cosine[a][0], cosine[a][1], cosine[a][2]);
     }
     return cosine[0][1] > cosine[0][2] && cosine[0][1] > cosine[1][2] ? 0 : 1;
   } catch (const qkv::Error& error) {

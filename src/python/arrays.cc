@@ -11,9 +11,7 @@ bool is(const nb::dlpack::dtype& dtype, Code code, int bits) {
   return dtype.code == static_cast<std::uint8_t>(code) && dtype.bits == bits && dtype.lanes == 1;
 }
 
-std::string python_type_name(nb::handle object) {
-  return nb::type_name(object.type()).c_str();
-}
+std::string python_type_name(nb::handle object) { return nb::type_name(object.type()).c_str(); }
 
 std::string shape_text(const auto& array) {
   std::string text = "(";
@@ -33,8 +31,10 @@ Array import_array(const char* name, nb::handle object) {
         throw nb::value_error((std::string(name) + ": the array is read-only").c_str());
       }
     }
-    throw nb::type_error((std::string(name) + ": expected an array (numpy, torch or jax: DLPack "
-                          "or the buffer protocol), got " + python_type_name(object))
+    throw nb::type_error((std::string(name) +
+                          ": expected an array (numpy, torch or jax: DLPack "
+                          "or the buffer protocol), got " +
+                          python_type_name(object))
                              .c_str());
   }
   if (array.device_type() != nb::device::cpu::value) {
@@ -57,7 +57,8 @@ Held<Array> view_of(const char* name, nb::handle object, const Expect& expect, b
                               .c_str());
   }
   const std::optional<DType> dtype = dtype_of(array.dtype(), bf16_bits);
-  if (!dtype || std::find(expect.dtypes.begin(), expect.dtypes.end(), *dtype) == expect.dtypes.end()) {
+  if (!dtype ||
+      std::find(expect.dtypes.begin(), expect.dtypes.end(), *dtype) == expect.dtypes.end()) {
     throw nb::type_error((std::string(name) + ": dtype " + dtype_text(array.dtype()) +
                           " is not supported; expected " + expect.dtype_names)
                              .c_str());
@@ -91,13 +92,26 @@ std::optional<DType> dtype_of(const nb::dlpack::dtype& dtype, bool bf16_bits) {
 std::string dtype_text(const nb::dlpack::dtype& dtype) {
   std::string kind;
   switch (static_cast<Code>(dtype.code)) {
-    case Code::Int: kind = "int"; break;
-    case Code::UInt: kind = "uint"; break;
-    case Code::Float: kind = "float"; break;
-    case Code::Bfloat: kind = "bfloat"; break;
-    case Code::Complex: kind = "complex"; break;
-    case Code::Bool: return "bool";
-    default: kind = "dlpack-code-" + std::to_string(dtype.code) + "-"; break;
+    case Code::Int:
+      kind = "int";
+      break;
+    case Code::UInt:
+      kind = "uint";
+      break;
+    case Code::Float:
+      kind = "float";
+      break;
+    case Code::Bfloat:
+      kind = "bfloat";
+      break;
+    case Code::Complex:
+      kind = "complex";
+      break;
+    case Code::Bool:
+      return "bool";
+    default:
+      kind = "dlpack-code-" + std::to_string(dtype.code) + "-";
+      break;
   }
   std::string text = kind + std::to_string(dtype.bits);
   if (dtype.lanes != 1) text += "x" + std::to_string(dtype.lanes);

@@ -6,13 +6,13 @@
 // the library becomes ValueError (module.cc registers the translation).
 #pragma once
 
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
 #include <string>
-
-#include <nanobind/nanobind.h>
-#include <nanobind/ndarray.h>
 
 #include "qkv/tensor.h"
 
@@ -41,8 +41,8 @@ std::string dtype_text(const nb::dlpack::dtype& dtype);
 // What an argument must be: its rank range (fewer than 4 dims are padded with leading dims of
 // size 1 and stride 0: numpy's broadcasting rule) and its dtypes, with the words for messages.
 struct Expect {
-  int min_rank, max_rank;   // 0 <= min_rank <= max_rank <= 4
-  const char* shape;        // e.g. "4: (B, Lq, Hq, D)"
+  int min_rank, max_rank;  // 0 <= min_rank <= max_rank <= 4
+  const char* shape;       // e.g. "4: (B, Lq, Hq, D)"
   std::initializer_list<DType> dtypes;
   const char* dtype_names;  // e.g. "float32, bfloat16 or float16"
 };

@@ -4,18 +4,18 @@
 //
 // Function arguments here are positional and internal; the public, documented signatures are
 // the Python wrappers' (docs/python.md). qkv::Error becomes ValueError.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
 #include <chrono>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <variant>
 #include <vector>
-
-#include <nanobind/nanobind.h>
-#include <nanobind/ndarray.h>
-#include <nanobind/stl/optional.h>
-#include <nanobind/stl/string.h>
-#include <nanobind/stl/vector.h>
 
 #include "python/arrays.h"
 #include "qkv/attention.h"
@@ -36,7 +36,8 @@ constexpr int kQBits = 1, kKBits = 2, kVBits = 4;
 Align parse_align(const std::string& align) {
   if (align == "bottom_right" || align == "bottom-right") return Align::kBottomRight;
   if (align == "top_left" || align == "top-left") return Align::kTopLeft;
-  throw nb::value_error(("align: expected 'bottom_right' or 'top_left', got '" + align + "'").c_str());
+  throw nb::value_error(
+      ("align: expected 'bottom_right' or 'top_left', got '" + align + "'").c_str());
 }
 
 Kernel parse_kernel(const std::string& kernel) {
@@ -77,8 +78,11 @@ Operands operands(nb::handle q, nb::handle k, nb::handle v, nb::handle out,
                   kInputs, kInputNames},
                  bf16_bits & kVBits),
       output_view("out", out,
-                  {4, 4, bhsd ? "4: (B, Hq, Lq, Dv) for layout 'bhsd'" : "4: (B, Lq, Hq, Dv)",
-                   {DType::kF32}, "float32"}),
+                  {4,
+                   4,
+                   bhsd ? "4: (B, Hq, Lq, Dv) for layout 'bhsd'" : "4: (B, Lq, Hq, Dv)",
+                   {DType::kF32},
+                   "float32"}),
       bhsd};
   if (bhsd) {
     for (TensorView* view : {&o.q.view, &o.k.view, &o.v.view, &o.out.view}) {
@@ -98,8 +102,9 @@ void call_library(const Operands& o, Call&& call) {
   } catch (const Error& error) {
     std::string message = error.what();
     if (o.bhsd && message.find("shape") != std::string::npos) {
-      message += " (with layout='bhsd', shapes of q, k, v and out are shown here in logical "
-                 "(B, L, H, D) order)";
+      message +=
+          " (with layout='bhsd', shapes of q, k, v and out are shown here in logical "
+          "(B, L, H, D) order)";
     }
     throw nb::value_error(message.c_str());
   }
@@ -107,8 +112,8 @@ void call_library(const Operands& o, Call&& call) {
 
 std::vector<std::int64_t> key_lengths_of(nb::handle key_lengths) {
   if (key_lengths.is_none()) return {};
-  const Held<InArray> held = input_view("key_lengths", key_lengths,
-                                        {1, 1, "1: (B,)", {DType::kI32, DType::kI64}, "int32 or int64"});
+  const Held<InArray> held = input_view(
+      "key_lengths", key_lengths, {1, 1, "1: (B,)", {DType::kI32, DType::kI64}, "int32 or int64"});
   const TensorView& view = held.view;
   std::vector<std::int64_t> lengths(static_cast<std::size_t>(view.sizes[3]));
   for (std::size_t b = 0; b < lengths.size(); ++b) {
@@ -144,8 +149,11 @@ class PySparsity {
   static PySparsity block_layout(nb::handle layout, std::int64_t block_q, std::int64_t block_k) {
     PySparsity s;
     s.layout_ = input_view("layout", layout,
-                           {2, 4, "2 to 4: (query blocks, key blocks), (Hq, ...) or (1, Hq, ...)",
-                            {DType::kBool, DType::kU8}, "bool or uint8"});
+                           {2,
+                            4,
+                            "2 to 4: (query blocks, key blocks), (Hq, ...) or (1, Hq, ...)",
+                            {DType::kBool, DType::kU8},
+                            "bool or uint8"});
     s.block_ = {.layout = s.layout_.view, .block_q = block_q, .block_k = block_k};
     s.kind_ = Kind::kBlock;
     return s;
@@ -204,17 +212,17 @@ class PySparsity {
 nb::ndarray<nb::numpy, bool> numpy_bool(std::vector<std::uint8_t> mask, std::int64_t d0,
                                         std::int64_t d1, std::int64_t d2) {
   auto* owned = new std::vector<std::uint8_t>(std::move(mask));
-  nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<std::uint8_t>*>(p); });
+  nb::capsule owner(owned,
+                    [](void* p) noexcept { delete static_cast<std::vector<std::uint8_t>*>(p); });
   const std::size_t shape[3] = {static_cast<std::size_t>(d0), static_cast<std::size_t>(d1),
                                 static_cast<std::size_t>(d2)};
   return nb::ndarray<nb::numpy, bool>(owned->data(), 3, shape, owner);
 }
 
 void attention_binding(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
-                       nb::handle weights, nb::handle mask, nb::handle bias,
-                       nb::handle key_lengths, const PySparsity* sparsity,
-                       std::optional<float> scale, float softcap, bool causal,
-                       const std::string& align, std::int64_t window_left,
+                       nb::handle weights, nb::handle mask, nb::handle bias, nb::handle key_lengths,
+                       const PySparsity* sparsity, std::optional<float> scale, float softcap,
+                       bool causal, const std::string& align, std::int64_t window_left,
                        std::int64_t window_right, const std::string& kernel, int num_threads,
                        const std::string& layout, int bf16_bits) {
   // q: [B, Lq, Hq, D]  k: [B, Lk, Hkv, D]  v: [B, Lk, Hkv, Dv]  out: [B, Lq, Hq, Dv]
@@ -234,14 +242,17 @@ void attention_binding(nb::handle q, nb::handle k, nb::handle v, nb::handle out,
   std::optional<Held<InArray>> mask_held, bias_held;
   if (!mask.is_none()) {
     mask_held = input_view("mask", mask,
-                           {0, 4, "at most 4, broadcastable to (B, Hq, Lq, Lk)",
-                            {DType::kBool, DType::kU8}, "bool or uint8 (true = may attend)"});
+                           {0,
+                            4,
+                            "at most 4, broadcastable to (B, Hq, Lq, Lk)",
+                            {DType::kBool, DType::kU8},
+                            "bool or uint8 (true = may attend)"});
     params.mask = mask_held->view;
   }
   if (!bias.is_none()) {
-    bias_held = input_view("bias", bias,
-                           {0, 4, "at most 4, broadcastable to (B, Hq, Lq, Lk)", {DType::kF32},
-                            "float32"});
+    bias_held =
+        input_view("bias", bias,
+                   {0, 4, "at most 4, broadcastable to (B, Hq, Lq, Lk)", {DType::kF32}, "float32"});
     params.bias = bias_held->view;
   }
   if (sparsity) params.sparsity = sparsity->get();
@@ -266,8 +277,8 @@ void linear_attention_binding(nb::handle q, nb::handle k, nb::handle v, nb::hand
                               nb::handle key_lengths, const std::string& feature_map,
                               std::int64_t nb_features, std::uint64_t seed,
                               std::optional<float> scale, bool causal, const std::string& align,
-                              const std::string& kernel, int num_threads,
-                              std::int64_t chunk_size, const std::string& layout, int bf16_bits) {
+                              const std::string& kernel, int num_threads, std::int64_t chunk_size,
+                              const std::string& layout, int bf16_bits) {
   const Operands o = operands(q, k, v, out, layout, bf16_bits);
   const std::vector<std::int64_t> lengths = key_lengths_of(key_lengths);
   LinearAttentionParams params{.nb_features = nb_features,
@@ -296,7 +307,8 @@ void linear_attention_binding(nb::handle q, nb::handle k, nb::handle v, nb::hand
     throw nb::value_error(
         ("kernel: expected 'auto', 'reference' or 'cpu', got '" + kernel + "'").c_str());
   }
-  call_library(o, [&] { linear_attention(o.q.view, o.k.view, o.v.view, {.out = o.out.view}, params); });
+  call_library(
+      o, [&] { linear_attention(o.q.view, o.k.view, o.v.view, {.out = o.out.view}, params); });
 }
 
 // Seconds of each of `repeats` qkv::attention calls on views made once: the C++ side of the
@@ -321,9 +333,9 @@ class PyEmbedder {
  public:
   PyEmbedder(const std::string& model_dir, std::int64_t max_length, std::int64_t batch_size,
              std::optional<bool> normalize)
-      : embedder_(load(model_dir, {.max_length = max_length,
-                                   .batch_size = batch_size,
-                                   .normalize = normalize})) {}
+      : embedder_(
+            load(model_dir,
+                 {.max_length = max_length, .batch_size = batch_size, .normalize = normalize})) {}
 
   std::int64_t dimension() const { return embedder_.dimension(); }
   std::int64_t max_length() const { return embedder_.max_length(); }
@@ -371,13 +383,14 @@ void define_module(nb::module_& m) {
     }
   });
 
-  nb::class_<PySparsity>(m, "Sparsity", "A block-sparsity pattern (qkv.longformer, qkv.bigbird, "
-                                        "qkv.block_layout); pass it as attention(sparsity=...).")
+  nb::class_<PySparsity>(m, "Sparsity",
+                         "A block-sparsity pattern (qkv.longformer, qkv.bigbird, "
+                         "qkv.block_layout); pass it as attention(sparsity=...).")
       .def("__repr__", &PySparsity::repr)
       .def(
           "mask",
-          [](const PySparsity& s, std::int64_t seq_q, std::int64_t seq_kv,
-             std::int64_t num_heads_q, const std::string& align) {
+          [](const PySparsity& s, std::int64_t seq_q, std::int64_t seq_kv, std::int64_t num_heads_q,
+             const std::string& align) {
             return numpy_bool(sparse_mask(s.get(), seq_q, seq_kv, num_heads_q, parse_align(align)),
                               num_heads_q, seq_q, seq_kv);
           },
@@ -387,29 +400,30 @@ void define_module(nb::module_& m) {
   m.def("bigbird", &PySparsity::bigbird, "block"_a, "num_random_blocks"_a, "num_global_blocks"_a,
         "seed"_a);
   m.def("block_layout", &PySparsity::block_layout, "layout"_a, "block_q"_a, "block_k"_a);
-  m.def("bigbird_layout",
-        [](std::int64_t block, std::int64_t num_random_blocks, std::int64_t num_global_blocks,
-           std::uint64_t seed, std::int64_t seq_q, std::int64_t seq_kv, std::int64_t num_heads_q) {
-          const BigBirdSparsity s{.block = block,
-                                  .num_random_blocks = num_random_blocks,
-                                  .num_global_blocks = num_global_blocks,
-                                  .seed = seed};
-          return numpy_bool(bigbird_layout(s, seq_q, seq_kv, num_heads_q), num_heads_q,
-                            (seq_q + block - 1) / block, (seq_kv + block - 1) / block);
-        },
-        "block"_a, "num_random_blocks"_a, "num_global_blocks"_a, "seed"_a, "seq_q"_a, "seq_kv"_a,
-        "num_heads_q"_a);
+  m.def(
+      "bigbird_layout",
+      [](std::int64_t block, std::int64_t num_random_blocks, std::int64_t num_global_blocks,
+         std::uint64_t seed, std::int64_t seq_q, std::int64_t seq_kv, std::int64_t num_heads_q) {
+        const BigBirdSparsity s{.block = block,
+                                .num_random_blocks = num_random_blocks,
+                                .num_global_blocks = num_global_blocks,
+                                .seed = seed};
+        return numpy_bool(bigbird_layout(s, seq_q, seq_kv, num_heads_q), num_heads_q,
+                          (seq_q + block - 1) / block, (seq_kv + block - 1) / block);
+      },
+      "block"_a, "num_random_blocks"_a, "num_global_blocks"_a, "seed"_a, "seq_q"_a, "seq_kv"_a,
+      "num_heads_q"_a);
 
   // q, k, v and out accept None too, so that a None there gets qkv's message, not nanobind's.
-  m.def("attention", &attention_binding, "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse"_a.none(),
-        "weights"_a.none(), "mask"_a.none(), "bias"_a.none(), "key_lengths"_a.none(),
-        "sparsity"_a.none(), "scale"_a.none(), "softcap"_a, "causal"_a, "align"_a,
-        "window_left"_a, "window_right"_a, "kernel"_a, "num_threads"_a, "layout"_a,
+  m.def("attention", &attention_binding, "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(),
+        "lse"_a.none(), "weights"_a.none(), "mask"_a.none(), "bias"_a.none(),
+        "key_lengths"_a.none(), "sparsity"_a.none(), "scale"_a.none(), "softcap"_a, "causal"_a,
+        "align"_a, "window_left"_a, "window_right"_a, "kernel"_a, "num_threads"_a, "layout"_a,
         "bf16_bits"_a);
-  m.def("linear_attention", &linear_attention_binding, "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(),
-        "key_lengths"_a.none(), "feature_map"_a, "nb_features"_a, "seed"_a, "scale"_a.none(),
-        "causal"_a, "align"_a, "kernel"_a, "num_threads"_a, "chunk_size"_a, "layout"_a,
-        "bf16_bits"_a);
+  m.def("linear_attention", &linear_attention_binding, "q"_a.none(), "k"_a.none(), "v"_a.none(),
+        "out"_a.none(), "key_lengths"_a.none(), "feature_map"_a, "nb_features"_a, "seed"_a,
+        "scale"_a.none(), "causal"_a, "align"_a, "kernel"_a, "num_threads"_a, "chunk_size"_a,
+        "layout"_a, "bf16_bits"_a);
   m.def("_time_attention", &time_attention, "q"_a, "k"_a, "v"_a, "out"_a, "repeats"_a);
   m.def("_data_address", &data_address, "array"_a);
 

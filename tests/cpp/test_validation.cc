@@ -154,7 +154,9 @@ TEST(Validation, OutputsMustNotOverlapInputsOrEachOther) {
   };
   // out written over q's memory (in place), over k, probs over the bias, lse inside out.
   expect_refused(
-      [](Valid& p) { p.outputs.out = TensorView::contiguous(p.q.data(), DType::kF32, {2, 3, 4, 6}); },
+      [](Valid& p) {
+        p.outputs.out = TensorView::contiguous(p.q.data(), DType::kF32, {2, 3, 4, 6});
+      },
       "out: its memory overlaps q's");
   expect_refused(
       [](Valid& p) {

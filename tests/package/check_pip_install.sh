@@ -19,8 +19,17 @@ grep -h '^Tag:' venv/lib/python3*/site-packages/qkv-*.dist-info/WHEEL |
   sed 's/^/check_pip_install: wheel /'
 
 venv/bin/python - <<'PY'
+from pathlib import Path
+
 import numpy as np
 import qkv
+
+package = Path(qkv.__file__).parent
+files = sorted(p.name for p in package.iterdir() if p.name != "__pycache__")
+print("check_pip_install: package files", files)
+for name in ("__init__.py", "torch.py", "py.typed", "_qkv.pyi"):
+    assert name in files, f"{name} missing from the installed package"
+assert any(name.startswith("_qkv.") and name.endswith(".so") for name in files), files
 
 print("check_pip_install: imported", qkv.__file__)
 rng = np.random.default_rng(0)
