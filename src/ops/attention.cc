@@ -125,11 +125,9 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   p.scale = scale;
   p.softcap = params.softcap;
   p.diagonal_offset = params.align == Align::kBottomRight ? seq_kv - seq_q : 0;
-  p.window_left = params.window_left;
-  p.window_right = params.window_right;
-  if (params.causal) {
-    p.window_right = p.window_right < 0 ? 0 : std::min<std::int64_t>(p.window_right, 0);
-  }
+  const ops::Window window = ops::effective_window(params, seq_q, seq_kv);
+  p.window_left = window.left;
+  p.window_right = window.right;
   p.key_lengths = params.key_lengths.empty() ? nullptr : params.key_lengths.data();
   if (!params.mask.empty()) {
     if (params.mask.dtype != DType::kBool && params.mask.dtype != DType::kU8) {
@@ -181,13 +179,13 @@ double attention_flops(std::int64_t batch, std::int64_t num_heads_q, double pair
 
 double allowed_pairs(std::int64_t seq_q, std::int64_t seq_kv, const AttentionParams& params) {
   const std::int64_t offset = params.align == Align::kBottomRight ? seq_kv - seq_q : 0;
-  std::int64_t right = params.window_right;
-  if (params.causal) right = right < 0 ? 0 : std::min<std::int64_t>(right, 0);
+  const ops::Window window = ops::effective_window(params, seq_q, seq_kv);
+  const std::int64_t right = window.right;
   double pairs = 0.0;
   for (std::int64_t i = 0; i < seq_q; ++i) {
     const std::int64_t diag = i + offset;
     const std::int64_t lo =
-        params.window_left < 0 ? 0 : std::max<std::int64_t>(0, diag - params.window_left);
+        window.left < 0 ? 0 : std::max<std::int64_t>(0, diag - window.left);
     const std::int64_t hi = right < 0 ? seq_kv : std::min<std::int64_t>(seq_kv, diag + right + 1);
     if (hi > lo) pairs += static_cast<double>(hi - lo);
   }

@@ -8,6 +8,7 @@
 
 #include "core/splitmix64.h"
 #include "kernels/sparse_pair.h"
+#include "ops/validate.h"
 #include "qkv/attention.h"
 #include "qkv/error.h"
 
@@ -182,12 +183,12 @@ double sparse_allowed_pairs(std::int64_t seq_q, std::int64_t seq_kv, std::int64_
   ResolvedSparsity resolved;
   resolve_sparsity(*params.sparsity, seq_q, seq_kv, num_heads_q, offset, resolved);
   const SparseKernelParams& s = resolved.params;
-  std::int64_t right = params.window_right;
-  if (params.causal) right = right < 0 ? 0 : std::min<std::int64_t>(right, 0);
+  const ops::Window window = ops::effective_window(params, seq_q, seq_kv);
+  const std::int64_t right = window.right;
   // The causal/window range [lo, hi) of query i, as allowed_pairs() counts it.
   const auto range = [&](std::int64_t i, std::int64_t& lo, std::int64_t& hi) {
     const std::int64_t diag = i + offset;
-    lo = params.window_left < 0 ? 0 : std::max<std::int64_t>(0, diag - params.window_left);
+    lo = window.left < 0 ? 0 : std::max<std::int64_t>(0, diag - window.left);
     hi = right < 0 ? seq_kv : std::min<std::int64_t>(seq_kv, diag + right + 1);
   };
   const auto count_globals = [&](std::int64_t lo, std::int64_t hi) {  // globals in [lo, hi)

@@ -1,5 +1,7 @@
 #include "ops/validate.h"
 
+#include <algorithm>
+
 #include <utility>
 
 #include "qkv/error.h"
@@ -149,6 +151,14 @@ void require_no_overlap(std::span<const NamedView> outputs, std::span<const Name
     for (const NamedView& input : inputs) check(input);
     for (std::size_t later = o + 1; later < outputs.size(); ++later) check(outputs[later]);
   }
+}
+
+Window effective_window(const AttentionParams& params, std::int64_t seq_q, std::int64_t seq_kv) {
+  const std::int64_t every_key = std::max(seq_q, seq_kv);
+  auto side = [&](std::int64_t w) { return w >= every_key ? -1 : w; };
+  Window window{side(params.window_left), side(params.window_right)};
+  if (params.causal) window.right = window.right < 0 ? 0 : std::min<std::int64_t>(window.right, 0);
+  return window;
 }
 
 void validate_key_lengths(std::span<const std::int64_t> key_lengths, const TensorView& q,

@@ -9,6 +9,7 @@
 #include <string>
 #include <utility>
 
+#include "qkv/attention.h"
 #include "qkv/tensor.h"
 
 namespace qkv::ops {
@@ -75,6 +76,16 @@ void set_operands(KernelParams& p, const AttentionShape& s, const TensorView& q,
 // refused too. `outputs` and `inputs`: (name, view) pairs; empty views are skipped.
 using NamedView = std::pair<const char*, const TensorView*>;
 void require_no_overlap(std::span<const NamedView> outputs, std::span<const NamedView> inputs);
+
+// The causal/window constraint the kernels apply: key j is allowed for query i when
+// i' - left <= j <= i' + right (-1 = unbounded on that side), i' = i + (Lk - Lq) bottom-right
+// or i top-left. causal is folded into right (right = min(right, 0)), and a side of at least
+// max(Lq, Lk) allows every key on its side, so it becomes -1: i' +- side then never overflows,
+// whatever int64 the caller passed. Sides must be >= -1 (attention() checks).
+struct Window {
+  std::int64_t left, right;
+};
+Window effective_window(const AttentionParams& params, std::int64_t seq_q, std::int64_t seq_kv);
 
 // key_lengths: empty, or [B] entries each in [0, Lk].
 void validate_key_lengths(std::span<const std::int64_t> key_lengths, const TensorView& q,

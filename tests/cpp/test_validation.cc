@@ -187,6 +187,36 @@ TEST(Validation, OutputsNextToInputsInOneBufferAreFine) {
   EXPECT_NEAR(buffer[p.q.size()], 0.5f, 1e-6f);
 }
 
+// A side of at least max(Lq, Lk) allows every key on its side, up to INT64_MAX: it must mean
+// "unbounded", bit for bit, and never overflow i' + side (issue 18: exit 0, wrong output).
+TEST(Validation, WindowSidesPastEveryKeyAreUnbounded) {
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  for (Kernel kernel : {Kernel::kReference, Kernel::kChunked, Kernel::kFlash}) {
+    for (Align align : {Align::kBottomRight, Align::kTopLeft}) {
+      for (bool causal : {false, true}) {
+        auto run = [&](std::int64_t left, std::int64_t right) {
+          Valid p;
+          for (std::size_t i = 0; i < p.q.size(); ++i) p.q[i] = std::sin(0.7f * i);
+          for (std::size_t i = 0; i < p.k.size(); ++i) p.k[i] = std::cos(0.3f * i);
+          for (std::size_t i = 0; i < p.v.size(); ++i) p.v[i] = std::sin(1.3f * i);
+          p.params = {.causal = causal, .align = align, .window_left = left,
+                      .window_right = right, .kernel = kernel};
+          p.run();
+          EXPECT_EQ(allowed_pairs(3, 5, p.params),
+                    allowed_pairs(3, 5, {.causal = causal, .align = align}));
+          return p.out;
+        };
+        const std::vector<float> unbounded = run(-1, -1);
+        for (auto [left, right] : {std::pair{kMax, kMax}, {-1, kMax}, {kMax, -1},
+                                   {kMax - 1, kMax}, {std::int64_t{5}, std::int64_t{5}}}) {
+          EXPECT_EQ(run(left, right), unbounded)
+              << "kernel " << int(kernel) << " window (" << left << ", " << right << ")";
+        }
+      }
+    }
+  }
+}
+
 TEST(Validation, Scalars) {
   expect_error([](Valid& p) { p.params.scale = 0.0f; }, {"scale: must be finite and > 0"});
   expect_error([](Valid& p) { p.params.scale = -1.0f; }, {"scale:"});

@@ -23,13 +23,16 @@ import numpy as np
 def allowed_pairs(batch, num_heads_q, seq_q, seq_kv, causal=False, align="bottom-right",
                   window=(-1, -1), key_lengths=None, mask=None):
     """Boolean (B, Hq, Lq, Lk): True where query i may attend key j."""
-    i = np.arange(seq_q)[:, None]
-    j = np.arange(seq_kv)[None, :]
+    left, right = window
+    # Window sides may be any int64 (2**63 - 1 means "unbounded" too): compare with Python's
+    # unbounded ints then, where int64 arithmetic would wrap.
+    wide = object if max(abs(int(left)), abs(int(right))) > 2**31 else np.int64
+    i = np.arange(seq_q).astype(wide)[:, None]
+    j = np.arange(seq_kv).astype(wide)[None, :]
     i_diag = i + (seq_kv - seq_q) if align == "bottom-right" else i
     allowed = np.ones((seq_q, seq_kv), dtype=bool)
     if causal:
         allowed &= j <= i_diag
-    left, right = window
     if left >= 0:
         allowed &= j >= i_diag - left
     if right >= 0:
@@ -37,7 +40,8 @@ def allowed_pairs(batch, num_heads_q, seq_q, seq_kv, causal=False, align="bottom
     allowed = np.broadcast_to(allowed, (batch, num_heads_q, seq_q, seq_kv))
     if key_lengths is not None:
         lengths = np.asarray(key_lengths, dtype=np.int64)
-        allowed = allowed & (j[None, None] < lengths[:, None, None, None])
+        allowed = allowed & (np.arange(seq_kv)[None, None, None, :]
+                             < lengths[:, None, None, None])
     if mask is not None:
         allowed = allowed & np.broadcast_to(np.asarray(mask).astype(bool), allowed.shape)
     return np.ascontiguousarray(allowed)
