@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "core/int_math.h"
 #include "core/splitmix64.h"
 #include "kernels/sparse_pair.h"
 #include "ops/validate.h"
@@ -16,8 +17,6 @@ namespace qkv {
 namespace {
 
 std::string str(std::int64_t x) { return std::to_string(x); }
-
-std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
 std::string sizes_text(std::int64_t seq_q, std::int64_t seq_kv) {
   return "(Lq = " + str(seq_q) + ", Lk = " + str(seq_kv) + ")";
@@ -122,7 +121,9 @@ void resolve_sparsity(const Sparsity& sparsity, std::int64_t seq_q, std::int64_t
   if (const auto* s = std::get_if<BigBirdSparsity>(&sparsity)) {
     resolved.layout = bigbird_layout(*s, seq_q, seq_kv, num_heads_q);
     k.kind = SparseKernelParams::Kind::kBlock;
-    k.block_q = k.block_k = s->block;
+    // A block past both sequences is one block either way: clamped, the kernels' block
+    // arithmetic (kb * block, (kb + 1) * block) stays far from overflow.
+    k.block_q = k.block_k = std::min(s->block, std::max(seq_q, seq_kv));
     k.num_q_blocks = ceil_div(seq_q, s->block);
     k.num_k_blocks = ceil_div(seq_kv, s->block);
     k.layout = resolved.layout.data();
@@ -151,8 +152,9 @@ void resolve_sparsity(const Sparsity& sparsity, std::int64_t seq_q, std::int64_t
                 str(s.block_q) + ", " + str(s.block_k) + ") " + sizes_text(seq_q, seq_kv));
   }
   k.kind = SparseKernelParams::Kind::kBlock;
-  k.block_q = s.block_q;
-  k.block_k = s.block_k;
+  // A block past its sequence is the one block of it either way (as for BigBird above).
+  k.block_q = std::min(s.block_q, seq_q);
+  k.block_k = std::min(s.block_k, seq_kv);
   k.num_q_blocks = nqb;
   k.num_k_blocks = nkb;
   k.layout = static_cast<const std::uint8_t*>(layout.data);

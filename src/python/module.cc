@@ -17,6 +17,7 @@
 #include <variant>
 #include <vector>
 
+#include "core/int_math.h"
 #include "python/arrays.h"
 #include "qkv/attention.h"
 #include "qkv/error.h"
@@ -409,7 +410,7 @@ void define_module(nb::module_& m) {
                                 .num_global_blocks = num_global_blocks,
                                 .seed = seed};
         return numpy_bool(bigbird_layout(s, seq_q, seq_kv, num_heads_q), num_heads_q,
-                          (seq_q + block - 1) / block, (seq_kv + block - 1) / block);
+                          ceil_div(seq_q, block), ceil_div(seq_kv, block));
       },
       "block"_a, "num_random_blocks"_a, "num_global_blocks"_a, "seed"_a, "seq_q"_a, "seq_kv"_a,
       "num_heads_q"_a);

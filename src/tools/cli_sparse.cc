@@ -2,6 +2,7 @@
 
 #include <limits>
 
+#include "core/int_math.h"
 #include "qkv/error.h"
 
 namespace qkv::cli {
@@ -168,8 +169,8 @@ std::optional<Sparsity> make_sparsity(SparseCliOptions& o, io::NpyArray& layout,
     throw Error(where + ": dtype " + io::npy_type_name(layout.dtype) +
                 " is not supported; expected bool or uint8");
   }
-  const std::int64_t nqb = (seq_q + o.block_q - 1) / o.block_q;
-  const std::int64_t nkb = (seq_kv + o.block_k - 1) / o.block_k;
+  const std::int64_t nqb = ceil_div(seq_q, o.block_q);
+  const std::int64_t nkb = ceil_div(seq_kv, o.block_k);
   const std::vector<std::int64_t>& shape = layout.shape;
   const bool ok = (shape.size() == 2 && shape[0] == nqb && shape[1] == nkb) ||
                   (shape.size() == 3 && (shape[0] == num_heads_q || shape[0] == 1) &&

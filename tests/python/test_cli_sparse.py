@@ -195,6 +195,28 @@ def test_block_layout(cli, rng, kernel, per_head, dtype):
     assert np.all(out[:, 20:30] == 0) and np.all(np.isneginf(lse[:, :, 20:30]))
 
 
+INT64_MAX = 2**63 - 1
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_blocks_past_the_sequence_up_to_int64_max(cli, rng, kernel):
+    # One block covers the whole sequence: BigBird is then dense, and a user layout has one
+    # block row. Issue 18: ceil(L / block) overflowed into wrong output and a "(0, 8)" shape.
+    q, k, v = problem(rng, seq_q=100, seq_kv=100)
+    dense = np.ones((1, 1, 100, 100), bool)
+    for block in (100, 101, INT64_MAX):
+        check_run(cli, q, k, v, dense, "--sparse", f"bigbird:block={block}", kernel=kernel)
+    layout = rng.random((1, 8)) < 0.5
+    layout[0, 0] = True
+    allowed = block_mask(layout[None], 100, 100, 100, 13)[None]
+    for block_q in (100, INT64_MAX):
+        check_run(cli, q, k, v, allowed, "--sparse-layout", cli.save("layout.npy", layout),
+                  "--sparse-block", f"{block_q},13", kernel=kernel)
+    cli.fails("attention", "--q", "q.npy", "--k", "k.npy", "--v", "v.npy", "--out", "o.npy",
+              "--sparse-layout", cli.save("bad.npy", np.ones((2, 8), bool)), "--sparse-block",
+              f"{INT64_MAX},13", expect=["shape (2, 8) does not match", "(1, 8)"])
+
+
 def test_full_layout_equals_dense(cli, rng):
     q, k, v = problem(rng, seq_q=100, seq_kv=140)
     dense, dense_lse, _ = run(cli, q, k, v, "--causal", kernel="flash")

@@ -366,8 +366,9 @@ inline SparseTile SparseTileKeys(const AttentionKernelParams& p, const QueryBloc
     }
     if (hi <= lo) return {0, 0, false};
     // Only global columns, or only keys every lane's band allows: nothing to drop.
+    // (Counted as a difference: with no globals g is null, and null + n is undefined.)
     const bool all_global =
-        std::lower_bound(g, g_end, lo) + (hi - lo) == std::lower_bound(g, g_end, hi);
+        std::lower_bound(g, g_end, hi) - std::lower_bound(g, g_end, lo) == hi - lo;
     t = {lo, hi, !(lo >= qb.exact_begin && hi <= qb.exact_end) && !all_global};
     return t;
   }
