@@ -33,21 +33,31 @@ using namespace nb::literals;
 // Which of q, k, v hold bfloat16 as uint16 words (arrays.h, dtype_of).
 constexpr int kQBits = 1, kKBits = 2, kVBits = 4;
 
-// "bottom_right" / "top_left" (the CLI's "bottom-right" / "top-left" too).
-Align parse_align(const std::string& align) {
-  if (align == "bottom_right" || align == "bottom-right") return Align::kBottomRight;
-  if (align == "top_left" || align == "top-left") return Align::kTopLeft;
+// `value` looked up in `choices`; else ValueError "name: expected 'a', 'b' or 'c', got 'x'".
+template <typename T>
+T parse_choice(const char* name, const std::string& value,
+               std::initializer_list<std::pair<const char*, T>> choices) {
+  std::string expected;
+  std::size_t index = 0;
+  for (const auto& [text, choice] : choices) {
+    if (value == text) return choice;
+    expected += (index == 0                    ? "'"
+                 : index + 1 == choices.size() ? " or '"
+                                               : ", '") +
+                std::string(text) + "'";
+    ++index;
+  }
   throw nb::value_error(
-      ("align: expected 'bottom_right' or 'top_left', got '" + align + "'").c_str());
+      (std::string(name) + ": expected " + expected + ", got '" + value + "'").c_str());
 }
 
-Kernel parse_kernel(const std::string& kernel) {
-  if (kernel == "auto") return Kernel::kAuto;
-  if (kernel == "reference") return Kernel::kReference;
-  if (kernel == "chunked") return Kernel::kChunked;
-  if (kernel == "flash") return Kernel::kFlash;
-  throw nb::value_error(
-      ("kernel: expected 'auto', 'reference', 'chunked' or 'flash', got '" + kernel + "'").c_str());
+// The CLI's spellings ("bottom-right") are taken too.
+Align parse_align(const std::string& align) {
+  return parse_choice<Align>("align", align,
+                             {{"bottom_right", Align::kBottomRight},
+                              {"top_left", Align::kTopLeft},
+                              {"bottom-right", Align::kBottomRight},
+                              {"top-left", Align::kTopLeft}});
 }
 
 // q, k, v and out in the caller's layout, as the library's logical BSHD views.
@@ -238,7 +248,11 @@ void attention_binding(nb::handle q, nb::handle k, nb::handle v, nb::handle out,
                          .window_left = window_left,
                          .window_right = window_right,
                          .key_lengths = lengths,
-                         .kernel = parse_kernel(kernel),
+                         .kernel = parse_choice<Kernel>("kernel", kernel,
+                                                        {{"auto", Kernel::kAuto},
+                                                         {"reference", Kernel::kReference},
+                                                         {"chunked", Kernel::kChunked},
+                                                         {"flash", Kernel::kFlash}}),
                          .num_threads = num_threads};
   std::optional<Held<InArray>> mask_held, bias_held;
   if (!mask.is_none()) {
@@ -290,24 +304,13 @@ void linear_attention_binding(nb::handle q, nb::handle k, nb::handle v, nb::hand
                                .key_lengths = lengths,
                                .num_threads = num_threads,
                                .chunk_size = chunk_size};
-  if (feature_map == "elu") {
-    params.feature_map = FeatureMap::kEluPlusOne;
-  } else if (feature_map == "favor") {
-    params.feature_map = FeatureMap::kFavorPositive;
-  } else {
-    throw nb::value_error(
-        ("feature_map: expected 'elu' or 'favor', got '" + feature_map + "'").c_str());
-  }
-  if (kernel == "auto") {
-    params.kernel = LinearKernel::kAuto;
-  } else if (kernel == "reference") {
-    params.kernel = LinearKernel::kReference;
-  } else if (kernel == "cpu") {
-    params.kernel = LinearKernel::kCpu;
-  } else {
-    throw nb::value_error(
-        ("kernel: expected 'auto', 'reference' or 'cpu', got '" + kernel + "'").c_str());
-  }
+  params.feature_map = parse_choice<FeatureMap>(
+      "feature_map", feature_map,
+      {{"elu", FeatureMap::kEluPlusOne}, {"favor", FeatureMap::kFavorPositive}});
+  params.kernel = parse_choice<LinearKernel>("kernel", kernel,
+                                             {{"auto", LinearKernel::kAuto},
+                                              {"reference", LinearKernel::kReference},
+                                              {"cpu", LinearKernel::kCpu}});
   call_library(
       o, [&] { linear_attention(o.q.view, o.k.view, o.v.view, {.out = o.out.view}, params); });
 }
