@@ -8,8 +8,10 @@
 #include <charconv>
 #include <cmath>
 #include <cstring>
+#include <unordered_set>
 #include <utility>
 
+#include "io/input_file.h"
 #include "qkv/error.h"
 
 namespace qkv::io {
@@ -123,6 +125,10 @@ class JsonParser {
   JsonValue parse_value(int depth) {
     JsonValue value;
     if (at_end()) fail("unexpected end of input, expected a value");
+    if (++values_ > kMaxJsonValues) {
+      fail("more than " + std::to_string(kMaxJsonValues) + " values in one document (a limit of "
+           "this parser; docs/limits.md)");
+    }
     const char c = peek();
     if (c == '{' || c == '[') {
       if (depth >= kMaxJsonDepth) {
@@ -149,7 +155,19 @@ class JsonParser {
     return value;
   }
 
+  static constexpr std::size_t kScanLimit = 32;
+
+  // Adds `key` to `keys` (filled from the object's members on first use); false if present.
+  static bool insert_key(std::unordered_set<std::string>& keys, const JsonValue& object,
+                         const std::string& key) {
+    if (keys.empty()) {
+      for (const JsonMember& member : object.members_) keys.insert(member.key);
+    }
+    return keys.insert(key).second;
+  }
+
   void parse_object(JsonValue& value, int depth) {
+    std::unordered_set<std::string> keys;  // used once the object has kScanLimit members
     value.kind_ = JsonValue::Kind::kObject;
     ++pos_;  // '{'
     skip_space();
@@ -161,7 +179,12 @@ class JsonParser {
       if (peek() != '"') fail("expected a string key");
       const std::size_t key_pos = pos_;
       std::string key = parse_string();
-      if (value.find(key) != nullptr) {
+      // Duplicates: a scan while the object is small, a hash set past that, so that a file of
+      // 80k keys is not 80k^2 / 2 comparisons.
+      const bool duplicate = value.members_.size() < kScanLimit
+                                 ? value.find(key) != nullptr
+                                 : !insert_key(keys, value, key);
+      if (duplicate) {
         pos_ = key_pos;
         fail("duplicate key \"" + key + "\"");
       }
@@ -332,6 +355,7 @@ class JsonParser {
   }
 
   std::string_view text_;
+  std::int64_t values_ = 0;
   std::size_t pos_ = 0;
   const std::string& where_;
 };
@@ -368,30 +392,8 @@ JsonValue parse_json(std::string_view text, const std::string& where) {
 }
 
 JsonValue read_json_file(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw Error(path + ": cannot open: " + std::strerror(errno));
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
-  struct stat st;
-  if (::fstat(fd, &st) != 0) throw Error(path + ": cannot stat: " + std::strerror(errno));
-  if (!S_ISREG(st.st_mode)) throw Error(path + ": not a regular file");
-  if (static_cast<std::uint64_t>(st.st_size) > kMaxJsonFileBytes) {
-    throw Error(path + ": " + std::to_string(st.st_size) + " bytes is too large for a JSON " +
-                "config file (at most " + std::to_string(kMaxJsonFileBytes) + ")");
-  }
-  std::string text(static_cast<std::size_t>(st.st_size), '\0');
-  std::size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = ::read(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) throw Error(path + ": read failed: " + std::strerror(errno));
-    if (n == 0) break;
-    done += static_cast<std::size_t>(n);
-  }
-  text.resize(done);
-  return parse_json(text, path);
+  const InputFile file(path, path);
+  return parse_json(file.read_all(kMaxJsonFileBytes, "a JSON config file"), path);
 }
 
 }  // namespace qkv::io

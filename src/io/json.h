@@ -6,7 +6,9 @@
 // nothing else; no comments, trailing commas, single quotes, NaN/Infinity or leading zeros;
 // strings must be valid UTF-8 without raw control characters, escapes are the eight of the RFC
 // plus \uXXXX (a surrogate pair must be complete); object keys must be unique; nesting deeper
-// than kMaxJsonDepth arrays/objects is rejected (so a hostile file cannot exhaust the stack).
+// than kMaxJsonDepth arrays/objects is rejected (so a hostile file cannot exhaust the stack),
+// and so is a document of more than kMaxJsonValues values (so memory stays bounded: a parsed
+// value takes ~100 bytes, where "0," takes 2 in the text). Parsing is linear in the text.
 //
 // Errors throw qkv::Error "<where>: invalid JSON at line L, column C: <what>".
 #pragma once
@@ -19,6 +21,9 @@
 namespace qkv::io {
 
 inline constexpr int kMaxJsonDepth = 64;
+// Values (of any kind, nested ones included) in one document: at most ~200 MiB parsed. Real
+// files have a few thousand (a safetensors header: ~8 per tensor).
+inline constexpr std::int64_t kMaxJsonValues = std::int64_t{1} << 20;
 
 struct JsonMember;
 

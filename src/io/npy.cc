@@ -16,6 +16,7 @@
 #include <system_error>
 #include <utility>
 
+#include "io/input_file.h"
 #include "qkv/error.h"
 
 namespace qkv::io {
@@ -505,12 +506,8 @@ NpyArray make_npy_array(DType dtype, std::vector<std::int64_t> shape, const std:
 
 NpyArray read_npy(const std::string& path, const std::string& label) {
   const std::string at = where(label, path);
-  File file(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (file.fd() < 0) fail(at, std::string("cannot open: ") + std::strerror(errno));
-  struct stat st;
-  if (::fstat(file.fd(), &st) != 0) fail(at, std::string("cannot stat: ") + std::strerror(errno));
-  if (!S_ISREG(st.st_mode)) fail(at, "not a regular file");
-  const std::uint64_t file_size = static_cast<std::uint64_t>(st.st_size);
+  const InputFile file(path, at);
+  const std::uint64_t file_size = file.size();
 
   // Magic and version.
   unsigned char preamble[kMagicSize + 2 + 4];
@@ -548,20 +545,27 @@ NpyArray read_npy(const std::string& path, const std::string& label) {
   }
   NpyHeader header = parse_header(header_text, at);
 
-  // Data: exactly numel * itemsize bytes, nothing after.
+  // Data: exactly numel * itemsize bytes, nothing after. Checked against the file's size
+  // before anything is allocated: a 100-byte file may claim 64 GiB.
+  const std::optional<std::int64_t> numel =
+      checked_numel(header.shape, dtype_size(header.dtype));
+  if (numel && *numel >= 0) {
+    const std::uint64_t expected =
+        static_cast<std::uint64_t>(*numel) * static_cast<std::uint64_t>(dtype_size(header.dtype));
+    const std::uint64_t available = file_size - data_offset;
+    const std::string what = "shape " + npy_shape_string(header.shape) + " of " +
+                             npy_type_name(header.dtype) + " needs " + std::to_string(expected) +
+                             " data bytes, ";
+    if (available < expected) {
+      fail(at, "truncated data: " + what + "the file has " + std::to_string(available));
+    }
+    if (available > expected) {
+      fail(at, "trailing bytes after the data: " + what + "the file has " +
+                   std::to_string(available));
+    }
+  }
   NpyArray array = make_npy_array(header.dtype, std::move(header.shape), at);
   const std::uint64_t expected = array.nbytes();
-  const std::uint64_t available = file_size - data_offset;
-  const std::string what = "shape " + npy_shape_string(array.shape) + " of " +
-                           npy_type_name(array.dtype) + " needs " + std::to_string(expected) +
-                           " data bytes, ";
-  if (available < expected) {
-    fail(at, "truncated data: " + what + "the file has " + std::to_string(available));
-  }
-  if (available > expected) {
-    fail(at,
-         "trailing bytes after the data: " + what + "the file has " + std::to_string(available));
-  }
   if (read_fully(file.fd(), array.data(), expected, at) != expected) {
     fail(at, "truncated data (file changed while reading)");
   }

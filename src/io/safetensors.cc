@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "core/float16.h"
+#include "io/input_file.h"
 #include "io/json.h"
 #include "io/npy.h"
 #include "qkv/error.h"
@@ -229,19 +230,6 @@ class HeaderChecker {
   std::uint64_t data_bytes_;
 };
 
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
 
 }  // namespace
 
@@ -260,18 +248,14 @@ const char* safetensors_dtype_name(SafetensorsDType dtype) {
 }
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
-  const Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) throw Error(path + ": cannot open: " + std::strerror(errno));
-  struct stat st;
-  if (::fstat(fd.get(), &st) != 0) throw Error(path + ": cannot stat: " + std::strerror(errno));
-  if (!S_ISREG(st.st_mode)) throw Error(path + ": not a regular file");
-  const auto file_bytes = static_cast<std::uint64_t>(st.st_size);
+  const InputFile file(path, path);
+  const std::uint64_t file_bytes = file.size();
   if (file_bytes < 8) {
     throw Error(path + ": file is " + std::to_string(file_bytes) +
                 " bytes, too short for the 8-byte header length of a safetensors file");
   }
 
-  void* mapping = ::mmap(nullptr, file_bytes, PROT_READ, MAP_PRIVATE, fd.get(), 0);
+  void* mapping = ::mmap(nullptr, file_bytes, PROT_READ, MAP_PRIVATE, file.fd(), 0);
   if (mapping == MAP_FAILED) throw Error(path + ": cannot mmap: " + std::strerror(errno));
   mapping_ = mapping;
   mapping_bytes_ = file_bytes;

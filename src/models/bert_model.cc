@@ -120,7 +120,9 @@ BertModel BertModel::from_safetensors(const BertConfig& config,
       reader.read("embeddings.token_type_embeddings.weight", {config.type_vocab_size, e});
   token_types.resize(static_cast<std::size_t>(e));  // row 0: every token is segment A
   std::vector<EncoderLayer> layers;
-  layers.reserve(static_cast<std::size_t>(config.num_hidden_layers));
+  // config.json may claim 2^31 - 1 layers: reserve no more than real models have, so that the
+  // first missing layer is reported before gigabytes are set aside for the rest.
+  layers.reserve(static_cast<std::size_t>(std::min<std::int64_t>(config.num_hidden_layers, 256)));
   for (std::int64_t i = 0; i < config.num_hidden_layers; ++i) {
     layers.push_back(read_layer(reader, config, i));
   }

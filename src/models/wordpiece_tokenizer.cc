@@ -2,10 +2,10 @@
 
 #include <cerrno>
 #include <cstring>
-#include <fstream>
-#include <iterator>
+#include <limits>
 #include <utility>
 
+#include "io/input_file.h"
 #include "models/unicode_text.h"
 #include "qkv/error.h"
 
@@ -22,6 +22,9 @@ constexpr std::string_view kPadToken = "[PAD]";
 // The special tokens BertTokenizer registers; those in the vocabulary are matched verbatim in
 // input text (tokenizers' added tokens with normalized=false) and never split.
 constexpr std::string_view kSpecialTokens[] = {"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"};
+
+// vocab.txt files are a few MB (BERT's: 230 KB); a larger one is not a vocabulary.
+constexpr std::uint64_t kMaxVocabBytes = 256ull << 20;
 
 [[noreturn]] void fail(const std::string& where, const std::string& what) {
   throw Error(where + ": " + what);
@@ -111,11 +114,7 @@ std::vector<std::u32string> split_words(const std::u32string& text) {
 
 WordPieceTokenizer WordPieceTokenizer::from_file(const std::string& path,
                                                  WordPieceOptions options) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) fail(path, std::string("cannot open: ") + std::strerror(errno));
-  const std::string content((std::istreambuf_iterator<char>(file)),
-                            std::istreambuf_iterator<char>());
-  if (file.bad()) fail(path, "read error");
+  const std::string content = io::InputFile(path, path).read_all(kMaxVocabBytes, "a vocabulary");
   if (content.empty()) fail(path, "empty file; expected one token per line");
 
   std::vector<std::string> tokens;
@@ -194,8 +193,8 @@ std::vector<std::int32_t> WordPieceTokenizer::encode(std::string_view text, int 
                 " is less than 2, the room [CLS] and [SEP] need");
   }
   std::vector<std::int32_t> ids{cls_id_};
-  append_ids(text, ids);
   const auto max_content = static_cast<std::size_t>(max_length) - 1;  // room for [SEP]
+  append_ids(text, ids, max_content);
   if (ids.size() > max_content) ids.resize(max_content);
   ids.push_back(sep_id_);
   return ids;
@@ -203,38 +202,59 @@ std::vector<std::int32_t> WordPieceTokenizer::encode(std::string_view text, int 
 
 std::vector<std::string> WordPieceTokenizer::tokenize(std::string_view text) const {
   std::vector<std::int32_t> ids;
-  append_ids(text, ids);
+  append_ids(text, ids, std::numeric_limits<std::size_t>::max());
   std::vector<std::string> pieces;
   pieces.reserve(ids.size());
   for (const std::int32_t id : ids) pieces.push_back(tokens_[static_cast<std::size_t>(id)]);
   return pieces;
 }
 
-void WordPieceTokenizer::append_ids(std::string_view text, std::vector<std::int32_t>& ids) const {
+void WordPieceTokenizer::append_ids(std::string_view text, std::vector<std::int32_t>& ids,
+                                    std::size_t limit) const {
   // Leftmost special token first; none is a prefix of another, so leftmost is unambiguous.
-  while (!text.empty()) {
-    std::size_t found_at = std::string_view::npos;
-    const std::string* found = nullptr;
-    for (const std::string& token : special_tokens_) {
-      const std::size_t at = text.find(token);
-      if (at < found_at) {
-        found_at = at;
-        found = &token;
+  // Each token's next occurrence is remembered and searched again only once the text has
+  // passed it, so that a line of 200k "[PAD]" is one pass per token, not one per match.
+  std::vector<std::size_t> next(special_tokens_.size(), 0);
+  std::vector<bool> searched(special_tokens_.size(), false);
+  std::size_t pos = 0;
+  while (pos < text.size() && ids.size() < limit) {
+    std::size_t found_at = std::string_view::npos, found = 0;
+    for (std::size_t t = 0; t < special_tokens_.size(); ++t) {
+      if (!searched[t] || (next[t] != std::string_view::npos && next[t] < pos)) {
+        next[t] = text.find(special_tokens_[t], pos);
+        searched[t] = true;
+      }
+      if (next[t] < found_at) {
+        found_at = next[t];
+        found = t;
       }
     }
-    if (found == nullptr) break;
-    append_segment_ids(text.substr(0, found_at), ids);
-    ids.push_back(token_to_id(*found));
-    text.remove_prefix(found_at + found->size());
+    if (found_at == std::string_view::npos) break;
+    append_segment_ids(text.substr(pos, found_at - pos), ids, limit);
+    ids.push_back(token_to_id(special_tokens_[found]));
+    pos = found_at + special_tokens_[found].size();
   }
-  append_segment_ids(text, ids);
+  if (pos < text.size()) append_segment_ids(text.substr(pos), ids, limit);
 }
 
 void WordPieceTokenizer::append_segment_ids(std::string_view segment,
-                                            std::vector<std::int32_t>& ids) const {
-  if (segment.empty()) return;
-  for (const std::u32string& word : split_words(normalize_text(segment, options_))) {
-    append_word_ids(word, ids);
+                                            std::vector<std::int32_t>& ids,
+                                            std::size_t limit) const {
+  // In pieces of about kPieceBytes cut just after an ASCII space, tab, CR or LF: normalisation
+  // and word splitting never look across whitespace, so the ids are those of the whole
+  // segment, and a long text stops being read (and held as UTF-32) once the limit is reached.
+  constexpr std::size_t kPieceBytes = 1 << 16;
+  while (!segment.empty() && ids.size() < limit) {
+    std::size_t cut = segment.size();
+    if (segment.size() > kPieceBytes) {
+      const std::size_t space = segment.find_first_of(" \t\r\n", kPieceBytes);
+      if (space != std::string_view::npos) cut = space + 1;
+    }
+    for (const std::u32string& word : split_words(normalize_text(segment.substr(0, cut), options_))) {
+      append_word_ids(word, ids);
+      if (ids.size() >= limit) return;
+    }
+    segment.remove_prefix(cut);
   }
 }
 

@@ -61,7 +61,7 @@ constexpr const char* kDemoUsage =
     "process), peak extra memory, and the error against float64 softmax attention.\n"
     "\n"
     "options:\n"
-    "  --max-len N      lengths 1024, 4096, ... (x4) up to N (default 65536)\n"
+    "  --max-len N      lengths 1024, 4096, ... (x4) up to N <= 2^24 (default 65536)\n"
     "  --lengths a,b,c  these lengths instead (each >= 1)\n"
     "  --threads N      threads for the kernels and the peak probe (default 0 = OpenMP's default)\n"
     "  --budget-mib M   standard attention runs only where its score matrix, B*H*L*L*4 bytes as\n"
@@ -92,6 +92,9 @@ double parse_non_negative(const std::string& option, const std::string& text) {
 
 DemoOptions parse_options(std::vector<std::string> argv, bool* help) {
   DemoOptions options;
+  // Sequence lengths the demo accepts: 16M tokens is 32 GiB of q, k and v at H=8, D=64, far
+  // past this machine; the cap keeps "length *= 4" below from ever overflowing.
+  constexpr std::int64_t kMaxLength = std::int64_t{1} << 24;
   std::int64_t max_len = 65536;
   bool lengths_given = false, max_len_given = false;
   Args args(std::move(argv));
@@ -103,14 +106,17 @@ DemoOptions parse_options(std::vector<std::string> argv, bool* help) {
       options.causal = true;
     } else if (arg == "--max-len") {
       max_len = parse_int(arg, args.value(arg));
-      if (max_len < 1) throw UsageError("--max-len: expected >= 1, got " + std::to_string(max_len));
+      if (max_len < 1 || max_len > kMaxLength) {
+        throw UsageError("--max-len: expected 1 to " + std::to_string(kMaxLength) + ", got " +
+                         std::to_string(max_len));
+      }
       max_len_given = true;
     } else if (arg == "--lengths") {
       options.lengths = parse_int_list(arg, args.value(arg));
       for (std::int64_t length : options.lengths) {
-        if (length < 1 || length > (std::int64_t{1} << 24)) {
-          throw UsageError("--lengths: each length must be in [1, 16777216], got " +
-                           std::to_string(length));
+        if (length < 1 || length > kMaxLength) {
+          throw UsageError("--lengths: each length must be in [1, " + std::to_string(kMaxLength) +
+                           "], got " + std::to_string(length));
         }
       }
       lengths_given = true;

@@ -4,6 +4,7 @@
 // written by scripts/gen_tokenizer_fixture.py), which needs the model's vocab.txt:
 //   QKV_MODEL_DIR=$(scripts/fetch_model.sh) build/tests/qkv_tests --gtest_filter='*WordPiece*'
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -163,6 +164,44 @@ TEST(WordPieceTokenizer, ArbitraryBytesAreSafe) {
   }
 }
 
+// Texts longer than the 64 KiB pieces the tokenizer normalises at a time (cut after ASCII
+// whitespace): the ids are those of each line tokenised on its own, in order, whatever falls
+// on a cut; and encode() stops reading at its limit (issue 18: a 200 MB line took 3.4 GB).
+TEST(WordPieceTokenizer, LongTextsAreTokenisedPieceByPiece) {
+  const WordPieceTokenizer t = tiny();
+  const Strings lines = {"Hello, world! ", "unaffable caf\u00e9\t", "\u4e2d\u56fd naive. ",
+                         "aaaaa [SEP] resume\n", "ISTANBUL \u00df\u03a3 "};
+  std::string text;
+  Strings expected;
+  for (int i = 0; text.size() < 3 * (1 << 16) + 123; ++i) {
+    const std::string& line = lines[i % lines.size()];
+    text += line;
+    for (std::string& piece : t.tokenize(line)) expected.push_back(std::move(piece));
+  }
+  EXPECT_EQ(t.tokenize(text), expected);
+  // A run longer than a piece without whitespace is still one word.
+  const std::string run(100000, 'a');
+  EXPECT_EQ(t.tokenize("hello " + run + " world"), (Strings{"hello", "[UNK]", "world"}));
+  // encode() truncates to the same ids as the text's first pieces give.
+  std::string huge;
+  while (huge.size() < (64u << 20)) huge += "hello world ";
+  const std::vector<std::int32_t> ids = t.encode(huge, 9);
+  EXPECT_EQ(ids, t.encode("hello world hello world hello world hello", 9));
+}
+
+TEST(WordPieceTokenizer, SpecialTokenRunsAreLinear) {
+  // 200k "[PAD]" and a token that never occurs ("[MASK]"): each token is searched for once
+  // per occurrence, not once per match of another (issue 18: 28 s for 256 KB).
+  const WordPieceTokenizer t = tiny();
+  std::string pads;
+  for (int i = 0; i < 200000; ++i) pads += "[PAD]";
+  const std::vector<std::string> pieces = t.tokenize(pads + "hello");
+  ASSERT_EQ(pieces.size(), 200001u);
+  EXPECT_EQ(pieces.front(), "[PAD]");
+  EXPECT_EQ(pieces.back(), "hello");
+  EXPECT_EQ(t.encode(pads, 4).size(), 4u);
+}
+
 TEST(WordPieceTokenizer, TokenIdLookups) {
   const WordPieceTokenizer t = tiny();
   EXPECT_EQ(t.vocab_size(), static_cast<int>(kTinyVocab.size()));
@@ -232,6 +271,11 @@ TEST_F(WordPieceFileTest, FileErrorsNameThePath) {
   const std::string missing = (dir_ / "nope.txt").string();
   EXPECT_EQ(error_of([&] { WordPieceTokenizer::from_file(missing); }),
             missing + ": cannot open: No such file or directory");
+  // A FIFO without a writer is refused at once, not waited on (issue 18).
+  const std::string fifo = (dir_ / "fifo").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_EQ(error_of([&] { WordPieceTokenizer::from_file(fifo); }),
+            fifo + ": not a regular file");
   const std::string no_pad = write("vocab.txt", "[UNK]\n[CLS]\n[SEP]\nhello\n");
   EXPECT_EQ(error_of([&] { WordPieceTokenizer::from_file(no_pad); }),
             no_pad + ": missing token '[PAD]'");

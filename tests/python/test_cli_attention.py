@@ -254,6 +254,13 @@ def _truncate(name):
     return lambda cli: (cli.dir / name).write_bytes((cli.dir / name).read_bytes()[:-3])
 
 
+def _npy_bytes(descr, shape, data=b""):
+    """A version 1.0 .npy file with this header and these data bytes."""
+    header = repr({"descr": descr, "fortran_order": False, "shape": shape}).encode()
+    header += b" " * (-(10 + len(header) + 1) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + data
+
+
 def _mkdir(name):
     return lambda cli: (cli.dir / name).mkdir()
 
@@ -295,6 +302,15 @@ ERRORS = {
     "corrupt_npy": (_write("k.npy", b"this is not an npy file"), BASE,
                     ["--k k.npy: not a .npy file"]),
     "truncated_npy": (_truncate("v.npy"), BASE, ["--v v.npy: truncated data"]),
+    # A 128-byte file whose header claims 64 GiB: refused from the file's size, before any
+    # allocation (issue 18: it first tried to allocate the 64 GiB).
+    "npy_claims_64_gib": (_write("k.npy", _npy_bytes("<f4", (1, 2**34, 1, 1))), BASE,
+                          ["--k k.npy: truncated data", "needs 68719476736 data bytes",
+                           "the file has 0"]),
+    # A FIFO with no writer is refused at once instead of blocking forever (issue 18).
+    "q_is_fifo": (lambda cli: os.mkfifo(cli.path("fifo.npy")),
+                  ["attention", "--q", "fifo.npy", "--k", "k.npy", "--v", "v.npy", "--out",
+                   "o.npy"], ["--q fifo.npy: not a regular file"]),
     "float64_input": (_save("q.npy", np.zeros(Q_SHAPE)), BASE,
                       ["--q q.npy: unsupported dtype '<f8' (float64)"]),
     "int32_input": (_save("v.npy", np.zeros(V_SHAPE, np.int32)), BASE,

@@ -47,3 +47,9 @@ def test_demo_skips_by_budget_and_time(cli):
 def test_demo_bad_option(cli):
     cli.fails("demo", "--max-seconds", "-1", expect=["--max-seconds"])
     cli.fails("demo", "--lengths", "0", expect=["--lengths"])
+
+
+def test_demo_lengths_are_bounded(cli):
+    # --max-len near 2^62 overflowed the x4 length loop (issue 18); now a usage error.
+    cli.fails("demo", "--max-len", str(2**62), expect=["--max-len: expected 1 to 16777216"])
+    cli.fails("demo", "--lengths", "1024," + str(2**40), expect=["--lengths"])

@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -290,6 +291,41 @@ def test_missing_tensor_and_wrong_shape(cli, rng, model_dir):
     write_safetensors(model_dir / "model.safetensors", weights)
     cli.fails("embed", "--model", "model", "--text", "a", "--out", "e.npy",
               expect=["encoder.layer.0.intermediate.dense.weight", "(12, 9)", "(12, 8)"])
+
+
+@pytest.mark.parametrize("name", ["config.json", "vocab.txt", "model.safetensors"])
+def test_model_file_that_is_a_fifo_is_refused(cli, model_dir, name):
+    # A named pipe with no writer: refused at once, not read forever (issue 18).
+    (model_dir / name).unlink()
+    os.mkfifo(model_dir / name)
+    cli.fails("embed", "--model", "model", "--text", "a", "--out", "e.npy",
+              expect=[name, "not a regular file"])
+
+
+def test_header_of_one_huge_array_is_refused_in_bounded_memory(cli, model_dir):
+    # A 20 MB header of one JSON array: the parser stops at its value limit instead of building
+    # 10M values (issue 18: 99 MiB took 6.7 GB).
+    header = b"[" + b"0," * (10 * 1024 * 1024) + b"0]"
+    (model_dir / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    cli.fails("embed", "--model", "model", "--text", "a", "--out", "e.npy",
+              expect=["model.safetensors", "more than 1048576 values"])
+
+
+def test_config_with_many_keys_is_linear(cli, model_dir):
+    # 200k keys: the duplicate check is a hash set past 32 keys, not 200k^2 / 2 comparisons.
+    config = dict(CONFIG, **{f"extra_{i}": i for i in range(200000)})
+    (model_dir / "config.json").write_text(json.dumps(config))
+    started = time.monotonic()
+    result = cli.run("embed", "--model", "model", "--text", "a", "--out", "e.npy")
+    assert result.returncode == 0, result.stderr
+    assert time.monotonic() - started < 60  # a guard against a hang, not a speed test
+
+
+def test_config_claiming_two_billion_layers(cli, model_dir):
+    # Reported at the first missing layer, without reserving room for 2^31 - 1 (issue 18).
+    (model_dir / "config.json").write_text(json.dumps(dict(CONFIG, num_hidden_layers=2**31 - 1)))
+    cli.fails("embed", "--model", "model", "--text", "a", "--out", "e.npy",
+              expect=["model.safetensors", "encoder.layer.2."])
 
 
 def test_config_missing_field(cli, model_dir):

@@ -68,10 +68,13 @@ class WordPieceTokenizer {
 
  private:
   WordPieceTokenizer() = default;
-  // Appends the ids of `text` (special tokens written in it included) to `ids`.
-  void append_ids(std::string_view text, std::vector<std::int32_t>& ids) const;
-  // Appends the ids of a text segment without special tokens.
-  void append_segment_ids(std::string_view segment, std::vector<std::int32_t>& ids) const;
+  // Appends the ids of `text` (special tokens written in it included) to `ids`, stopping once
+  // `ids` holds `limit` entries: the rest of a text that truncation drops is never tokenised.
+  // Linear in the part of the text it reads.
+  void append_ids(std::string_view text, std::vector<std::int32_t>& ids, std::size_t limit) const;
+  // Appends the ids of a text segment without special tokens, up to `limit` as above.
+  void append_segment_ids(std::string_view segment, std::vector<std::int32_t>& ids,
+                          std::size_t limit) const;
   // Appends the WordPiece ids of one word (UTF-8, already normalised).
   void append_word_ids(const std::u32string& word, std::vector<std::int32_t>& ids) const;
 
