@@ -272,7 +272,7 @@ class SentenceEmbedder:
 
     max_length: tokens per text with [CLS]/[SEP] (0: the model's own setting); batch_size:
     texts per forward pass; normalize: None = as modules.json says. One embedder may be shared
-    by threads: calls run one at a time, without the GIL.
+    by threads: calls run at once, without the GIL.
     """
 
     def __init__(self, model_dir: Union[str, os.PathLike], *, max_length: int = 0,

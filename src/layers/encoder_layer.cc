@@ -45,7 +45,7 @@ struct EncoderLayer::Impl {
   bool training = false;
   std::uint64_t seed = 0;
   std::uint64_t step = 0;  // forward calls since set_training
-  std::shared_ptr<layers::Scratch> scratch = layers::make_scratch();
+  std::shared_ptr<layers::ScratchPool> scratch = layers::make_scratch_pool();
 
   void maybe_dropout(float* x, std::int64_t n, Site site) const {
     if (training && config.dropout > 0.0f)
@@ -113,8 +113,9 @@ void EncoderLayer::forward(float* x, std::int64_t batch, std::int64_t seq,
   const std::int64_t rows = batch * seq, E = m.config.embed_dim;
   if (rows == 0) return;
   if (x == nullptr) throw Error("EncoderLayer::forward: x is null");
-  float* a = layers::scratch_floats(m.scratch->a, rows * E);
-  float* h = layers::scratch_floats(m.scratch->h, rows * m.config.d_ff);
+  const layers::ScratchPool::Lease scratch(*m.scratch);
+  float* a = layers::scratch_floats(scratch->a, rows * E);
+  float* h = layers::scratch_floats(scratch->h, rows * m.config.d_ff);
   if (!m.config.norm_first) {
     // Post-LN: x = LN1(x + Drop(MHA(x))); x = LN2(x + Drop(FFN(x)))
     m.attention.forward(x, batch, seq, a, options);
@@ -127,7 +128,7 @@ void EncoderLayer::forward(float* x, std::int64_t batch, std::int64_t seq,
     m.norm2.forward(a, x, rows, x);
   } else {
     // Pre-LN: x = x + Drop(MHA(LN1(x))); x = x + Drop(FFN(LN2(x)))
-    float* n = layers::scratch_floats(m.scratch->n, rows * E);
+    float* n = layers::scratch_floats(scratch->n, rows * E);
     m.norm1.forward(x, nullptr, rows, n);
     m.attention.forward(n, batch, seq, a, options);
     m.maybe_dropout(a, rows * E, kAfterAttention);

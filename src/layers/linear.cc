@@ -9,15 +9,24 @@
 // x_stride) on first use and cached. The weight layout a primitive asks for may in principle
 // differ with M; each distinct layout gets one reordered copy (reordered from the first copy),
 // so the common case keeps exactly one copy of W.
+//
+// One Linear may be shared by threads. The cache and the weight copies sit behind a mutex and
+// entries are shared_ptrs, so a thread keeps using its entry while another one fills or
+// restarts the cache. oneDNN primitives may not be executed from two threads at once with the
+// library's own scratchpad (Debian's oneDNN shares one per process), so the primitives use
+// scratchpad_mode::user and each calling thread passes a scratchpad of its own.
 #include "qkv/layers/linear.h"
 
 #include <dnnl.hpp>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "core/aligned_buffer.h"
 #include "qkv/error.h"
 
 namespace qkv {
@@ -54,10 +63,11 @@ struct Linear::Impl {
 
   struct Entry {
     dnnl::matmul matmul;
-    memory::desc src_md, dst_md;
-    std::size_t weights_index = 0;
+    memory::desc src_md, dst_md, scratchpad_md;
+    memory weights;  // the copy of W in the layout this primitive asked for (a shared handle)
   };
-  std::map<std::pair<std::int64_t, std::int64_t>, Entry> cache;
+  std::mutex mutex;  // guards `weights` (after construction) and `cache`
+  std::map<std::pair<std::int64_t, std::int64_t>, std::shared_ptr<const Entry>> cache;
 
   dnnl::matmul::primitive_desc make_pd(std::int64_t rows, std::int64_t x_stride) const {
     const memory::desc src_md(Dims{rows, in_features}, memory::data_type::f32, Dims{x_stride, 1});
@@ -69,26 +79,29 @@ struct Linear::Impl {
     return dnnl::matmul::primitive_desc(desc, attr, cpu_engine());
   }
 
-  // Index into `weights` of a copy in layout `md`, reordering one if none matches.
-  std::size_t weights_in_layout(const memory::desc& md) {
-    for (std::size_t i = 0; i < weights.size(); ++i) {
-      if (weights[i].get_desc() == md) return i;
+  // A copy of W in layout `md`, reordering one if none matches. Called with `mutex` held.
+  memory weights_in_layout(const memory::desc& md) {
+    for (const memory& w : weights) {
+      if (w.get_desc() == md) return w;
     }
     memory dst(md, cpu_engine());
     dnnl::stream stream(cpu_engine());
     dnnl::reorder(weights[0], dst).execute(stream, weights[0], dst);
     stream.wait();
     weights.push_back(dst);
-    return weights.size() - 1;
+    return dst;
   }
 
-  const Entry& entry(std::int64_t rows, std::int64_t x_stride) {
+  std::shared_ptr<const Entry> entry(std::int64_t rows, std::int64_t x_stride) {
     const auto key = std::make_pair(rows, x_stride);
+    const std::lock_guard<std::mutex> lock(mutex);
     auto it = cache.find(key);
     if (it != cache.end()) return it->second;
-    if (cache.size() >= kMaxCachedPrimitives) cache.clear();
+    if (cache.size() >= kMaxCachedPrimitives) cache.clear();  // users keep their shared_ptrs
     const auto pd = make_pd(rows, x_stride);
-    Entry e{dnnl::matmul(pd), pd.src_desc(), pd.dst_desc(), weights_in_layout(pd.weights_desc())};
+    auto e = std::make_shared<const Entry>(Entry{dnnl::matmul(pd), pd.src_desc(), pd.dst_desc(),
+                                                 pd.scratchpad_desc(),
+                                                 weights_in_layout(pd.weights_desc())});
     return cache.emplace(key, std::move(e)).first->second;
   }
 };
@@ -145,6 +158,7 @@ Linear::Linear(const LinearParams& params) : impl_(std::make_unique<Impl>()) {
     m.bias_md = memory::desc(Dims{1, out}, memory::data_type::f32, memory::format_tag::ab);
   }
   m.attr.set_post_ops(activation_post_ops(params.activation));
+  m.attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   try {
     // W[N, K] row-major is weights[K, N] with strides {1, K}.
     const memory::desc plain_md(Dims{in, out}, memory::data_type::f32, Dims{1, in});
@@ -181,16 +195,24 @@ void Linear::forward(const float* x, std::int64_t rows, float* y, std::int64_t x
   if (rows == 0) return;
   if (x == nullptr || y == nullptr) throw Error("Linear::forward: x and y must not be null");
   try {
-    const Impl::Entry& e = m.entry(rows, x_stride);
-    memory src(e.src_md, cpu_engine(), const_cast<float*>(x));
-    memory dst(e.dst_md, cpu_engine(), y);
+    const std::shared_ptr<const Impl::Entry> e = m.entry(rows, x_stride);
+    memory src(e->src_md, cpu_engine(), const_cast<float*>(x));
+    memory dst(e->dst_md, cpu_engine(), y);
     std::unordered_map<int, memory> args = {
-        {DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, m.weights[e.weights_index]}, {DNNL_ARG_DST, dst}};
+        {DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, e->weights}, {DNNL_ARG_DST, dst}};
     if (!m.bias.empty()) {
       args.emplace(DNNL_ARG_BIAS, memory(m.bias_md, cpu_engine(), m.bias.data()));
     }
+    // This thread's scratchpad (grow-only): concurrent calls never share one.
+    thread_local AlignedBuffer scratchpad;
+    const std::size_t pad_bytes = e->scratchpad_md.get_size();
+    if (pad_bytes > 0) {
+      if (scratchpad.bytes() < pad_bytes) scratchpad = AlignedBuffer(pad_bytes);
+      args.emplace(DNNL_ARG_SCRATCHPAD,
+                   memory(e->scratchpad_md, cpu_engine(), scratchpad.as<float>()));
+    }
     dnnl::stream stream(cpu_engine());
-    e.matmul.execute(stream, args);
+    e->matmul.execute(stream, args);
     stream.wait();
   } catch (const dnnl::error& e) {
     throw Error(std::string("Linear::forward: oneDNN failed for x shape [") + std::to_string(rows) +

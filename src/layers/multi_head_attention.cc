@@ -11,6 +11,7 @@
 #include "qkv/layers/multi_head_attention.h"
 
 #include <algorithm>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -71,11 +72,15 @@ struct MultiHeadAttention::Impl {
   std::optional<Linear> q_proj, k_proj, v_proj;  // cross-attention, built on first use
   std::optional<Linear> out_proj;                // [E, E]
 
-  // Scratch (grow-only): projections, attention output, averaged-weights staging.
-  std::shared_ptr<layers::Scratch> scratch = layers::make_scratch();
+  // Scratch (grow-only, a set per concurrent call): projections, attention output,
+  // averaged-weights staging.
+  std::shared_ptr<layers::ScratchPool> scratch = layers::make_scratch_pool();
+  std::once_flag cross_built;  // the cross projections are built by the first forward_cross
 
   void ensure_cross() {
-    if (q_proj) return;
+    std::call_once(cross_built, [this] { build_cross(); });
+  }
+  void build_cross() {
     q_proj.emplace(LinearParams{
         .weight = q_w, .bias = q_b, .in_features = embed_dim, .out_features = embed_dim});
     k_proj.emplace(
@@ -89,6 +94,7 @@ struct MultiHeadAttention::Impl {
   void attend_and_project(const TensorView& q, const TensorView& k, const TensorView& v,
                           std::int64_t batch, std::int64_t seq_q, std::int64_t seq_kv, float* out,
                           const MhaOptions& options) {
+    const layers::ScratchPool::Lease scratch(*this->scratch);
     AttentionParams params;
     params.causal = options.causal;
     params.align = options.align;
@@ -280,7 +286,8 @@ void MultiHeadAttention::forward(const float* x, std::int64_t batch, std::int64_
   m.check_call("forward", x, out, batch, seq);
   if (batch * seq == 0) return;
   const std::int64_t F = m.embed_dim + 2 * m.kv_width;
-  float* qkv = layers::scratch_floats(m.scratch->qkv, batch * seq * F);
+  const layers::ScratchPool::Lease scratch(*m.scratch);
+  float* qkv = layers::scratch_floats(scratch->qkv, batch * seq * F);
   m.qkv_proj->forward(x, batch * seq, qkv);
   const TensorView q = bshd_view(qkv, batch, seq, m.num_heads, m.head_dim, F);
   const TensorView k = bshd_view(qkv + m.embed_dim, batch, seq, m.num_kv_heads, m.head_dim, F);
@@ -310,9 +317,10 @@ void MultiHeadAttention::forward_cross(const float* query, std::int64_t batch, s
   m.check_call("forward_cross", key_memory, value_memory, batch, seq_kv);
   if (batch * seq_q == 0) return;
   m.ensure_cross();
-  float* qp = layers::scratch_floats(m.scratch->qkv, batch * seq_q * m.embed_dim);
-  float* kp = layers::scratch_floats(m.scratch->k, batch * seq_kv * m.kv_width);
-  float* vp = layers::scratch_floats(m.scratch->v, batch * seq_kv * m.kv_width);
+  const layers::ScratchPool::Lease scratch(*m.scratch);
+  float* qp = layers::scratch_floats(scratch->qkv, batch * seq_q * m.embed_dim);
+  float* kp = layers::scratch_floats(scratch->k, batch * seq_kv * m.kv_width);
+  float* vp = layers::scratch_floats(scratch->v, batch * seq_kv * m.kv_width);
   m.q_proj->forward(query, batch * seq_q, qp);
   m.k_proj->forward(key_memory, batch * seq_kv, kp);
   m.v_proj->forward(value_memory, batch * seq_kv, vp);
@@ -339,7 +347,8 @@ void MultiHeadAttention::forward_cached(const float* x, std::int64_t batch, std:
   }
   if (seq_new == 0) return;
   const std::int64_t F = m.embed_dim + 2 * m.kv_width;
-  float* qkv = layers::scratch_floats(m.scratch->qkv, batch * seq_new * F);
+  const layers::ScratchPool::Lease scratch(*m.scratch);
+  float* qkv = layers::scratch_floats(scratch->qkv, batch * seq_new * F);
   m.qkv_proj->forward(x, batch * seq_new, qkv);
   const std::int64_t old_size = cache.size();
   cache.append(

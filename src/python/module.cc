@@ -11,7 +11,6 @@
 #include <nanobind/stl/vector.h>
 
 #include <chrono>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <variant>
@@ -331,8 +330,8 @@ std::vector<double> time_attention(nb::handle q, nb::handle k, nb::handle v, nb:
   return seconds;
 }
 
-// One SentenceEmbedder shared by Python threads: calls are serialised (the model's layers
-// keep scratch per object), and the GIL is released while one runs.
+// One SentenceEmbedder shared by Python threads: the library's embedder is safe to call from
+// several threads at once, and the GIL is released while a call runs.
 class PyEmbedder {
  public:
   PyEmbedder(const std::string& model_dir, std::int64_t max_length, std::int64_t batch_size,
@@ -340,6 +339,10 @@ class PyEmbedder {
       : embedder_(
             load(model_dir,
                  {.max_length = max_length, .batch_size = batch_size, .normalize = normalize})) {}
+
+  // (std::vector of move-only layers claims to be copyable: say it is not, for nanobind.)
+  PyEmbedder(const PyEmbedder&) = delete;
+  PyEmbedder& operator=(const PyEmbedder&) = delete;
 
   std::int64_t dimension() const { return embedder_.dimension(); }
   std::int64_t max_length() const { return embedder_.max_length(); }
@@ -352,7 +355,6 @@ class PyEmbedder {
     nb::capsule owner(rows, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
     try {
       nb::gil_scoped_release release;
-      std::lock_guard<std::mutex> lock(mutex_);
       embedder_.embed(texts, rows->data(), {}, batch_size);
     } catch (const Error& error) {
       throw nb::value_error(error.what());
@@ -372,7 +374,6 @@ class PyEmbedder {
   }
 
   models::SentenceEmbedder embedder_;
-  std::mutex mutex_;
 };
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "qkv/layers/activation.h"
+#include "qkv/layers/encoder_layer.h"
 #include "qkv/layers/multi_head_attention.h"
 
 namespace qkv::testing {
@@ -191,5 +192,63 @@ inline void expect_close(std::span<const float> actual, const Vec& ref, double r
   EXPECT_LE(max_err, rtol * scale)
       << what << ": worst index " << worst << " got " << actual[worst] << " want " << ref[worst];
 }
+
+// Random weights of one EncoderLayer (uniform, fixed seed) and its float64 reference.
+struct EncoderLayerData : MhaF32Weights {
+  EncoderLayerConfig config;
+  std::vector<float> g1, b1, f1_w, f1_b, f2_w, f2_b, g2, b2;
+
+  EncoderLayerData(const EncoderLayerConfig& c, std::uint64_t seed) : config(c) {
+    const std::int64_t E = c.embed_dim, F = c.d_ff;
+    const std::int64_t kvw = (c.num_kv_heads ? c.num_kv_heads : c.num_heads) * (E / c.num_heads);
+    auto r = [&](std::int64_t n, float lo = -0.5f, float hi = 0.5f) {
+      return random_floats(n, seed++, lo, hi);
+    };
+    q_w = r(E * E), q_b = r(E), k_w = r(kvw * E), k_b = r(kvw), v_w = r(kvw * E), v_b = r(kvw);
+    o_w = r(E * E), o_b = r(E), g1 = r(E, 0.5f, 1.5f), b1 = r(E), f1_w = r(F * E), f1_b = r(F);
+    f2_w = r(E * F), f2_b = r(E), g2 = r(E, 0.5f, 1.5f), b2 = r(E);
+  }
+  EncoderLayerWeights weights() const {
+    EncoderLayerWeights w{.attention = separate()};
+    w.norm1_gamma = g1, w.norm1_beta = b1, w.ff1_weight = f1_w, w.ff1_bias = f1_b;
+    w.ff2_weight = f2_w, w.ff2_bias = f2_b, w.norm2_gamma = g2, w.norm2_beta = b2;
+    return w;
+  }
+
+  // float64 reference of one layer (inference: no dropout).
+  Vec reference(const Vec& x, std::int64_t batch, std::int64_t seq,
+                const std::vector<std::int64_t>& key_lengths) const {
+    const auto& c = config;
+    const std::int64_t E = c.embed_dim, rows = batch * seq;
+    MhaRefProblem p{.batch = batch,
+                    .seq_q = seq,
+                    .seq_kv = seq,
+                    .embed_dim = E,
+                    .num_heads = c.num_heads,
+                    .num_kv_heads = c.num_kv_heads ? c.num_kv_heads : c.num_heads,
+                    .kdim = E,
+                    .vdim = E,
+                    .key_lengths = key_lengths};
+    auto attn = [&](const Vec& in) { return mha_ref(p, ref(), in, in, in).out; };
+    auto ffn = [&](const Vec& in) {
+      const Vec h = linear_ref(in, rows, E, to_f64(f1_w), to_f64(f1_b), c.d_ff, c.activation);
+      return linear_ref(h, rows, c.d_ff, to_f64(f2_w), to_f64(f2_b), E);
+    };
+    auto ln = [&](const Vec& in, const Vec& res, const std::vector<float>& g,
+                  const std::vector<float>& b) {
+      return layer_norm_ref(in, res, rows, E, to_f64(g), to_f64(b), c.eps);
+    };
+    auto add = [](Vec a, const Vec& b) {
+      for (std::size_t i = 0; i < a.size(); ++i) a[i] += b[i];
+      return a;
+    };
+    if (!c.norm_first) {
+      const Vec y = ln(attn(x), x, g1, b1);
+      return ln(ffn(y), y, g2, b2);
+    }
+    const Vec y = add(x, attn(ln(x, {}, g1, b1)));
+    return add(y, ffn(ln(y, {}, g2, b2)));
+  }
+};
 
 }  // namespace qkv::testing

@@ -13,63 +13,6 @@
 namespace qkv::testing {
 namespace {
 
-struct LayerData : MhaF32Weights {
-  EncoderLayerConfig config;
-  std::vector<float> g1, b1, f1_w, f1_b, f2_w, f2_b, g2, b2;
-
-  LayerData(const EncoderLayerConfig& c, std::uint64_t seed) : config(c) {
-    const std::int64_t E = c.embed_dim, F = c.d_ff;
-    const std::int64_t kvw = (c.num_kv_heads ? c.num_kv_heads : c.num_heads) * (E / c.num_heads);
-    auto r = [&](std::int64_t n, float lo = -0.5f, float hi = 0.5f) {
-      return random_floats(n, seed++, lo, hi);
-    };
-    q_w = r(E * E), q_b = r(E), k_w = r(kvw * E), k_b = r(kvw), v_w = r(kvw * E), v_b = r(kvw);
-    o_w = r(E * E), o_b = r(E), g1 = r(E, 0.5f, 1.5f), b1 = r(E), f1_w = r(F * E), f1_b = r(F);
-    f2_w = r(E * F), f2_b = r(E), g2 = r(E, 0.5f, 1.5f), b2 = r(E);
-  }
-  EncoderLayerWeights weights() const {
-    EncoderLayerWeights w{.attention = separate()};
-    w.norm1_gamma = g1, w.norm1_beta = b1, w.ff1_weight = f1_w, w.ff1_bias = f1_b;
-    w.ff2_weight = f2_w, w.ff2_bias = f2_b, w.norm2_gamma = g2, w.norm2_beta = b2;
-    return w;
-  }
-
-  // float64 reference of one layer (inference: no dropout).
-  Vec reference(const Vec& x, std::int64_t batch, std::int64_t seq,
-                const std::vector<std::int64_t>& key_lengths) const {
-    const auto& c = config;
-    const std::int64_t E = c.embed_dim, rows = batch * seq;
-    MhaRefProblem p{.batch = batch,
-                    .seq_q = seq,
-                    .seq_kv = seq,
-                    .embed_dim = E,
-                    .num_heads = c.num_heads,
-                    .num_kv_heads = c.num_kv_heads ? c.num_kv_heads : c.num_heads,
-                    .kdim = E,
-                    .vdim = E,
-                    .key_lengths = key_lengths};
-    auto attn = [&](const Vec& in) { return mha_ref(p, ref(), in, in, in).out; };
-    auto ffn = [&](const Vec& in) {
-      const Vec h = linear_ref(in, rows, E, to_f64(f1_w), to_f64(f1_b), c.d_ff, c.activation);
-      return linear_ref(h, rows, c.d_ff, to_f64(f2_w), to_f64(f2_b), E);
-    };
-    auto ln = [&](const Vec& in, const Vec& res, const std::vector<float>& g,
-                  const std::vector<float>& b) {
-      return layer_norm_ref(in, res, rows, E, to_f64(g), to_f64(b), c.eps);
-    };
-    auto add = [](Vec a, const Vec& b) {
-      for (std::size_t i = 0; i < a.size(); ++i) a[i] += b[i];
-      return a;
-    };
-    if (!c.norm_first) {
-      const Vec y = ln(attn(x), x, g1, b1);
-      return ln(ffn(y), y, g2, b2);
-    }
-    const Vec y = add(x, attn(ln(x, {}, g1, b1)));
-    return add(y, ffn(ln(y, {}, g2, b2)));
-  }
-};
-
 TEST(LayersEncoder, PostAndPreLnActivationsGqaKeyLengths) {
   struct Case {
     bool norm_first;
@@ -79,7 +22,7 @@ TEST(LayersEncoder, PostAndPreLnActivationsGqaKeyLengths) {
   for (Case c :
        {Case{false, Activation::kGeluErf, 4, 0, 48}, Case{true, Activation::kGeluErf, 4, 0, 37},
         Case{false, Activation::kRelu, 4, 2, 64}, Case{true, Activation::kGeluTanh, 2, 1, 37}}) {
-    const LayerData d({.embed_dim = 32,
+    const EncoderLayerData d({.embed_dim = 32,
                        .num_heads = c.heads,
                        .num_kv_heads = c.kv_heads,
                        .d_ff = c.d_ff,
@@ -103,7 +46,7 @@ TEST(LayersEncoder, PostAndPreLnActivationsGqaKeyLengths) {
 
 TEST(LayersEncoder, StackWithFinalNormEqualsLayerByLayer) {
   EncoderLayerConfig c{.embed_dim = 16, .num_heads = 2, .d_ff = 24, .norm_first = true};
-  const LayerData d0(c, 1), d1(c, 50);
+  const EncoderLayerData d0(c, 1), d1(c, 50);
   const std::vector<float> g = random_floats(16, 3, 0.5f, 1.5f), b = random_floats(16, 4);
   std::vector<EncoderLayer> layers;
   layers.emplace_back(c, d0.weights());
@@ -119,7 +62,7 @@ TEST(LayersEncoder, StackWithFinalNormEqualsLayerByLayer) {
 
 TEST(LayersEncoder, ValidationErrorsNameTheField) {
   EncoderLayerConfig c{.embed_dim = 16, .num_heads = 2, .d_ff = 24};
-  LayerData d(c, 1);
+  EncoderLayerData d(c, 1);
   auto w = d.weights();
   w.ff1_weight = w.ff1_weight.first(10);
   expect_error([&] { EncoderLayer(c, w); },
@@ -171,7 +114,7 @@ TEST(LayersDropout, RateScaleReproducibleThreadIndependent) {
 
 TEST(LayersDropout, EncoderTrainingModeOnlyAndSeeded) {
   EncoderLayerConfig c{.embed_dim = 16, .num_heads = 2, .d_ff = 24, .dropout = 0.25f};
-  const LayerData d(c, 9);
+  const EncoderLayerData d(c, 9);
   EncoderLayer layer(c, d.weights());
   const std::vector<float> x = random_floats(3 * 7 * 16, 10);
   auto run = [&](const EncoderLayer& l) {

@@ -9,7 +9,9 @@
 // Dropout runs only in training mode (set_training(true, seed)): a counter-based RNG keyed by
 // (seed, step, site, element index), so the same seed and step give the same mask whatever the
 // thread count; step counts forward() calls since set_training. Inference: dropout is a no-op.
-// One object keeps mutable scratch: NOT safe to call from two threads at once.
+// Threads: in inference mode one object may be shared by threads (each concurrent call borrows
+// a scratch set of its own; layers/scratch.h). In training mode calls advance the dropout step,
+// so a training object belongs to one thread.
 #pragma once
 
 #include <cstdint>

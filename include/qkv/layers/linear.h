@@ -6,7 +6,8 @@
 // The constructor copies W once into the layout oneDNN's matmul prefers (so the caller's
 // weight memory, e.g. an mmap'ed checkpoint, may be released afterwards). One primitive is
 // created per (rows, x_stride) seen and cached; bias and activation are fused as post-ops.
-// Not safe to call forward() on one object from two threads at once (the cache is mutable).
+// forward() may be called on one object from several threads at once (the primitive cache is
+// guarded; each thread passes oneDNN a scratchpad of its own).
 #pragma once
 
 #include <cstdint>

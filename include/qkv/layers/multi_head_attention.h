@@ -6,8 +6,9 @@
 //   cross:  query: [B, Lq, E], memory: [B, Lk, kdim/vdim]  -> out: [B, Lq, E]
 //   cached: x: [B, Lnew, E] + KvCache [B, Lcached, Hkv, head_dim] -> out: [B, Lnew, E]
 //
-// One object keeps mutable scratch (sized for the largest call seen) and oneDNN primitive
-// caches: it is NOT safe to call from two threads at once. See docs/layers.md.
+// One object may be shared by threads: its scratch (sized for the largest call seen) is a set
+// per concurrent call, and its oneDNN primitive caches are guarded (qkv/layers/linear.h). A
+// KvCache belongs to the caller, one per sequence. See docs/layers.md.
 #pragma once
 
 #include <cstdint>

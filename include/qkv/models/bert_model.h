@@ -43,7 +43,7 @@ class BertModel {
   // tokens, and no real token attends them).
   // hidden: [batch, seq, hidden_size], written.
   // Throws qkv::Error if seq > max_position_embeddings, an id is outside the vocabulary, or a
-  // length is outside 1..seq. Not safe to call from two threads at once (layer scratch).
+  // length is outside 1..seq. Safe to call from several threads at once.
   void forward(std::span<const std::int32_t> ids, std::span<const std::int64_t> lengths,
                std::int64_t batch, std::int64_t seq, float* hidden) const;
 

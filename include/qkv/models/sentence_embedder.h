@@ -15,6 +15,9 @@
 // only to its own longest text; padding is passed to attention as key lengths, so it is never
 // attended. Outputs come back in input order, and each text's embedding does not depend on
 // which other texts share its batch beyond f32 rounding of the shared GEMMs.
+//
+// Threads: one SentenceEmbedder may be shared by threads; embed() and embed_ids() are const and
+// safe to call at once (each call gets its own layer scratch; tests/cpp/test_concurrency.cc).
 #pragma once
 
 #include <cstdint>
