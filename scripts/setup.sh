@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs what qkv needs to build and test on Debian 12, only what is missing. Needs root
 # (or sudo) the first time; later runs only check.
+#
+#   scripts/setup.sh [--fuzz]
 set -euo pipefail
 
 # ocl-icd-opencl-dev: Debian's oneDNN is built with the OpenCL GPU runtime, so its CMake config
@@ -9,6 +11,11 @@ set -euo pipefail
 # pip install .); python3-numpy, python3-pytest: the CLI tests on a plain preset build.
 packages=(g++ cmake ninja-build ccache libhwy-dev libdnnl-dev ocl-icd-opencl-dev libgtest-dev
           python3 python3-pip python3-venv python3-dev python3-numpy python3-pytest)
+# --fuzz: also what scripts/fuzz.sh and the sanitizer presets need (clang with libFuzzer and its
+# sanitizer runtimes, and clang's OpenMP).
+if [[ ${1:-} == --fuzz ]]; then
+  packages+=(clang-14 libclang-rt-14-dev libomp-14-dev)
+fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -140,7 +140,8 @@ bool overlaps(const TensorView& a, const TensorView& b) {
 
 void require_no_overlap(std::span<const NamedView> outputs, std::span<const NamedView> inputs) {
   for (std::size_t o = 0; o < outputs.size(); ++o) {
-    const auto& [name, view] = outputs[o];
+    const char* name = outputs[o].first;
+    const TensorView* view = outputs[o].second;
     if (view->empty()) continue;
     auto check = [&](const NamedView& other) {
       if (!other.second->empty() && overlaps(*view, *other.second)) {

@@ -130,7 +130,10 @@ TEST(BertConfigTest, WrongTypesAndValues) {
   };
   for (const auto& [field, value, expected] : cases) {
     SCOPED_TRACE(std::string(field) + " = " + value);
-    expect_error([&] { parse_bert_config(minilm_with(field, value), "config.json"); },
+    // Init-captures: clang 14 cannot capture structured bindings themselves.
+    expect_error([&, field = field, value = value] {
+                   parse_bert_config(minilm_with(field, value), "config.json");
+                 },
                  std::string("config.json: ") + expected);
   }
 }
@@ -191,7 +194,7 @@ TEST(PoolingConfigTest, Errors) {
   };
   for (const auto& [text, expected] : cases) {
     SCOPED_TRACE(text);
-    expect_error([&] { parse_pooling_config(text, "pooling.json"); }, expected);
+    expect_error([&, text = text] { parse_pooling_config(text, "pooling.json"); }, expected);
   }
 }
 

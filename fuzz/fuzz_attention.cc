@@ -1,0 +1,193 @@
+// Structure-aware: the input drives the choice of a small attention problem (sizes, dtype,
+// strides and layout, causal / alignment / window, key lengths, a broadcast mask and bias,
+// softcap, sparsity) and the values in it; the flash and chunked kernels must agree with the
+// reference kernel within DESIGN.md's tolerance (loosened for bf16/f16), give the same lse,
+// never NaN, or all three must refuse the problem with the same qkv::Error.
+#include <fuzzer/FuzzedDataProvider.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "core/float16.h"
+#include "qkv/attention.h"
+#include "qkv/error.h"
+
+namespace {
+
+using namespace qkv;
+
+struct Run {
+  std::vector<float> out, lse;
+  std::string error;
+};
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  FuzzedDataProvider in(data, size);
+  const std::int64_t batch = in.ConsumeIntegralInRange<std::int64_t>(1, 2);
+  const std::int64_t seq_q = in.ConsumeIntegralInRange<std::int64_t>(1, 70);
+  const std::int64_t seq_kv = in.ConsumeIntegralInRange<std::int64_t>(1, 70);
+  const std::int64_t heads_kv = in.ConsumeIntegralInRange<std::int64_t>(1, 2);
+  const std::int64_t heads_q = heads_kv * in.ConsumeIntegralInRange<std::int64_t>(1, 3);
+  const std::int64_t dim = in.ConsumeIntegralInRange<std::int64_t>(1, 40);
+  const std::int64_t dim_v = in.ConsumeBool() ? dim : in.ConsumeIntegralInRange<std::int64_t>(1, 40);
+  const DType dtype = in.PickValueInArray({DType::kF32, DType::kBF16, DType::kF16});
+  const bool bhsd = in.ConsumeBool();  // q, k, v and out stored as [B, H, L, D]
+
+  // Values: mostly moderate, sometimes large (softmax saturation), from the input's bytes.
+  const float scale_of_values = in.PickValueInArray({0.5f, 1.0f, 4.0f, 30.0f});
+  auto values = [&](std::int64_t n) {
+    std::vector<std::uint16_t> half(static_cast<std::size_t>(n));
+    std::vector<float> f(static_cast<std::size_t>(n));
+    for (std::int64_t i = 0; i < n; ++i) {
+      const float x = (static_cast<float>(in.ConsumeIntegral<std::uint8_t>()) - 127.5f) / 128.0f;
+      f[i] = x * scale_of_values;
+      if (dtype == DType::kBF16) half[i] = f32_to_bf16_bits(f[i]), f[i] = bf16_bits_to_f32(half[i]);
+      if (dtype == DType::kF16) half[i] = f32_to_f16_bits(f[i]), f[i] = f16_bits_to_f32(half[i]);
+    }
+    return std::make_pair(f, half);
+  };
+  auto [q32, q16] = values(batch * seq_q * heads_q * dim);
+  auto [k32, k16] = values(batch * seq_kv * heads_kv * dim);
+  auto [v32, v16] = values(batch * seq_kv * heads_kv * dim_v);
+
+  AttentionParams params;
+  params.num_threads = in.ConsumeIntegralInRange<int>(1, 2);
+  params.causal = in.ConsumeBool();
+  params.align = in.ConsumeBool() ? Align::kBottomRight : Align::kTopLeft;
+  if (in.ConsumeBool()) {
+    params.window_left = in.ConsumeIntegralInRange<std::int64_t>(-1, 80);
+    params.window_right = in.ConsumeIntegralInRange<std::int64_t>(-1, 80);
+    if (in.ConsumeBool()) params.window_left = std::numeric_limits<std::int64_t>::max();
+  }
+  if (in.ConsumeBool()) params.softcap = in.ConsumeFloatingPointInRange<float>(0.5f, 30.0f);
+  if (in.ConsumeBool()) params.scale = in.ConsumeFloatingPointInRange<float>(0.01f, 2.0f);
+  std::vector<std::int64_t> lengths;
+  if (in.ConsumeBool()) {
+    for (std::int64_t b = 0; b < batch; ++b) {
+      lengths.push_back(in.ConsumeIntegralInRange<std::int64_t>(0, seq_kv));
+    }
+    params.key_lengths = lengths;
+  }
+  // Mask and bias broadcast over batch and heads ([1, 1, Lq, Lk]: stride-0 dims).
+  std::vector<std::uint8_t> mask;
+  std::vector<float> bias;
+  if (in.ConsumeBool()) {
+    for (std::int64_t i = 0; i < seq_q * seq_kv; ++i) mask.push_back(in.ConsumeBool());
+    params.mask = TensorView::contiguous(mask.data(), DType::kU8, {1, 1, seq_q, seq_kv});
+  }
+  if (in.ConsumeBool()) {
+    for (std::int64_t i = 0; i < seq_q * seq_kv; ++i) {
+      bias.push_back(in.ConsumeIntegralInRange<int>(0, 9) == 0
+                         ? -std::numeric_limits<float>::infinity()
+                         : in.ConsumeFloatingPointInRange<float>(-4.0f, 4.0f));
+    }
+    params.bias = TensorView::contiguous(bias.data(), DType::kF32, {1, 1, seq_q, seq_kv});
+  }
+  std::vector<std::int64_t> global;
+  switch (in.ConsumeIntegralInRange<int>(0, 2)) {
+    case 1:
+      global = {in.ConsumeIntegralInRange<std::int64_t>(0, seq_kv - 1)};
+      params.sparsity = LongformerSparsity{.window = in.ConsumeIntegralInRange<std::int64_t>(0, 40),
+                                           .dilation = in.ConsumeIntegralInRange<std::int64_t>(1, 3),
+                                           .global = in.ConsumeBool() ? global
+                                                                      : std::vector<std::int64_t>{}};
+      break;
+    case 2:
+      params.sparsity = BigBirdSparsity{.block = in.ConsumeIntegralInRange<std::int64_t>(1, 80),
+                                        .num_random_blocks = in.ConsumeIntegralInRange<std::int64_t>(0, 3),
+                                        .num_global_blocks = in.ConsumeIntegralInRange<std::int64_t>(0, 2),
+                                        .seed = in.ConsumeIntegral<std::uint64_t>()};
+      break;
+    default:
+      break;
+  }
+
+  // Views: BSHD contiguous, or BHSD memory seen through permuted strides.
+  auto view = [&](void* p, std::int64_t seq, std::int64_t heads, std::int64_t d, DType t) {
+    if (!bhsd) return TensorView::contiguous(p, t, {batch, seq, heads, d});
+    return TensorView::contiguous(p, t, {batch, heads, seq, d}).permuted({0, 2, 1, 3});
+  };
+  const bool half = dtype != DType::kF32;
+  const TensorView q = view(half ? static_cast<void*>(q16.data()) : q32.data(), seq_q, heads_q, dim, dtype);
+  const TensorView k = view(half ? static_cast<void*>(k16.data()) : k32.data(), seq_kv, heads_kv, dim, dtype);
+  const TensorView v = view(half ? static_cast<void*>(v16.data()) : v32.data(), seq_kv, heads_kv, dim_v, dtype);
+
+  auto run = [&](Kernel kernel) {
+    Run r;
+    r.out.assign(static_cast<std::size_t>(batch * seq_q * heads_q * dim_v), 7.0f);
+    r.lse.assign(static_cast<std::size_t>(batch * heads_q * seq_q), 7.0f);
+    AttentionParams p = params;
+    p.kernel = kernel;
+    try {
+      attention(q, k, v,
+                {.out = view(r.out.data(), seq_q, heads_q, dim_v, DType::kF32),
+                 .lse = TensorView::contiguous(r.lse.data(), DType::kF32, {batch, heads_q, seq_q, 1})},
+                p);
+    } catch (const Error& e) {
+      r.error = e.what();
+      for (float x : r.out) {
+        if (x != 7.0f) std::abort();  // an error must leave the output untouched
+      }
+    }
+    return r;
+  };
+  // Tolerance from the problem's conditioning: an f32 dot product of length D is off by up to
+  // ~D * 2^-24 * sum |q_d k_d| (times the scale); a score off by ds moves out by <= 2 ds max|v|.
+  // bf16/f16 paths may round the probabilities to bf16 before P.V (2^-8 relative). DESIGN.md's
+  // floor 2e-5 x max(1, max|out|) on top.
+  const float scale = params.scale.value_or(1.0f / std::sqrt(static_cast<float>(dim)));
+  // sum_d |q_d k_d| <= |q| |k| (Cauchy-Schwarz): the largest row norms bound every score.
+  auto max_row_norm = [&](const std::vector<float>& x) {
+    double best = 0;
+    for (std::size_t row = 0; row + static_cast<std::size_t>(dim) <= x.size(); row += dim) {
+      double sum = 0;
+      for (std::int64_t d = 0; d < dim; ++d) sum += double{x[row + d]} * x[row + d];
+      best = std::max(best, std::sqrt(sum));
+    }
+    return best;
+  };
+  const double score_abs = scale * max_row_norm(q32) * max_row_norm(k32);
+  double max_v = 0;
+  for (float x : v32) max_v = std::max(max_v, static_cast<double>(std::abs(x)));
+  const double score_error = 4.0 * static_cast<double>(dim) * 6e-8 * score_abs + 1e-6;
+  const double out_tolerance = 2.0 * score_error * max_v + (half ? 8e-3 * max_v : 0.0);
+
+  const Run reference = run(Kernel::kReference);
+  for (const Kernel kernel : {Kernel::kFlash, Kernel::kChunked}) {
+    const Run r = run(kernel);
+    if (r.error != reference.error) {
+      std::fprintf(stderr, "kernel %d: error '%s', reference '%s'\n", static_cast<int>(kernel),
+                   r.error.c_str(), reference.error.c_str());
+      std::abort();
+    }
+    if (!r.error.empty()) continue;
+    double max_ref = 1.0;
+    for (float x : reference.out) max_ref = std::max(max_ref, static_cast<double>(std::abs(x)));
+    const double tolerance = out_tolerance + 2e-5 * max_ref;
+    for (std::size_t i = 0; i < r.out.size(); ++i) {
+      if (std::isnan(r.out[i]) || std::abs(r.out[i] - reference.out[i]) > tolerance) {
+        std::fprintf(stderr, "kernel %d: out[%zu] = %g, reference %g (tolerance %g)\n",
+                     static_cast<int>(kernel), i, r.out[i], reference.out[i], tolerance);
+        std::abort();
+      }
+    }
+    for (std::size_t i = 0; i < r.lse.size(); ++i) {
+      const float a = r.lse[i], b = reference.lse[i];
+      const bool both_empty = std::isinf(a) && std::isinf(b) && a < 0 && b < 0;
+      const double lse_tolerance = score_error + 1e-5 * std::max(1.0f, std::abs(b));
+      if (!both_empty && !(std::abs(a - b) <= lse_tolerance)) {
+        std::fprintf(stderr, "kernel %d: lse[%zu] = %g, reference %g (tolerance %g)\n",
+                     static_cast<int>(kernel), i, a, b, lse_tolerance);
+        std::abort();
+      }
+    }
+  }
+  return 0;
+}

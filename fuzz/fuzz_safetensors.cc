@@ -1,0 +1,24 @@
+// safetensors reader on arbitrary bytes: a file whose every tensor lies inside the data
+// section, or qkv::Error. Every tensor it accepts is read through read_f32 where the dtype
+// converts.
+#include <cstdlib>
+
+#include "fuzz_input.h"
+#include "io/safetensors.h"
+#include "qkv/error.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  const qkv::fuzz::MemoryFile file(data, size);
+  try {
+    const qkv::io::SafetensorsFile st(file.path());
+    for (const auto& [name, tensor] : st.tensors()) {
+      if (tensor.bytes > size) std::abort();
+      try {
+        (void)st.read_f32(name, tensor.shape);
+      } catch (const qkv::Error&) {  // a dtype that does not convert to f32
+      }
+    }
+  } catch (const qkv::Error&) {
+  }
+  return 0;
+}
