@@ -11,9 +11,11 @@
 namespace qkv::models {
 namespace {
 
+// Whether an optional file is there, of any type: one that is there but is not a regular file
+// (a FIFO, a directory) is then refused by its reader, never silently skipped.
 bool exists(const std::string& path) {
   std::error_code error;
-  return std::filesystem::is_regular_file(path, error);
+  return std::filesystem::exists(path, error);
 }
 
 }  // namespace

@@ -293,11 +293,17 @@ def test_missing_tensor_and_wrong_shape(cli, rng, model_dir):
               expect=["encoder.layer.0.intermediate.dense.weight", "(12, 9)", "(12, 8)"])
 
 
-@pytest.mark.parametrize("name", ["config.json", "vocab.txt", "model.safetensors"])
+@pytest.mark.parametrize("name", ["config.json", "vocab.txt", "model.safetensors",
+                                  "tokenizer_config.json", "modules.json",
+                                  "sentence_bert_config.json", "1_Pooling/config.json"])
 def test_model_file_that_is_a_fifo_is_refused(cli, model_dir, name):
-    # A named pipe with no writer: refused at once, not read forever (issue 18).
-    (model_dir / name).unlink()
-    os.mkfifo(model_dir / name)
+    # A named pipe with no writer: refused at once, not read forever nor skipped as absent
+    # (issue 18).
+    path = model_dir / name
+    path.parent.mkdir(exist_ok=True)
+    if path.exists():
+        path.unlink()
+    os.mkfifo(path)
     cli.fails("embed", "--model", "model", "--text", "a", "--out", "e.npy",
               expect=[name, "not a regular file"])
 
