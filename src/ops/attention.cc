@@ -1,11 +1,13 @@
 // qkv::attention: validate everything at the boundary, normalise it into one
 // AttentionKernelParams, pick a kernel, call it once (CTranslate2's ops/ recipe).
 #include "qkv/attention.h"
+#include "qkv/block_attention.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "core/parallel.h"
 #include "kernels/kernels.h"
@@ -63,8 +65,43 @@ const char* resolved_kernel_name(const AttentionParams& params, const AttentionO
   return "?";
 }
 
-void attention(const TensorView& q, const TensorView& k, const TensorView& v,
-               const AttentionOutputs& outputs, const AttentionParams& params) {
+namespace {
+
+// A block's positions: offsets and whole lengths in range, and only the options that are
+// defined by positions.
+void validate_block(const BlockPositions& b, std::int64_t seq_q, std::int64_t seq_kv,
+                    const AttentionParams& params, const AttentionOutputs& outputs) {
+  // Whole sequences up to 2^40 keep every diagonal and window sum far from int64's end.
+  constexpr std::int64_t kMaxLength = std::int64_t{1} << 40;
+  auto in_range = [&](const char* offset_name, std::int64_t offset, const char* length_name,
+                      std::int64_t length, std::int64_t block_length) {
+    if (offset < 0 || length > kMaxLength || offset > length - block_length) {
+      throw Error(std::string("positions: ") + offset_name + " = " + std::to_string(offset) +
+                  " and " + length_name + " = " + std::to_string(length) +
+                  " do not hold a block of " + std::to_string(block_length) + " (need 0 <= " +
+                  offset_name + " <= " + length_name + " - block length, " + length_name +
+                  " <= 2^40)");
+    }
+  };
+  in_range("q_offset", b.q_offset, "seq_q", b.seq_q, seq_q);
+  in_range("k_offset", b.k_offset, "seq_kv", b.seq_kv, seq_kv);
+  const char* unsupported = !params.mask.empty()   ? "mask"
+                            : !params.bias.empty() ? "bias"
+                            : params.sparsity      ? "sparsity"
+                            : !outputs.probs.empty() ? "probs"
+                                                   : nullptr;
+  if (unsupported != nullptr) {
+    throw Error(std::string(unsupported) +
+                ": not available for a block (attention_block takes what positions define: "
+                "causal, window, key lengths; and probabilities would cover the block only)");
+  }
+}
+
+// attention() and attention_block() in one; `block` (nullable) places q and k in longer
+// sequences.
+void run_attention(const TensorView& q, const TensorView& k, const TensorView& v,
+                   const AttentionOutputs& outputs, const AttentionParams& params,
+                   const BlockPositions* block) {
   // q: [B, Lq, Hq, D]  k: [B, Lk, Hkv, D]  v: [B, Lk, Hkv, Dv]  out: [B, Lq, Hq, Dv]
   const TensorView& out = outputs.out;
   const ops::AttentionShape shape =
@@ -105,7 +142,22 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
     throw Error("window: (" + std::to_string(params.window_left) + ", " +
                 std::to_string(params.window_right) + ") has a side below -1 (-1 = unbounded)");
   }
-  ops::validate_key_lengths(params.key_lengths, q, k);
+  // Key lengths count keys of the whole sequence; a block sees the part inside it.
+  std::int64_t diagonal = ops::diagonal_offset(params.align, seq_q, seq_kv);
+  std::vector<std::int64_t> block_lengths;
+  std::span<const std::int64_t> key_lengths = params.key_lengths;
+  if (block != nullptr) {
+    validate_block(*block, seq_q, seq_kv, params, outputs);
+    diagonal = ops::diagonal_offset(params.align, block->seq_q, block->seq_kv) + block->q_offset -
+               block->k_offset;
+    ops::validate_key_lengths(key_lengths, q, k, block->seq_kv);
+    for (const std::int64_t length : key_lengths) {
+      block_lengths.push_back(std::clamp(length - block->k_offset, std::int64_t{0}, seq_kv));
+    }
+    if (!key_lengths.empty()) key_lengths = block_lengths;
+  } else {
+    ops::validate_key_lengths(key_lengths, q, k, seq_kv);
+  }
   ops::validate_num_threads(params.num_threads);
   if (params.chunk_size < 1) {
     throw Error("chunk_size: must be >= 1, got " + std::to_string(params.chunk_size));
@@ -124,11 +176,11 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   }
   p.scale = scale;
   p.softcap = params.softcap;
-  p.diagonal_offset = params.align == Align::kBottomRight ? seq_kv - seq_q : 0;
-  const ops::Window window = ops::effective_window(params, seq_q, seq_kv);
+  p.diagonal_offset = diagonal;
+  const ops::Window window = ops::effective_window(params, seq_q, seq_kv, diagonal);
   p.window_left = window.left;
   p.window_right = window.right;
-  p.key_lengths = params.key_lengths.empty() ? nullptr : params.key_lengths.data();
+  p.key_lengths = key_lengths.empty() ? nullptr : key_lengths.data();
   if (!params.mask.empty()) {
     if (params.mask.dtype != DType::kBool && params.mask.dtype != DType::kU8) {
       throw Error(std::string("mask: dtype ") + dtype_name(params.mask.dtype) +
@@ -171,6 +223,19 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   }
 }
 
+}  // namespace
+
+void attention(const TensorView& q, const TensorView& k, const TensorView& v,
+               const AttentionOutputs& outputs, const AttentionParams& params) {
+  run_attention(q, k, v, outputs, params, nullptr);
+}
+
+void attention_block(const TensorView& q, const TensorView& k, const TensorView& v,
+                     const AttentionOutputs& outputs, const AttentionParams& params,
+                     const BlockPositions& positions) {
+  run_attention(q, k, v, outputs, params, &positions);
+}
+
 double attention_flops(std::int64_t batch, std::int64_t num_heads_q, double pairs,
                        std::int64_t head_dim, std::int64_t head_dim_v) {
   return 2.0 * static_cast<double>(batch) * static_cast<double>(num_heads_q) * pairs *
@@ -179,7 +244,7 @@ double attention_flops(std::int64_t batch, std::int64_t num_heads_q, double pair
 
 double allowed_pairs(std::int64_t seq_q, std::int64_t seq_kv, const AttentionParams& params) {
   const std::int64_t offset = params.align == Align::kBottomRight ? seq_kv - seq_q : 0;
-  const ops::Window window = ops::effective_window(params, seq_q, seq_kv);
+  const ops::Window window = ops::effective_window(params, seq_q, seq_kv, offset);
   const std::int64_t right = window.right;
   double pairs = 0.0;
   for (std::int64_t i = 0; i < seq_q; ++i) {

@@ -152,7 +152,7 @@ void linear_attention(const TensorView& q, const TensorView& k, const TensorView
                 " given, but the elu+1 feature map has no score scale (phi(q).phi(k) is used as "
                 "is); leave it unset, or use FAVOR+, where scale sets exp(scale * q.k)");
   }
-  ops::validate_key_lengths(params.key_lengths, q, k);
+  ops::validate_key_lengths(params.key_lengths, q, k, k.sizes[1]);
   ops::validate_num_threads(params.num_threads);
   if (params.chunk_size < 1 || params.chunk_size > kMaxChunk) {
     throw Error("chunk_size: must be in [1, " + std::to_string(kMaxChunk) + "], got " +

@@ -185,7 +185,7 @@ double sparse_allowed_pairs(std::int64_t seq_q, std::int64_t seq_kv, std::int64_
   ResolvedSparsity resolved;
   resolve_sparsity(*params.sparsity, seq_q, seq_kv, num_heads_q, offset, resolved);
   const SparseKernelParams& s = resolved.params;
-  const ops::Window window = ops::effective_window(params, seq_q, seq_kv);
+  const ops::Window window = ops::effective_window(params, seq_q, seq_kv, offset);
   const std::int64_t right = window.right;
   // The causal/window range [lo, hi) of query i, as allowed_pairs() counts it.
   const auto range = [&](std::int64_t i, std::int64_t& lo, std::int64_t& hi) {

@@ -154,18 +154,22 @@ void require_no_overlap(std::span<const NamedView> outputs, std::span<const Name
   }
 }
 
-Window effective_window(const AttentionParams& params, std::int64_t seq_q, std::int64_t seq_kv) {
-  const std::int64_t every_key = std::max(seq_q, seq_kv);
-  auto side = [&](std::int64_t w) { return w >= every_key ? -1 : w; };
-  Window window{side(params.window_left), side(params.window_right)};
+Window effective_window(const AttentionParams& params, std::int64_t seq_q, std::int64_t seq_kv,
+                        std::int64_t diagonal_offset) {
+  // i' runs over [d, Lq - 1 + d]. left >= Lq - 1 + d puts every i' - left at or below key 0;
+  // right >= Lk - 1 - d puts every i' + right at or past key Lk - 1.
+  const std::int64_t left_all = std::max<std::int64_t>(0, seq_q - 1 + diagonal_offset);
+  const std::int64_t right_all = std::max<std::int64_t>(0, seq_kv - 1 - diagonal_offset);
+  Window window{params.window_left >= left_all ? -1 : params.window_left,
+                params.window_right >= right_all ? -1 : params.window_right};
   if (params.causal) window.right = window.right < 0 ? 0 : std::min<std::int64_t>(window.right, 0);
   return window;
 }
 
 void validate_key_lengths(std::span<const std::int64_t> key_lengths, const TensorView& q,
-                          const TensorView& k) {
+                          const TensorView& k, std::int64_t seq_kv) {
   if (key_lengths.empty()) return;
-  const std::int64_t batch = q.sizes[0], seq_kv = k.sizes[1];
+  const std::int64_t batch = q.sizes[0];
   if (static_cast<std::int64_t>(key_lengths.size()) != batch) {
     throw Error("key_lengths: has " + std::to_string(key_lengths.size()) +
                 " entries, expected batch = " + std::to_string(batch) + " (q: shape " +

@@ -78,18 +78,25 @@ using NamedView = std::pair<const char*, const TensorView*>;
 void require_no_overlap(std::span<const NamedView> outputs, std::span<const NamedView> inputs);
 
 // The causal/window constraint the kernels apply: key j is allowed for query i when
-// i' - left <= j <= i' + right (-1 = unbounded on that side), i' = i + (Lk - Lq) bottom-right
-// or i top-left. causal is folded into right (right = min(right, 0)), and a side of at least
-// max(Lq, Lk) allows every key on its side, so it becomes -1: i' +- side then never overflows,
+// i' - left <= j <= i' + right (-1 = unbounded on that side), i' = i + diagonal_offset
+// (Lk - Lq bottom-right, 0 top-left; a block of a longer sequence adds its query offset minus
+// its key offset). causal is folded into right (right = min(right, 0)), and a side that allows
+// every key of [0, Lk) on its side for every query becomes -1: i' +- side then never overflows,
 // whatever int64 the caller passed. Sides must be >= -1 (attention() checks).
 struct Window {
   std::int64_t left, right;
 };
-Window effective_window(const AttentionParams& params, std::int64_t seq_q, std::int64_t seq_kv);
+Window effective_window(const AttentionParams& params, std::int64_t seq_q, std::int64_t seq_kv,
+                        std::int64_t diagonal_offset);
+// The diagonal offset of a whole problem: Lk - Lq bottom-right, 0 top-left.
+inline std::int64_t diagonal_offset(Align align, std::int64_t seq_q, std::int64_t seq_kv) {
+  return align == Align::kBottomRight ? seq_kv - seq_q : 0;
+}
 
-// key_lengths: empty, or [B] entries each in [0, Lk].
+// key_lengths: empty, or [B] entries each in [0, seq_kv] (Lk of k, or the whole key sequence's
+// length for a block of it).
 void validate_key_lengths(std::span<const std::int64_t> key_lengths, const TensorView& q,
-                          const TensorView& k);
+                          const TensorView& k, std::int64_t seq_kv);
 
 void validate_num_threads(int num_threads);
 
