@@ -9,11 +9,16 @@ include(CMakePackageConfigHelpers)
 set(QKV_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/qkv)
 
 install(TARGETS qkv RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT cpp)
-install(TARGETS qkv_attention qkv_layers qkv_models qkv_all EXPORT qkvTargets
+set(QKV_INSTALLED_LIBRARIES qkv_attention qkv_layers qkv_models)
+if(QKV_BUILD_DISTRIBUTED)
+  list(APPEND QKV_INSTALLED_LIBRARIES qkv_distributed)
+endif()
+install(TARGETS ${QKV_INSTALLED_LIBRARIES} qkv_all EXPORT qkvTargets
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT cpp)
 install(DIRECTORY include/qkv DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} COMPONENT cpp)
 install(EXPORT qkvTargets NAMESPACE qkv:: DESTINATION ${QKV_INSTALL_CMAKEDIR} COMPONENT cpp)
 
+set(QKV_WITH_MPI ${QKV_BUILD_DISTRIBUTED})
 configure_package_config_file(cmake/qkvConfig.cmake.in
   ${CMAKE_CURRENT_BINARY_DIR}/qkvConfig.cmake INSTALL_DESTINATION ${QKV_INSTALL_CMAKEDIR})
 write_basic_package_version_file(${CMAKE_CURRENT_BINARY_DIR}/qkvConfigVersion.cmake
