@@ -9,8 +9,11 @@ set -euo pipefail
 # (dnnl-config.cmake) calls find_package(OpenCL REQUIRED); libdnnl-dev only recommends it.
 # python3-venv, python3-dev: the test venv and the Python module's build (scripts/python_env.sh,
 # pip install .); python3-numpy, python3-pytest: the CLI tests on a plain preset build.
+# libopenmpi-dev, openmpi-bin: ring attention over MPI (qkv::distributed, mpirun for its tests);
+# iproute2: the multi-host ring test's network namespaces.
 packages=(g++ cmake ninja-build ccache libhwy-dev libdnnl-dev ocl-icd-opencl-dev libgtest-dev
-          python3 python3-pip python3-venv python3-dev python3-numpy python3-pytest)
+          python3 python3-pip python3-venv python3-dev python3-numpy python3-pytest
+          libopenmpi-dev openmpi-bin iproute2)
 # --fuzz: also what scripts/fuzz.sh and the sanitizer presets need (clang with libFuzzer and its
 # sanitizer runtimes, and clang's OpenMP).
 if [[ ${1:-} == --fuzz ]]; then

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "core/aligned_buffer.h"
+#include "distributed/ring_modes.h"
 #include "distributed/ring_schedule.h"
 #include "ops/validate.h"
 #include "qkv/block_attention.h"
@@ -191,12 +192,29 @@ void pack_shard(const TensorView& k, const TensorView& v, char* dst) {
 RingStats ring_attention(MPI_Comm comm, const TensorView& q, const TensorView& k,
                          const TensorView& v, const AttentionOutputs& outputs,
                          const RingParams& params) {
+  return distributed::ring_attention_mode(comm, q, k, v, outputs, params,
+                                          distributed::RingMode::kFull);
+}
+
+namespace distributed {
+
+RingStats ring_attention_mode(MPI_Comm comm, const TensorView& q, const TensorView& k,
+                              const TensorView& v, const AttentionOutputs& outputs,
+                              const RingParams& params, RingMode mode) {
   // q: [B, Lq_r, Hq, D]  k: [B, Lk_r, Hkv, D]  v: [B, Lk_r, Hkv, Dv]  out: [B, Lq_r, Hq, Dv]
   RingStats stats;
   const double started = MPI_Wtime();
   int rank = 0, ranks = 1;
   check_mpi(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
   check_mpi(MPI_Comm_size(comm, &ranks), "MPI_Comm_size");
+  // A communicator of our own: the ring's messages never meet the caller's.
+  MPI_Comm ring_comm = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_dup(comm, &ring_comm), "MPI_Comm_dup");
+  struct Free {
+    MPI_Comm* c;
+    ~Free() { MPI_Comm_free(c); }
+  } free_comm{&ring_comm};
+  comm = ring_comm;
   agree(comm, rank, ranks, q, k, v, outputs, params);
 
   const RingSchedule schedule(params, ranks);
@@ -213,7 +231,10 @@ RingStats ring_attention(MPI_Comm comm, const TensorView& q, const TensorView& k
                 " bytes is over MPI's int count (2 GiB); use more ranks");
   }
   AlignedBuffer current(max_bytes), next(max_bytes);
+  std::memset(current.as<char>(), 0, max_bytes);  // compute-only mode reads up to max_bytes
+  std::memset(next.as<char>(), 0, max_bytes);
   pack_shard(k, v, current.as<char>());
+  const bool transfer = mode != RingMode::kComputeOnly, compute = mode != RingMode::kTransferOnly;
 
   // Accumulators: out = 0, lse = -inf (nothing seen yet). lse is the caller's or ours.
   const TensorView& out = outputs.out;
@@ -238,7 +259,7 @@ RingStats ring_attention(MPI_Comm comm, const TensorView& q, const TensorView& k
     const int source = (rank - step + ranks) % ranks;
     const int incoming = (from - step + ranks) % ranks;  // what `from` holds at this step
     std::array<MPI_Request, 2> requests = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-    if (step + 1 < ranks) {
+    if (transfer && step + 1 < ranks) {
       if (schedule.forward(incoming, step)) {
         check_mpi(MPI_Irecv(next.as<char>(), static_cast<int>(shard_bytes(incoming)), MPI_BYTE,
                             from, step, comm, &requests[0]),
@@ -266,7 +287,7 @@ RingStats ring_attention(MPI_Comm comm, const TensorView& q, const TensorView& k
         base + batch * rows * heads_kv * dim * element, k.dtype, {batch, rows, heads_kv, dim_v});
     const double compute_start = MPI_Wtime();
     std::int64_t q_row = 0;
-    for (const RingSegment& qs : schedule.q_segments(rank)) {
+    for (const RingSegment& qs : compute ? schedule.q_segments(rank) : std::vector<RingSegment>{}) {
       std::int64_t k_row = 0;
       for (const RingSegment& ks : schedule.kv_segments(source)) {
         if (!schedule.interact(qs, ks)) {
@@ -298,10 +319,11 @@ RingStats ring_attention(MPI_Comm comm, const TensorView& q, const TensorView& k
     const double wait_start = MPI_Wtime();
     check_mpi(MPI_Waitall(2, requests.data(), MPI_STATUSES_IGNORE), "MPI_Waitall");
     stats.wait_seconds += MPI_Wtime() - wait_start;
-    std::swap(current, next);
+    if (transfer) std::swap(current, next);
   }
   stats.seconds = MPI_Wtime() - started;
   return stats;
 }
 
+}  // namespace distributed
 }  // namespace qkv

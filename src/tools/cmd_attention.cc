@@ -27,6 +27,7 @@
 #include "qkv/error.h"
 #include "tools/cli.h"
 #include "tools/cli_linear.h"
+#include "tools/cli_ring.h"
 #include "tools/cli_sparse.h"
 
 namespace qkv::cli {
@@ -97,6 +98,8 @@ struct Options {
   int num_threads = 0;
   std::optional<LinearAttentionParams> linear;  // --linear SPEC (cli_linear.h)
   std::string favor_features_path;              // --favor-features-out
+  bool ring = false;                            // --ring (cli_ring.h)
+  std::string ring_layout = "contiguous";       // --ring-layout
   SparseCliOptions sparse;  // --sparse, --sparse-layout, --sparse-block (cli_sparse.h)
 };
 
@@ -176,6 +179,15 @@ Options parse_options(std::vector<std::string> argv) {
       }
       o.window_left = sides[0];
       o.window_right = sides[1];
+    } else if (name == "--ring") {
+#if QKV_WITH_MPI
+      o.ring = true;
+#else
+      throw UsageError("--ring: this qkv was built without MPI (install libopenmpi-dev and "
+                       "openmpi-bin, then rebuild; docs/distributed.md)");
+#endif
+    } else if (name == "--ring-layout") {
+      o.ring_layout = parse_ring_layout(args.value(name));
     } else if (name == "--kernel") {
       const std::string value = args.value(name);
       if (value == "auto") {
@@ -234,6 +246,21 @@ Options parse_options(std::vector<std::string> argv) {
   check_sparse_options(o.sparse);
   if (o.sparse.given() && o.linear) {
     throw UsageError(sparse_option_text(o.sparse) + ": cannot be combined with --linear");
+  }
+  if (o.ring) {
+    const char* unsupported = !o.mask_path.empty()    ? "--mask"
+                              : !o.bias_path.empty()  ? "--bias"
+                              : o.sparse.given()      ? "--sparse"
+                              : o.linear              ? "--linear"
+                              : !o.weights_path.empty() ? "--weights"
+                                                      : nullptr;
+    if (unsupported != nullptr) {
+      throw UsageError(std::string(unsupported) +
+                       ": cannot be combined with --ring (the ring takes masks defined by "
+                       "positions: --causal, --window, --key-lengths)");
+    }
+  } else if (o.ring_layout != "contiguous") {
+    throw UsageError("--ring-layout: only applies to --ring");
   }
   if (!o.weights_path.empty() && o.kernel == Kernel::kFlash) {
     throw UsageError(
@@ -384,6 +411,8 @@ int run_attention(std::vector<std::string> args) {
       std::fputs(kLinearUsage, stdout);
       std::fputs("\n", stdout);
       std::fputs(kSparseHelp, stdout);
+      std::fputs("\n", stdout);
+      std::fputs(kRingUsage, stdout);
       return 0;
     }
   }
@@ -481,14 +510,22 @@ int run_attention(std::vector<std::string> args) {
     outputs.probs = TensorView::contiguous(weights_array.data(), DType::kF32, score_shape);
   }
 
-  try {
-    if (o.linear) {
-      linear_attention(q, k, v, outputs, linear_params_from(*o.linear, params));
-    } else {
-      attention(q, k, v, outputs, params);
+#if QKV_WITH_MPI
+  if (o.ring) {
+    // Every rank computes its shard; only rank 0 holds the whole result and writes the files.
+    if (ring_attention_cli(q, k, v, outputs, params, o.ring_layout) != 0) return 0;
+  } else
+#endif
+  {
+    try {
+      if (o.linear) {
+        linear_attention(q, k, v, outputs, linear_params_from(*o.linear, params));
+      } else {
+        attention(q, k, v, outputs, params);
+      }
+    } catch (const Error& e) {
+      throw Error(cli_message(e.what(), o));
     }
-  } catch (const Error& e) {
-    throw Error(cli_message(e.what(), o));
   }
 
   io::NpyWriteSet files;

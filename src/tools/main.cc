@@ -8,6 +8,7 @@
 
 #include "qkv/error.h"
 #include "tools/cli.h"
+#include "tools/cli_ring.h"
 
 namespace {
 
@@ -19,6 +20,8 @@ constexpr const char* kUsage =
     "  demo        the main job: standard vs chunked vs flash attention, side by side\n"
     "  bench       GFLOP/s of the attention kernels against this machine's measured peak\n"
     "  embed       sentence embeddings with a BERT-family model (e.g. all-MiniLM-L6-v2)\n"
+    "  ring-bench  ring attention over MPI ranks: compute, transfers and their overlap\n"
+    "              (mpirun -np P qkv ring-bench)\n"
     "\n"
     "Run 'qkv <command> --help' for a command's options.\n";
 
@@ -27,6 +30,14 @@ int dispatch(const std::string& command, std::vector<std::string> args) {
   if (command == "demo") return qkv::cli::run_demo(std::move(args));
   if (command == "bench") return qkv::cli::run_bench(std::move(args));
   if (command == "embed") return qkv::cli::run_embed(std::move(args));
+  if (command == "ring-bench") {
+#if QKV_WITH_MPI
+    return qkv::cli::run_ring_bench(std::move(args));
+#else
+    throw qkv::cli::UsageError("ring-bench: this qkv was built without MPI (install "
+                               "libopenmpi-dev and openmpi-bin, then rebuild)");
+#endif
+  }
   if (command == "--help" || command == "-h" || command == "help") {
     std::fputs(kUsage, stdout);
     return 0;
@@ -46,6 +57,9 @@ int main(int argc, char** argv) {
   } catch (const std::bad_alloc&) {
     std::fprintf(stderr, "qkv: error: out of memory\n");
   } catch (const std::exception& e) {
+#if QKV_WITH_MPI
+    if (qkv::cli::mpi_active()) return qkv::cli::ring_exit_on_error(e);
+#endif
     std::fprintf(stderr, "qkv: error: %s\n", e.what());
   }
   return 2;
