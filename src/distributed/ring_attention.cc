@@ -32,8 +32,10 @@ namespace {
 using distributed::RingSchedule;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-// Query rows per compute piece between two MPI_Testall calls.
-constexpr std::int64_t kPieceRows = 256;
+// Query rows per compute piece between two MPI_Testall calls: a step's compute is cut into at
+// least ~16 pieces (Open MPI pushes a large TCP message along only inside MPI calls), of 64 to
+// 256 rows (smaller pieces would cost the kernels their tile efficiency).
+constexpr std::int64_t kMinPieceRows = 64, kMaxPieceRows = 256, kPiecesPerStep = 16;
 
 void check_mpi(int code, const char* what) {
   if (code != MPI_SUCCESS) {
@@ -250,7 +252,8 @@ RingStats ring_attention_mode(MPI_Comm comm, const TensorView& q, const TensorVi
         for (std::int64_t d = 0; d < dim_v; ++d) static_cast<float*>(out.data)[out.offset(b, i, h, d)] = 0.0f;
         static_cast<float*>(lse.data)[lse.offset(b, h, i, 0)] = kNegInf;
       }
-  const std::int64_t piece_rows = std::min<std::int64_t>(kPieceRows, q.sizes[1]);
+  const std::int64_t piece_rows = std::min(
+      q.sizes[1], std::clamp(q.sizes[1] / kPiecesPerStep, kMinPieceRows, kMaxPieceRows));
   AlignedBuffer part_out(sizeof(float) * batch * piece_rows * heads_q * dim_v);
   AlignedBuffer part_lse(sizeof(float) * batch * heads_q * piece_rows);
 
