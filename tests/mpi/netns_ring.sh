@@ -65,7 +65,8 @@ run() {
   [[ $hosts == two ]] && placement=(--host 10.77.0.1:1,10.77.0.2:1)
   timeout 300 ip netns exec "$a" mpirun -np 2 "${placement[@]}" --hostfile "$work/hosts" \
     --mca plm_rsh_agent "$work/agent" --mca btl tcp,self --mca btl_tcp_if_include 10.77.0.0/24 \
-    --mca oob_tcp_if_include 10.77.0.0/24 ${QKV_RING_MCA:-} -x OMP_NUM_THREADS=1 "$@"
+    --mca oob_tcp_if_include 10.77.0.0/24 ${QKV_RING_MCA:-} ${ASAN_OPTIONS:+-x ASAN_OPTIONS} \
+    -x OMP_NUM_THREADS=1 "$@"
 }
 
 cd "$work"
