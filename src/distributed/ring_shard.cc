@@ -60,30 +60,39 @@ std::vector<RingSegment> ring_shard(RingLayout layout, std::int64_t seq, int ran
   return {piece(seq, 2 * ranks, rank), piece(seq, 2 * ranks, 2 * ranks - 1 - rank)};
 }
 
-void copy_to_shard(const TensorView& full, const TensorView& shard, RingLayout layout, int rank,
-                   int ranks) {
-  std::int64_t row = 0;
+namespace {
+
+// Calls copy(full_row, shard_row, rows) for each segment of this rank, after checking the pair.
+template <typename Copy>
+void for_each_segment(const char* what, const TensorView& full, const TensorView& shard,
+                      RingLayout layout, int rank, int ranks, Copy copy) {
   const auto segments = ring_shard(layout, full.sizes[1], rank, ranks);
-  for (const RingSegment& s : segments) row += s.length;
-  check_pair("copy_to_shard", full, shard, row);
-  row = 0;
+  std::int64_t rows = 0;
+  for (const RingSegment& s : segments) rows += s.length;
+  check_pair(what, full, shard, rows);
+  std::int64_t row = 0;
   for (const RingSegment& s : segments) {
-    copy_rows(full, s.start, shard, row, s.length);
+    copy(s.start, row, s.length);
     row += s.length;
   }
 }
 
+}  // namespace
+
+void copy_to_shard(const TensorView& full, const TensorView& shard, RingLayout layout, int rank,
+                   int ranks) {
+  for_each_segment("copy_to_shard", full, shard, layout, rank, ranks,
+                   [&](std::int64_t full_row, std::int64_t shard_row, std::int64_t n) {
+                     copy_rows(full, full_row, shard, shard_row, n);
+                   });
+}
+
 void copy_from_shard(const TensorView& shard, const TensorView& full, RingLayout layout,
                      int rank, int ranks) {
-  std::int64_t row = 0;
-  const auto segments = ring_shard(layout, full.sizes[1], rank, ranks);
-  for (const RingSegment& s : segments) row += s.length;
-  check_pair("copy_from_shard", full, shard, row);
-  row = 0;
-  for (const RingSegment& s : segments) {
-    copy_rows(shard, row, full, s.start, s.length);
-    row += s.length;
-  }
+  for_each_segment("copy_from_shard", full, shard, layout, rank, ranks,
+                   [&](std::int64_t full_row, std::int64_t shard_row, std::int64_t n) {
+                     copy_rows(shard, shard_row, full, full_row, n);
+                   });
 }
 
 }  // namespace qkv
