@@ -62,11 +62,11 @@ root=$(mktemp -d /var/tmp/qkv-fresh-machine.XXXXXX)
 # more (a bind mount of /dev left behind must never be deleted through).
 cleanup() {
   local mounts
-  mounts=$(findmnt -rn -o TARGET | grep -F "$root/" | sort -r || true)
+  mounts=$(findmnt -rn -o TARGET | grep -E "^$root(/|\$)" | sort -r || true)
   for m in $mounts; do umount -l "$m" 2>/dev/null || true; done
   if [[ $keep -eq 1 ]]; then
     say "kept the chroot at $root"
-  elif findmnt -rn -o TARGET | grep -qF "$root/"; then
+  elif findmnt -rn -o TARGET | grep -qE "^$root(/|\$)"; then
     say "warning: $root still has mounts; not deleted"
   else
     rm -rf "$root"
@@ -96,6 +96,9 @@ cp /etc/resolv.conf "$root/etc/resolv.conf"
 [[ -f /etc/apt/apt.conf.d/99artifact-registry ]] &&
   cp /etc/apt/apt.conf.d/99artifact-registry "$root/etc/apt/apt.conf.d/"
 
+# The chroot's root a mount point of its own, as a machine's / is (ip netns, which the ring
+# test uses, remounts / as a slave and fails on a plain directory).
+mount --bind "$root" "$root"
 mount -t proc proc "$root/proc"
 mount -t sysfs sysfs "$root/sys"
 mount --rbind /dev "$root/dev"
