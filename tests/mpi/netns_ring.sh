@@ -14,6 +14,9 @@
 # Cleans up its namespaces and sends traffic only between them. Needs root (CI runs as root).
 #
 #   netns_ring.sh QKV_BINARY PYTHON
+#
+# For measurements (docs/distributed.md) RING_RATE (default 800mbit) and RING_BENCH (the
+# ring-bench options, default "--shape 1,8,8,4096,64 --repeats 3") change the link and the shape.
 set -euo pipefail
 qkv=$1
 python=$2
@@ -42,8 +45,9 @@ ip -n "$a" link set "qa$tag" up
 ip -n "$b" link set "qb$tag" up
 # 800 Mbit/s each way: an 8 MiB K/V block takes ~85 ms, about one block's compute at the bench
 # shape below on one core.
-ip netns exec "$a" tc qdisc add dev "qa$tag" root tbf rate 800mbit burst 256kb latency 50ms
-ip netns exec "$b" tc qdisc add dev "qb$tag" root tbf rate 800mbit burst 256kb latency 50ms
+rate=${RING_RATE:-800mbit}
+ip netns exec "$a" tc qdisc add dev "qa$tag" root tbf rate "$rate" burst 256kb latency 50ms
+ip netns exec "$b" tc qdisc add dev "qb$tag" root tbf rate "$rate" burst 256kb latency 50ms
 
 cat >"$work/agent" <<AGENT
 #!/bin/sh
@@ -90,7 +94,8 @@ assert d < 1e-5, d"
 # A shared machine's other load can steal the cores the overlap needs: up to three tries, each
 # reported, and the bound must hold in one of them.
 for try in 1 2 3; do
-  run two "$qkv" ring-bench --shape 1,8,8,4096,64 --repeats 3 --json >bench.json
+  # shellcheck disable=SC2086  # RING_BENCH is a list of options
+  run two "$qkv" ring-bench ${RING_BENCH:---shape 1,8,8,4096,64 --repeats 3} --json >bench.json
   if "$python" -c "
 import json, sys
 rows = [json.loads(line) for line in open('bench.json')]
