@@ -233,10 +233,10 @@ RingStats ring_attention_mode(MPI_Comm comm, const TensorView& q, const TensorVi
                 " bytes is over MPI's int count (2 GiB); use more ranks");
   }
   AlignedBuffer current(max_bytes), next(max_bytes);
-  std::memset(current.as<char>(), 0, max_bytes);  // compute-only mode reads up to max_bytes
-  std::memset(next.as<char>(), 0, max_bytes);
-  pack_shard(k, v, current.as<char>());
   const bool transfer = mode != RingMode::kComputeOnly, compute = mode != RingMode::kTransferOnly;
+  // Compute-only mode reads up to max_bytes of its own shard's buffer (a longer shard's rows).
+  if (!transfer) std::memset(current.as<char>(), 0, max_bytes);
+  pack_shard(k, v, current.as<char>());
 
   // Accumulators: out = 0, lse = -inf (nothing seen yet). lse is the caller's or ours.
   const TensorView& out = outputs.out;
