@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -96,8 +97,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       global = {in.ConsumeIntegralInRange<std::int64_t>(0, seq_kv - 1)};
       params.sparsity = LongformerSparsity{.window = in.ConsumeIntegralInRange<std::int64_t>(0, 40),
                                            .dilation = in.ConsumeIntegralInRange<std::int64_t>(1, 3),
-                                           .global = in.ConsumeBool() ? global
-                                                                      : std::vector<std::int64_t>{}};
+                                           // A span of `global` itself: `c ? global : {}`
+                                           // would copy it into a temporary that dies here.
+                                           .global = in.ConsumeBool()
+                                                         ? std::span<const std::int64_t>(global)
+                                                         : std::span<const std::int64_t>()};
       break;
     case 2:
       params.sparsity = BigBirdSparsity{.block = in.ConsumeIntegralInRange<std::int64_t>(1, 80),

@@ -36,6 +36,7 @@ struct LongformerSparsity {
   std::int64_t dilation = 1;  // >= 1: inside the band only keys with (i' - j) % dilation == 0
   // Positions (query i with i' = g, key j = g) that attend every key and that every query
   // attends. Any order; duplicates allowed; each in [0, max(Lk, largest i' + 1)).
+  // A view: the caller keeps the positions alive until the call returns.
   std::span<const std::int64_t> global = {};
 };
 
