@@ -1,9 +1,11 @@
 // qkv::ring_attention: context-parallel attention over MPI. The sequence is split across the
 // ranks of a communicator; each rank holds its shard of q, k and v and gets its shard of out (and
-// lse). K/V shards travel around the ring of ranks with non-blocking sends and receives, double
-// buffered, so that the next shard arrives while this one is computed; each rank merges the
-// partial results by their log-sum-exp (qkv/block_attention.h). Ring attention: Liu et al.,
-// 2023. docs/distributed.md has the algorithm, layouts, launch and limits.
+// lse). K/V travels around the ring of ranks with non-blocking sends and receives, double
+// buffered, so that the next block arrives while this one is computed; each rank merges the
+// partial results by their log-sum-exp (qkv/block_attention.h). Shards travel as blocks of
+// rows, each passed on as soon as it arrives, so a rank holds a few blocks, never another
+// rank's whole shard. Ring attention: Liu et al., 2023. docs/distributed.md has the algorithm,
+// layouts, launch and limits.
 //
 //   q: [B, Lq_r, Hq, D]  k: [B, Lk_r, Hkv, D]  v: [B, Lk_r, Hkv, Dv]        (this rank's shards)
 //   out: [B, Lq_r, Hq, Dv]  lse: [B, Hq, Lq_r, 1] (optional)                 (this rank's rows)
@@ -16,7 +18,7 @@
 //                2P <= L.
 // Masks: what positions define (causal in both alignments, window, key lengths over the whole
 // key sequence), softcap, scale, GQA. Ring steps that causal or a window leave empty are not
-// computed, and a K/V shard that no rank further along the ring needs is not sent.
+// computed, and a K/V block that no rank further along the ring needs is not sent.
 #pragma once
 
 #include <mpi.h>
@@ -39,6 +41,10 @@ struct RingParams {
   RingLayout layout = RingLayout::kContiguous;
   std::int64_t seq_q = 0;   // whole query sequence length, the same on every rank
   std::int64_t seq_kv = 0;  // whole key sequence length
+  // K/V rows per message: every shard travels as the same number of blocks of at most this
+  // many rows. 0 picks blocks of about 8 MiB. The ring's own memory is three blocks; smaller
+  // blocks start the pipeline sooner and cost more messages.
+  std::int64_t block_rows = 0;
 };
 
 // What one call did on this rank.
@@ -46,8 +52,10 @@ struct RingStats {
   double seconds = 0;          // the whole call
   double compute_seconds = 0;  // block attention and merging
   double wait_seconds = 0;     // blocked on transfers: communication that was not hidden
-  std::int64_t blocks_computed = 0, blocks_skipped = 0;  // (query segment, key segment) pairs
-  std::int64_t bytes_sent = 0, sends_skipped = 0;
+  // (query segment, key segment of a K/V block) pairs
+  std::int64_t blocks_computed = 0, blocks_skipped = 0;
+  std::int64_t bytes_sent = 0, sends_skipped = 0;  // K/V block messages
+  std::int64_t block_bytes = 0;                    // the largest message (a block's K and V)
 };
 
 // One contiguous run of positions a rank holds.

@@ -1,12 +1,17 @@
-// qkv::ring_attention (qkv/ring_attention.h): K/V shards around a ring of MPI ranks, partial
+// qkv::ring_attention (qkv/ring_attention.h): K/V blocks around a ring of MPI ranks, partial
 // attention at global positions, log-sum-exp merges.
 //
-// Step s of P: rank r holds the K/V shard of rank (r - s) mod P in `current`. It posts the
-// receive of the next shard (from r - 1) into `next` and the send of `current` (to r + 1), then
-// computes with `current` while they travel, in pieces of query rows with an MPI_Testall between
-// pieces (Open MPI moves a large message only inside MPI calls), then waits and swaps. Which
-// steps compute and which shards travel comes from RingSchedule: positions alone, so both ends
-// of every transfer agree without messages.
+// Every shard travels as C blocks of rows (RingSchedule). The ring runs C rounds of P - 1
+// positions; at position k of round c, rank r receives block c of the shard of rank r - 1 - k
+// from r - 1 and sends on to r + 1 what it received at the position before (at k = 0: block c
+// of its own shard). So every block moves one hop per position and is passed on as soon as it
+// has arrived: each link carries one block per position and a rank holds three blocks (the one
+// arriving, the one computed and passed on, its own one leaving), never a whole shard of
+// another rank. While they travel it computes its queries against the block that arrived at
+// the position before (and at k = 0 against its own block c), in pieces of query rows with an
+// MPI_Testall between pieces (Open MPI moves a large message only inside MPI calls), then
+// waits. Which blocks are computed and which travel comes from RingSchedule: positions alone,
+// so both ends of every transfer agree without messages.
 #include <mpi.h>
 
 #include <algorithm>
@@ -56,12 +61,12 @@ TensorView narrow(TensorView view, int dim, std::int64_t start, std::int64_t n) 
 // What every rank must agree on, and what each rank holds, as int64s for one MPI_Allgather.
 // An error found on one rank travels in `error` so that every rank throws it.
 struct Signature {
-  static constexpr int kFields = 20;
+  static constexpr int kFields = 21;
   static constexpr const char* kNames[kFields] = {
       "batch", "num_heads_q", "num_heads_kv", "head_dim", "head_dim_v", "dtype", "seq_q",
       "seq_kv", "layout", "causal", "align", "window_left", "window_right", "softcap (bits)",
       "scale (bits, -1 = default)", "kernel", "key_lengths entries", "key_lengths (hash)",
-      "query rows", "key rows"};
+      "block_rows", "query rows", "key rows"};
   std::array<std::int64_t, kFields> field{};
   std::array<char, 512> error{};
 };
@@ -87,7 +92,8 @@ Signature signature_of(const TensorView& q, const TensorView& k, const TensorVie
              a.window_right,   float_bits(a.softcap),
              a.scale ? float_bits(*a.scale) : -1, static_cast<std::int64_t>(a.kernel),
              static_cast<std::int64_t>(a.key_lengths.size()), static_cast<std::int64_t>(hash >> 1),
-             q.sizes[1],       k.sizes[1]};
+             params.block_rows, q.sizes[1],
+             k.sizes[1]};
   return s;
 }
 
@@ -98,6 +104,10 @@ void agree(MPI_Comm comm, int rank, int ranks, const TensorView& q, const Tensor
   Signature mine = signature_of(q, k, v, params);
   try {
     const AttentionParams& a = params.attention;
+    if (params.block_rows < 0) {
+      throw Error("block_rows = " + std::to_string(params.block_rows) +
+                  " must be >= 0 (0: blocks of about 8 MiB)");
+    }
     if (params.layout == RingLayout::kZigzag && params.seq_q != params.seq_kv) {
       throw Error("layout: zigzag needs seq_q == seq_kv (self-attention), got " +
                   std::to_string(params.seq_q) + " and " + std::to_string(params.seq_kv));
@@ -168,7 +178,7 @@ void agree(MPI_Comm comm, int rank, int ranks, const TensorView& q, const Tensor
   }
 }
 
-// Packs k then v of one shard contiguously: the message that travels ([B, rows, Hkv, D] then
+// Packs k then v of one block contiguously: the message that travels ([B, rows, Hkv, D] then
 // [B, rows, Hkv, Dv], in the inputs' dtype).
 void pack_shard(const TensorView& k, const TensorView& v, char* dst) {
   const int size = dtype_size(k.dtype);
@@ -219,24 +229,34 @@ RingStats ring_attention_mode(MPI_Comm comm, const TensorView& q, const TensorVi
   comm = ring_comm;
   agree(comm, rank, ranks, q, k, v, outputs, params);
 
-  const RingSchedule schedule(params, ranks);
   const std::int64_t batch = q.sizes[0], heads_q = q.sizes[2], heads_kv = k.sizes[2];
   const std::int64_t dim = k.sizes[3], dim_v = v.sizes[3];
   const int element = dtype_size(k.dtype);
-  auto shard_bytes = [&](int r) {
-    return static_cast<std::size_t>(batch * schedule.kv_rows(r) * heads_kv * (dim + dim_v) * element);
+  const RingSchedule schedule(params, ranks, batch * heads_kv * (dim + dim_v) * element);
+  const int blocks = schedule.blocks();
+  auto block_bytes = [&](int source, int block) {
+    const auto [first, last] = schedule.block_rows(source, block);
+    return static_cast<std::size_t>(batch * (last - first) * heads_kv * (dim + dim_v) * element);
   };
   std::size_t max_bytes = 0;
-  for (int r = 0; r < ranks; ++r) max_bytes = std::max(max_bytes, shard_bytes(r));
-  if (max_bytes > static_cast<std::size_t>(std::numeric_limits<int>::max())) {
-    throw Error("ring_attention: a K/V shard of " + std::to_string(max_bytes) +
-                " bytes is over MPI's int count (2 GiB); use more ranks");
+  for (int r = 0; r < ranks; ++r) {
+    for (int c = 0; c < blocks; ++c) max_bytes = std::max(max_bytes, block_bytes(r, c));
   }
-  AlignedBuffer current(max_bytes), next(max_bytes);
+  if (max_bytes > static_cast<std::size_t>(std::numeric_limits<int>::max())) {
+    throw Error("ring_attention: a K/V block of " + std::to_string(max_bytes) +
+                " bytes is over MPI's int count (2 GiB); use a smaller block_rows or more ranks");
+  }
+  stats.block_bytes = static_cast<std::int64_t>(max_bytes);
   const bool transfer = mode != RingMode::kComputeOnly, compute = mode != RingMode::kTransferOnly;
-  // Compute-only mode reads up to max_bytes of its own shard's buffer (a longer shard's rows).
-  if (!transfer) std::memset(current.as<char>(), 0, max_bytes);
-  pack_shard(k, v, current.as<char>());
+  // Two slots take turns receiving and being computed (and passed on); the third sends this
+  // rank's own block.
+  std::array<AlignedBuffer, 2> slots = {AlignedBuffer(max_bytes), AlignedBuffer(max_bytes)};
+  AlignedBuffer own(max_bytes);
+  // Compute-only mode never receives: its slots stand in for the blocks with zeros (the same
+  // sizes, the same skipped blocks).
+  if (!transfer) {
+    for (AlignedBuffer& slot : slots) std::memset(slot.as<char>(), 0, max_bytes);
+  }
 
   // Accumulators: out = 0, lse = -inf (nothing seen yet). lse is the caller's or ours.
   const TensorView& out = outputs.out;
@@ -257,43 +277,22 @@ RingStats ring_attention_mode(MPI_Comm comm, const TensorView& q, const TensorVi
   AlignedBuffer part_out(sizeof(float) * batch * piece_rows * heads_q * dim_v);
   AlignedBuffer part_lse(sizeof(float) * batch * heads_q * piece_rows);
 
-  const int to = (rank + 1) % ranks, from = (rank + ranks - 1) % ranks;
-  for (int step = 0; step < ranks; ++step) {
-    const int source = (rank - step + ranks) % ranks;
-    const int incoming = (from - step + ranks) % ranks;  // what `from` holds at this step
-    std::array<MPI_Request, 2> requests = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-    if (transfer && step + 1 < ranks) {
-      if (schedule.forward(incoming, step)) {
-        check_mpi(MPI_Irecv(next.as<char>(), static_cast<int>(shard_bytes(incoming)), MPI_BYTE,
-                            from, step, comm, &requests[0]),
-                  "MPI_Irecv");
-      }
-      if (schedule.forward(source, step)) {
-        check_mpi(MPI_Isend(current.as<char>(), static_cast<int>(shard_bytes(source)), MPI_BYTE,
-                            to, step, comm, &requests[1]),
-                  "MPI_Isend");
-        stats.bytes_sent += static_cast<std::int64_t>(shard_bytes(source));
-      } else {
-        ++stats.sends_skipped;
-      }
-    }
-    const auto poll = [&] {
-      int done = 0;
-      check_mpi(MPI_Testall(2, requests.data(), &done, MPI_STATUSES_IGNORE), "MPI_Testall");
-    };
-
-    // The source's shard as views over `current`.
-    const std::int64_t rows = schedule.kv_rows(source);
-    char* base = current.as<char>();
-    const TensorView k_shard = TensorView::contiguous(base, k.dtype, {batch, rows, heads_kv, dim});
-    const TensorView v_shard = TensorView::contiguous(
-        base + batch * rows * heads_kv * dim * element, k.dtype, {batch, rows, heads_kv, dim_v});
+  std::array<MPI_Request, 2> requests = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  const auto poll = [&] {
+    int done = 0;
+    check_mpi(MPI_Testall(2, requests.data(), &done, MPI_STATUSES_IGNORE), "MPI_Testall");
+  };
+  const std::vector<RingSegment>& q_segments = schedule.q_segments(rank);
+  // Merges this rank's queries against block `block` of `source`'s shard, whose rows are the
+  // rows of `k_rows` / `v_rows` ([B, block rows, Hkv, D or Dv]).
+  const auto attend = [&](int source, int block, const TensorView& k_rows, const TensorView& v_rows) {
+    const std::vector<RingSegment> keys = schedule.block_keys(source, block);
     const double compute_start = MPI_Wtime();
     std::int64_t q_row = 0;
-    for (const RingSegment& qs : compute ? schedule.q_segments(rank) : std::vector<RingSegment>{}) {
+    for (const RingSegment& qs : q_segments) {
       std::int64_t k_row = 0;
-      for (const RingSegment& ks : schedule.kv_segments(source)) {
-        if (!schedule.interact(qs, ks)) {
+      for (const RingSegment& ks : keys) {
+        if (!compute || !schedule.interact(qs, ks)) {
           ++stats.blocks_skipped;
           k_row += ks.length;
           continue;
@@ -305,8 +304,8 @@ RingStats ring_attention_mode(MPI_Comm comm, const TensorView& q, const TensorVi
                                                        {batch, n, heads_q, dim_v});
           const TensorView pl =
               TensorView::contiguous(part_lse.as<float>(), DType::kF32, {batch, heads_q, n, 1});
-          attention_block(narrow(q, 1, q_row + r0, n), narrow(k_shard, 1, k_row, ks.length),
-                          narrow(v_shard, 1, k_row, ks.length), {.out = po, .lse = pl},
+          attention_block(narrow(q, 1, q_row + r0, n), narrow(k_rows, 1, k_row, ks.length),
+                          narrow(v_rows, 1, k_row, ks.length), {.out = po, .lse = pl},
                           params.attention,
                           {.q_offset = qs.start + r0, .k_offset = ks.start,
                            .seq_q = params.seq_q, .seq_kv = params.seq_kv});
@@ -319,11 +318,73 @@ RingStats ring_attention_mode(MPI_Comm comm, const TensorView& q, const TensorVi
       q_row += qs.length;
     }
     stats.compute_seconds += MPI_Wtime() - compute_start;
-    const double wait_start = MPI_Wtime();
-    check_mpi(MPI_Waitall(2, requests.data(), MPI_STATUSES_IGNORE), "MPI_Waitall");
-    stats.wait_seconds += MPI_Wtime() - wait_start;
-    if (transfer) std::swap(current, next);
+  };
+  // Views of a block as it travels: k then v, contiguous.
+  const auto packed = [&](char* base, int source, int block, TensorView& k_rows, TensorView& v_rows) {
+    const auto [first, last] = schedule.block_rows(source, block);
+    k_rows = TensorView::contiguous(base, k.dtype, {batch, last - first, heads_kv, dim});
+    v_rows = TensorView::contiguous(base + batch * (last - first) * heads_kv * dim * element,
+                                    k.dtype, {batch, last - first, heads_kv, dim_v});
+  };
+
+  const int to = (rank + 1) % ranks, from = (rank + ranks - 1) % ranks;
+  // The block that arrived at the position before, in slots[1 - slot]: its source, or -1.
+  int held = -1, held_block = 0, slot = 0;
+  auto attend_held = [&] {
+    if (held < 0) return;
+    TensorView k_rows, v_rows;
+    packed(slots[1 - slot].as<char>(), held, held_block, k_rows, v_rows);
+    attend(held, held_block, k_rows, v_rows);
+  };
+  const int positions = std::max(ranks - 1, 1);  // per round; one rank: no transfers at all
+  for (int block = 0; block < blocks; ++block) {
+    for (int hop = 0; hop < positions; ++hop) {
+      // Arriving: block `block` of rank r - 1 - hop, if rank r - 1 passes it on.
+      const int incoming = ((rank - 1 - hop) % ranks + ranks) % ranks;
+      const bool arrives = ranks > 1 && schedule.sends(incoming, block, hop);
+      if (transfer && arrives) {
+        check_mpi(MPI_Irecv(slots[slot].as<char>(), static_cast<int>(block_bytes(incoming, block)),
+                            MPI_BYTE, from, 0, comm, &requests[0]),
+                  "MPI_Irecv");
+      }
+      // Leaving: this rank's own block at hop 0, else the block that arrived before.
+      const int outgoing = hop == 0 ? rank : held;
+      if (ranks > 1 && outgoing >= 0) {
+        if (schedule.sends(outgoing, block, hop)) {
+          char* source = hop == 0 ? own.as<char>() : slots[1 - slot].as<char>();
+          if (hop == 0) {
+            const auto [first, last] = schedule.block_rows(rank, block);
+            pack_shard(narrow(k, 1, first, last - first), narrow(v, 1, first, last - first), source);
+          }
+          if (transfer) {
+            check_mpi(MPI_Isend(source, static_cast<int>(block_bytes(outgoing, block)), MPI_BYTE,
+                                to, 0, comm, &requests[1]),
+                      "MPI_Isend");
+            stats.bytes_sent += static_cast<std::int64_t>(block_bytes(outgoing, block));
+          }
+        } else {
+          ++stats.sends_skipped;
+        }
+      }
+      // Computing: the block that arrived before, and this rank's own block at hop 0.
+      attend_held();
+      if (hop == 0) {
+        const auto [first, last] = schedule.block_rows(rank, block);
+        attend(rank, block, narrow(k, 1, first, last - first), narrow(v, 1, first, last - first));
+      }
+      const double wait_start = MPI_Wtime();
+      check_mpi(MPI_Waitall(2, requests.data(), MPI_STATUSES_IGNORE), "MPI_Waitall");
+      stats.wait_seconds += MPI_Wtime() - wait_start;
+      if (!arrives && ranks > 1) {  // a block no rank from here on needs: all of it skipped
+        stats.blocks_skipped += static_cast<std::int64_t>(
+            q_segments.size() * schedule.block_keys(incoming, block).size());
+      }
+      held = arrives ? incoming : -1;
+      held_block = block;
+      slot = 1 - slot;
+    }
   }
+  attend_held();  // the last block to arrive
   stats.seconds = MPI_Wtime() - started;
   return stats;
 }

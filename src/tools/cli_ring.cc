@@ -66,15 +66,16 @@ int world(int* ranks) {
 
 int ring_attention_cli(const TensorView& q, const TensorView& k, const TensorView& v,
                        const AttentionOutputs& outputs, const AttentionParams& params,
-                       const std::string& layout_text) {
+                       const RingCliOptions& options) {
   ensure_mpi();
   int ranks = 1;
   const int rank = world(&ranks);
-  const RingLayout layout = layout_of(layout_text);
+  const RingLayout layout = layout_of(options.layout);
   const std::int64_t seq_q = q.sizes[1], seq_kv = k.sizes[1];
   // Shards of the inputs (a P-th of each), this rank's rows of the outputs.
   AlignedBuffer q_store, k_store, v_store, out_store, lse_store;
-  RingParams ring{.attention = params, .layout = layout, .seq_q = seq_q, .seq_kv = seq_kv};
+  RingParams ring{.attention = params, .layout = layout, .seq_q = seq_q, .seq_kv = seq_kv,
+                  .block_rows = options.block_rows};
   TensorView qs, ks, vs;
   // What fails from here on fails on every rank alike (a sequence too short for the ranks, the
   // ranks' agreement check in ring_attention).
@@ -167,12 +168,13 @@ namespace {
 
 constexpr const char* kBenchUsage =
     R"(usage: mpirun -np P qkv ring-bench [--shape B,Hq,Hkv,L,D] [--causal] [--ring-layout L]
-                                [--dtype f32|bf16] [--threads N] [--repeats R] [--json]
+                                [--ring-block ROWS] [--dtype f32|bf16] [--threads N]
+                                [--repeats R] [--json]
 
 Times ring attention over the ranks of MPI_COMM_WORLD (docs/distributed.md). Each rank makes
 its shard of random q, k, v (seeded by rank) and runs, R times each (median reported):
-  compute   every ring step's block attention without the transfers
-  transfer  every ring step's K/V transfers without the compute
+  compute   the ring's block attention without the transfers
+  transfer  the ring's K/V transfers without the compute
   ring      the ring itself (transfers overlapping the compute)
 and prints per rank: the three times, the ring's own compute and wait times, the hidden part
 of the communication, (compute + transfer - ring) / transfer, and the peak resident memory of a
@@ -184,6 +186,7 @@ options:
   --shape B,Hq,Hkv,L,D  batch, query heads, kv heads, sequence length (Lq = Lk), head_dim
   --causal              causal (bottom-right; with Lq = Lk the same as top-left)
   --ring-layout L       contiguous (default) or zigzag
+  --ring-block ROWS     K/V rows per message (default 0: blocks of about 8 MiB)
   --dtype T             f32 (default) or bf16 storage of q, k, v
   --threads N           OpenMP threads per rank (default 0 = OpenMP's default)
   --repeats R           timed repeats per mode (default 3)
@@ -202,6 +205,7 @@ int run_ring_bench(std::vector<std::string> argv) {
   std::vector<std::int64_t> shape = {1, 8, 8, 4096, 64};
   bool causal = false, json = false;
   std::string layout_text = "contiguous";
+  std::int64_t block_rows = 0;
   DType dtype = DType::kF32;
   int threads = 0;
   std::int64_t repeats = 3;
@@ -221,6 +225,8 @@ int run_ring_bench(std::vector<std::string> argv) {
       causal = true;
     } else if (name == "--ring-layout") {
       layout_text = parse_ring_layout(args.value(name));
+    } else if (name == "--ring-block") {
+      block_rows = parse_ring_block(args.value(name));
     } else if (name == "--dtype") {
       const std::string value = args.value(name);
       if (value != "f32" && value != "bf16") {
@@ -283,7 +289,8 @@ int run_ring_bench(std::vector<std::string> argv) {
   const RingParams params{.attention = {.causal = causal, .num_threads = threads},
                           .layout = layout,
                           .seq_q = seq,
-                          .seq_kv = seq};
+                          .seq_kv = seq,
+                          .block_rows = block_rows};
   using distributed::RingMode;
   auto run = [&](RingMode mode) {
     MPI_Barrier(MPI_COMM_WORLD);  // every mode starts with the ranks together
@@ -319,9 +326,11 @@ int run_ring_bench(std::vector<std::string> argv) {
   MPI_Gather(mine.data(), 8, MPI_DOUBLE, all.data(), 8, MPI_DOUBLE, 0, MPI_COMM_WORLD);
   if (rank != 0) return 0;
   if (!json) {
-    std::printf("ring attention, %d ranks, shape B=%lld Hq=%lld Hkv=%lld L=%lld D=%lld%s, %s, %s\n",
+    std::printf("ring attention, %d ranks, shape B=%lld Hq=%lld Hkv=%lld L=%lld D=%lld%s, %s, %s, "
+                "K/V blocks of %.2f MiB\n",
                 ranks, (long long)batch, (long long)heads_q, (long long)heads_kv, (long long)seq,
-                (long long)dim, causal ? " causal" : "", layout_text.c_str(), dtype_name(dtype));
+                (long long)dim, causal ? " causal" : "", layout_text.c_str(), dtype_name(dtype),
+                last.block_bytes / 1048576.0);
     std::printf("%5s %10s %10s %10s %10s %10s %8s %9s %7s %10s\n", "rank", "compute s",
                 "transfer s", "ring s", "ring cmp s", "wait s", "hidden", "peak MiB", "blocks",
                 "sent MiB");
@@ -338,10 +347,11 @@ int run_ring_bench(std::vector<std::string> argv) {
                   "\"compute_seconds\": %.6g, \"transfer_seconds\": %.6g, \"ring_seconds\": %.6g, "
                   "\"ring_compute_seconds\": %.6g, \"ring_wait_seconds\": %.6g, "
                   "\"hidden_fraction\": %.4f, \"peak_extra_mib\": %.2f, \"blocks_computed\": %.0f, "
-                  "\"bytes_sent\": %.0f}\n",
+                  "\"bytes_sent\": %.0f, \"block_bytes\": %lld}\n",
                   r, ranks, (long long)batch, (long long)heads_q, (long long)heads_kv,
                   (long long)seq, (long long)dim, causal ? "true" : "false", layout_text.c_str(),
-                  dtype_name(dtype), x[0], x[1], x[2], x[3], x[4], hidden, x[5], x[6], x[7]);
+                  dtype_name(dtype), x[0], x[1], x[2], x[3], x[4], hidden, x[5], x[6], x[7],
+                  (long long)last.block_bytes);
     } else {
       std::printf("%5d %10.4f %10.4f %10.4f %10.4f %10.4f %7.0f%% %9.1f %7.0f %10.1f\n", r, x[0],
                   x[1], x[2], x[3], x[4], 100 * hidden, x[5], x[6], x[7] / 1048576.0);

@@ -3,6 +3,7 @@
 // (QKV_WITH_MPI); without it --ring is a usage error naming the missing MPI.
 #pragma once
 
+#include <cstdint>
 #include <exception>
 #include <string>
 #include <vector>
@@ -25,13 +26,27 @@ inline constexpr const char* kRingUsage = R"(ring attention (context parallelism
   --ring-layout L      contiguous (default: rank r holds the r-th P-th of the sequence) or
                        zigzag (2P chunks, rank r holds chunks r and 2P-1-r: balanced causal
                        work; needs Lq == Lk)
+  --ring-block ROWS    K/V rows per message (default 0: blocks of about 8 MiB); the ring holds
+                       three blocks beside the shards
 )";
+
+// The ring's command-line options.
+struct RingCliOptions {
+  std::string layout = "contiguous";  // --ring-layout
+  std::int64_t block_rows = 0;        // --ring-block
+};
 
 inline std::string parse_ring_layout(const std::string& text) {
   if (text != "contiguous" && text != "zigzag") {
     throw UsageError("--ring-layout: expected contiguous or zigzag, got '" + text + "'");
   }
   return text;
+}
+
+inline std::int64_t parse_ring_block(const std::string& text) {
+  const std::int64_t rows = parse_int("--ring-block", text);
+  if (rows < 0) throw UsageError("--ring-block: expected ROWS >= 0 (0: about 8 MiB), got " + text);
+  return rows;
 }
 
 // Attention of whole inputs on every rank of MPI_COMM_WORLD (initialising MPI if needed):
@@ -41,7 +56,7 @@ inline std::string parse_ring_layout(const std::string& text) {
 // [B, Hq, Lq, 1] or empty.
 int ring_attention_cli(const TensorView& q, const TensorView& k, const TensorView& v,
                        const AttentionOutputs& outputs, const AttentionParams& params,
-                       const std::string& layout);
+                       const RingCliOptions& options);
 
 // qkv ring-bench (its --help).
 int run_ring_bench(std::vector<std::string> args);

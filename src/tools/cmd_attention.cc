@@ -99,7 +99,7 @@ struct Options {
   std::optional<LinearAttentionParams> linear;  // --linear SPEC (cli_linear.h)
   std::string favor_features_path;              // --favor-features-out
   bool ring = false;                            // --ring (cli_ring.h)
-  std::string ring_layout = "contiguous";       // --ring-layout
+  RingCliOptions ring_options;                  // --ring-layout, --ring-block
   SparseCliOptions sparse;  // --sparse, --sparse-layout, --sparse-block (cli_sparse.h)
 };
 
@@ -187,7 +187,9 @@ Options parse_options(std::vector<std::string> argv) {
                        "openmpi-bin, then rebuild; docs/distributed.md)");
 #endif
     } else if (name == "--ring-layout") {
-      o.ring_layout = parse_ring_layout(args.value(name));
+      o.ring_options.layout = parse_ring_layout(args.value(name));
+    } else if (name == "--ring-block") {
+      o.ring_options.block_rows = parse_ring_block(args.value(name));
     } else if (name == "--kernel") {
       const std::string value = args.value(name);
       if (value == "auto") {
@@ -259,8 +261,9 @@ Options parse_options(std::vector<std::string> argv) {
                        ": cannot be combined with --ring (the ring takes masks defined by "
                        "positions: --causal, --window, --key-lengths)");
     }
-  } else if (o.ring_layout != "contiguous") {
-    throw UsageError("--ring-layout: only applies to --ring");
+  } else if (seen.count("--ring-layout") || seen.count("--ring-block")) {
+    throw UsageError(std::string(seen.count("--ring-layout") ? "--ring-layout" : "--ring-block") +
+                     ": only applies to --ring");
   }
   if (!o.weights_path.empty() && o.kernel == Kernel::kFlash) {
     throw UsageError(
@@ -513,7 +516,7 @@ int run_attention(std::vector<std::string> args) {
 #if QKV_WITH_MPI
   if (o.ring) {
     // Every rank computes its shard; only rank 0 holds the whole result and writes the files.
-    if (ring_attention_cli(q, k, v, outputs, params, o.ring_layout) != 0) return 0;
+    if (ring_attention_cli(q, k, v, outputs, params, o.ring_options) != 0) return 0;
   } else
 #endif
   {

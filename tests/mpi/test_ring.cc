@@ -33,10 +33,12 @@ int world_size() {
 struct RingCase {
   Case c;
   RingLayout layout = RingLayout::kContiguous;
+  std::int64_t block_rows = 0;  // 0: one block per shard at these sizes
 };
 
 std::string name(const RingCase& rc) {
-  return rc.c.name() + (rc.layout == RingLayout::kZigzag ? " zigzag" : " contiguous");
+  return rc.c.name() + (rc.layout == RingLayout::kZigzag ? " zigzag" : " contiguous") +
+         (rc.block_rows > 0 ? " blocks of " + std::to_string(rc.block_rows) + " rows" : "");
 }
 
 // This rank's rows of a BSHD tensor of `data` (sizes [B, L, H, D]), as a new contiguous buffer.
@@ -83,7 +85,7 @@ void check_case(const RingCase& rc) {
   std::vector<float> out(static_cast<std::size_t>(c.batch * lq * c.num_heads_q * dv), 7.0f);
   std::vector<float> lse(static_cast<std::size_t>(c.batch * c.num_heads_q * lq), 7.0f);
   RingParams params{.attention = p.params(), .layout = rc.layout, .seq_q = c.seq_q,
-                    .seq_kv = c.seq_kv};
+                    .seq_kv = c.seq_kv, .block_rows = rc.block_rows};
   const RingStats stats = ring_attention(
       MPI_COMM_WORLD, view(q, q16, lq, c.num_heads_q, c.head_dim),
       view(k, k16, lk, c.num_heads_kv, c.head_dim), view(v, v16, lk, c.num_heads_kv, dv),
@@ -115,8 +117,16 @@ void check_case(const RingCase& rc) {
     ASSERT_EQ(std::isinf(mine[i]), std::isinf(expected_lse[i])) << "row " << i;
   }
   for (float x : out) ASSERT_FALSE(std::isnan(x));
-  EXPECT_EQ(stats.blocks_computed + stats.blocks_skipped,
-            world_size() * (rc.layout == RingLayout::kZigzag ? 4 : 1));
+  // (query segment, key segment) pairs: one block per shard gives P of them per query segment
+  // and key segment; smaller blocks cut shards (and zigzag's segments) further.
+  const std::int64_t pairs = world_size() * (rc.layout == RingLayout::kZigzag ? 4 : 1);
+  if (rc.block_rows == 0) {
+    EXPECT_EQ(stats.blocks_computed + stats.blocks_skipped, pairs);
+  } else {
+    EXPECT_GT(stats.blocks_computed + stats.blocks_skipped, pairs);
+    EXPECT_LE(stats.block_bytes, rc.block_rows * c.batch * c.num_heads_kv * (c.head_dim + dv) *
+                                     (half ? 2 : 4));
+  }
   if (c.causal && c.seq_q == c.seq_kv && world_size() > 1) {
     // Causal self-attention leaves ring steps empty: some rank skips, and the shard that wraps
     // from the last rank to rank 0 is needed by no one (contiguous layout).
@@ -160,6 +170,14 @@ std::vector<RingCase> cases() {
                     .head_dim = 16, .head_dim_v = 9, .causal = true}});
   cases.push_back({{.batch = 2, .seq_q = 101, .seq_kv = 33, .num_heads_q = 3, .num_heads_kv = 3,
                     .head_dim = 8, .causal = true, .align = Align::kTopLeft}});
+  // Each again with blocks of 5 rows: every shard travels as several messages, forwarded hop
+  // by hop, and the skipping decides block by block.
+  const std::size_t whole_shards = cases.size();
+  for (std::size_t i = 0; i < whole_shards; ++i) {
+    RingCase blocks = cases[i];
+    blocks.block_rows = 5;
+    cases.push_back(blocks);
+  }
   return cases;
 }
 
@@ -187,7 +205,7 @@ TEST(Ring, RanksThatDisagreeAllGetTheSameError) {
                    TensorView::contiguous(k.data(), DType::kF32, {1, rows, 1, 8}),
                    TensorView::contiguous(k.data(), DType::kF32, {1, rows, 1, 8}),
                    {.out = TensorView::contiguous(out.data(), DType::kF32, {1, rows, heads_q, 8})},
-                   {.layout = layout, .seq_q = seq, .seq_kv = seq});
+                   {.attention = {}, .layout = layout, .seq_q = seq, .seq_kv = seq});
   };
   const std::int64_t rows = ring_shard(RingLayout::kContiguous, L, rank, ranks)[0].length;
   // The last rank passes other heads.
