@@ -3,6 +3,7 @@
 // std::bad_alloc.
 #pragma once
 
+#include "kernels/backward_kernel_params.h"
 #include "kernels/kernel_params.h"
 #include "kernels/linear_kernel_params.h"
 
@@ -10,6 +11,9 @@ namespace qkv {
 
 // kernels/reference/: scalar oracle, f64 accumulation; materialises each (b, h) score matrix.
 void attention_reference(const AttentionKernelParams& params);
+
+// kernels/reference/: the backward oracle, f64, row by row (qkv/attention_backward.h).
+void attention_backward_reference(const AttentionBackwardKernelParams& params);
 
 // kernels/cpu/: Highway SIMD with runtime dispatch.
 void attention_chunked_cpu(const AttentionKernelParams& params);  // may write probs

@@ -1,58 +1,19 @@
-// qkv::attention: validate everything at the boundary, normalise it into one
-// AttentionKernelParams, pick a kernel, call it once (CTranslate2's ops/ recipe).
+// qkv::attention: validate everything at the boundary and normalise it into one
+// AttentionKernelParams (ops/prepare_attention.h), pick a kernel, call it once (CTranslate2's
+// ops/ recipe).
 #include "qkv/attention.h"
 #include "qkv/block_attention.h"
 
 #include <algorithm>
-#include <cmath>
-#include <limits>
-#include <string>
-#include <vector>
 
-#include "core/parallel.h"
 #include "kernels/kernels.h"
-#include "ops/sparse_layout.h"
+#include "ops/prepare_attention.h"
 #include "ops/validate.h"
-#include "qkv/error.h"
 
 namespace qkv {
-namespace {
-
-using ops::broadcast_strides;
-using ops::describe;
-using ops::require_data;
-using ops::require_shape;
-using ops::require_writable_strides;
-
-// The dtypes attention() takes for q, k and v.
-const char* const kDtypeHint = "expected f32, bf16 or f16";
-
-// The bias may hold -inf (a mask), but +inf or NaN would turn a softmax row into NaN.
-void require_no_nan_or_pos_inf(const TensorView& bias) {
-  const float* data = static_cast<const float*>(bias.data);
-  for (std::int64_t b = 0; b < bias.sizes[0]; ++b)
-    for (std::int64_t h = 0; h < bias.sizes[1]; ++h)
-      for (std::int64_t i = 0; i < bias.sizes[2]; ++i)
-        for (std::int64_t j = 0; j < bias.sizes[3]; ++j) {
-          const float x = data[bias.offset(b, h, i, j)];
-          if (std::isnan(x) || x == std::numeric_limits<float>::infinity()) {
-            throw Error("bias: element (" + std::to_string(b) + ", " + std::to_string(h) + ", " +
-                        std::to_string(i) + ", " + std::to_string(j) + ") of " +
-                        describe("bias", bias) + " is " + (std::isnan(x) ? "NaN" : "+inf") +
-                        "; only finite values and -inf are allowed");
-          }
-        }
-}
-
-Kernel resolve_kernel(Kernel requested, bool wants_probs) {
-  if (requested != Kernel::kAuto) return requested;
-  return wants_probs ? Kernel::kChunked : Kernel::kFlash;
-}
-
-}  // namespace
 
 const char* resolved_kernel_name(const AttentionParams& params, const AttentionOutputs& outputs) {
-  switch (resolve_kernel(params.kernel, !outputs.probs.empty())) {
+  switch (ops::resolve_kernel(params.kernel, !outputs.probs.empty())) {
     case Kernel::kReference:
       return "reference";
     case Kernel::kChunked:
@@ -67,149 +28,15 @@ const char* resolved_kernel_name(const AttentionParams& params, const AttentionO
 
 namespace {
 
-// A block's positions: offsets and whole lengths in range, and only the options that are
-// defined by positions.
-void validate_block(const BlockPositions& b, std::int64_t seq_q, std::int64_t seq_kv,
-                    const AttentionParams& params, const AttentionOutputs& outputs) {
-  // Whole sequences up to 2^40 keep every diagonal and window sum far from int64's end.
-  constexpr std::int64_t kMaxLength = std::int64_t{1} << 40;
-  auto in_range = [&](const char* offset_name, std::int64_t offset, const char* length_name,
-                      std::int64_t length, std::int64_t block_length) {
-    if (offset < 0 || length > kMaxLength || offset > length - block_length) {
-      throw Error(std::string("positions: ") + offset_name + " = " + std::to_string(offset) +
-                  " and " + length_name + " = " + std::to_string(length) +
-                  " do not hold a block of " + std::to_string(block_length) + " (need 0 <= " +
-                  offset_name + " <= " + length_name + " - block length, " + length_name +
-                  " <= 2^40)");
-    }
-  };
-  in_range("q_offset", b.q_offset, "seq_q", b.seq_q, seq_q);
-  in_range("k_offset", b.k_offset, "seq_kv", b.seq_kv, seq_kv);
-  const char* unsupported = !params.mask.empty()   ? "mask"
-                            : !params.bias.empty() ? "bias"
-                            : params.sparsity      ? "sparsity"
-                            : !outputs.probs.empty() ? "probs"
-                                                   : nullptr;
-  if (unsupported != nullptr) {
-    throw Error(std::string(unsupported) +
-                ": not available for a block (attention_block takes what positions define: "
-                "causal, window, key lengths; and probabilities would cover the block only)");
-  }
-}
-
 // attention() and attention_block() in one; `block` (nullable) places q and k in longer
 // sequences.
 void run_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                    const AttentionOutputs& outputs, const AttentionParams& params,
                    const BlockPositions* block) {
-  // q: [B, Lq, Hq, D]  k: [B, Lk, Hkv, D]  v: [B, Lk, Hkv, Dv]  out: [B, Lq, Hq, Dv]
-  const TensorView& out = outputs.out;
-  const ops::AttentionShape shape =
-      ops::validate_operands(q, k, v, out, /*half_inputs=*/true, kDtypeHint);
-  const std::int64_t batch = shape.batch, seq_q = shape.seq_q, num_heads_q = shape.num_heads_q;
-  const std::int64_t head_dim = shape.head_dim, seq_kv = shape.seq_kv;
-
-  const std::array<std::int64_t, 4> score_shape = {batch, num_heads_q, seq_q, seq_kv};
-  const TensorView& lse = outputs.lse;
-  if (!lse.empty()) {
-    require_data("lse", lse);
-    ops::require_dtype("lse", lse, DType::kF32, "expected f32");
-    require_shape("lse", lse, {batch, num_heads_q, seq_q, 1}, "(B, Hq, Lq, 1)");
-    require_writable_strides("lse", lse);
-  }
-  const TensorView& probs = outputs.probs;
-  const Kernel kernel = resolve_kernel(params.kernel, !probs.empty());
-  if (!probs.empty()) {
-    ops::require_dtype("probs", probs, DType::kF32, "expected f32");
-    require_shape("probs", probs, score_shape, "(B, Hq, Lq, Lk)");
-    require_writable_strides("probs", probs);
-    if (kernel == Kernel::kFlash) {
-      throw Error(
-          "probs: the flash kernel never materialises probabilities; use kernel "
-          "auto, chunked or reference");
-    }
-  }
-
-  const float scale = params.scale.value_or(1.0f / std::sqrt(static_cast<float>(head_dim)));
-  if (!(scale > 0.0f) || !std::isfinite(scale)) {
-    throw Error("scale: must be finite and > 0, got " + std::to_string(scale));
-  }
-  if (!(params.softcap >= 0.0f) || !std::isfinite(params.softcap)) {
-    throw Error("softcap: must be finite and >= 0 (0 = off), got " +
-                std::to_string(params.softcap));
-  }
-  if (params.window_left < -1 || params.window_right < -1) {
-    throw Error("window: (" + std::to_string(params.window_left) + ", " +
-                std::to_string(params.window_right) + ") has a side below -1 (-1 = unbounded)");
-  }
-  // Key lengths count keys of the whole sequence; a block sees the part inside it.
-  std::int64_t diagonal = ops::diagonal_offset(params.align, seq_q, seq_kv);
-  std::vector<std::int64_t> block_lengths;
-  std::span<const std::int64_t> key_lengths = params.key_lengths;
-  if (block != nullptr) {
-    validate_block(*block, seq_q, seq_kv, params, outputs);
-    diagonal = ops::diagonal_offset(params.align, block->seq_q, block->seq_kv) + block->q_offset -
-               block->k_offset;
-    ops::validate_key_lengths(key_lengths, q, k, block->seq_kv);
-    for (const std::int64_t length : key_lengths) {
-      block_lengths.push_back(std::clamp(length - block->k_offset, std::int64_t{0}, seq_kv));
-    }
-    if (!key_lengths.empty()) key_lengths = block_lengths;
-  } else {
-    ops::validate_key_lengths(key_lengths, q, k, seq_kv);
-  }
-  ops::validate_num_threads(params.num_threads);
-  if (params.chunk_size < 1) {
-    throw Error("chunk_size: must be >= 1, got " + std::to_string(params.chunk_size));
-  }
-
-  AttentionKernelParams p{};
-  ops::set_operands(p, shape, q, k, v, out);
-  p.dtype = q.dtype;
-  if (!lse.empty()) {
-    p.lse = static_cast<float*>(lse.data);
-    for (int d = 0; d < 3; ++d) p.lse_stride[d] = lse.strides[d];
-  }
-  if (!probs.empty()) {
-    p.probs = static_cast<float*>(probs.data);
-    for (int d = 0; d < 4; ++d) p.probs_stride[d] = probs.strides[d];
-  }
-  p.scale = scale;
-  p.softcap = params.softcap;
-  p.diagonal_offset = diagonal;
-  const ops::Window window = ops::effective_window(params, seq_q, seq_kv, diagonal);
-  p.window_left = window.left;
-  p.window_right = window.right;
-  p.key_lengths = key_lengths.empty() ? nullptr : key_lengths.data();
-  if (!params.mask.empty()) {
-    if (params.mask.dtype != DType::kBool && params.mask.dtype != DType::kU8) {
-      throw Error(std::string("mask: dtype ") + dtype_name(params.mask.dtype) +
-                  " is not supported (expected bool or u8; true = may attend)");
-    }
-    require_data("mask", params.mask);
-    broadcast_strides("mask", params.mask, score_shape, p.mask_stride);
-    p.mask = static_cast<const std::uint8_t*>(params.mask.data);
-  }
-  if (!params.bias.empty()) {
-    ops::require_dtype("bias", params.bias, DType::kF32, "expected f32");
-    require_data("bias", params.bias);
-    broadcast_strides("bias", params.bias, score_shape, p.bias_stride);
-    require_no_nan_or_pos_inf(params.bias);
-    p.bias = static_cast<const float*>(params.bias.data);
-  }
-  const ops::NamedView written[] = {{"out", &out}, {"lse", &lse}, {"probs", &probs}};
-  const ops::NamedView read[] = {
-      {"q", &q}, {"k", &k}, {"v", &v}, {"mask", &params.mask}, {"bias", &params.bias}};
-  ops::require_no_overlap(written, read);
-  ResolvedSparsity sparsity;  // owns what p.sparse points to, for the kernel call
-  if (params.sparsity) {
-    resolve_sparsity(*params.sparsity, seq_q, seq_kv, num_heads_q, p.diagonal_offset, sparsity);
-    p.sparse = sparsity.params;
-  }
-  p.num_threads = resolve_num_threads(params.num_threads);
-  p.chunk_size = params.chunk_size;
-
-  switch (kernel) {
+  ops::PreparedAttention prepared;
+  ops::prepare_attention(q, k, v, outputs, params, block, prepared);
+  const AttentionKernelParams& p = prepared.params;
+  switch (prepared.kernel) {
     case Kernel::kReference:
       attention_reference(p);
       return;

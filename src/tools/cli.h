@@ -38,6 +38,7 @@ std::vector<std::int64_t> parse_int_list(const std::string& option, const std::s
 
 // Commands. Each returns the process exit status; --help prints usage to stdout and returns 0.
 int run_attention(std::vector<std::string> args);
+int run_attention_backward(std::vector<std::string> args);
 int run_demo(std::vector<std::string> args);
 int run_bench(std::vector<std::string> args);
 int run_embed(std::vector<std::string> args);

@@ -1,4 +1,5 @@
-// qkv attention: scaled dot-product attention on .npy files (DESIGN.md section 4).
+// qkv attention: scaled dot-product attention on .npy files (DESIGN.md section 4); and qkv
+// attention-backward: its gradients (qkv/attention_backward.h) on the same files plus --dout.
 //
 //   --q Q.npy    [B, Lq, Hq, D]      --k K.npy [B, Lk, Hkv, D]     --v V.npy [B, Lk, Hkv, Dv]
 //   --out O.npy  [B, Lq, Hq, Dv]     (with --layout bhsd each of these four is [B, H, L, D])
@@ -24,6 +25,7 @@
 #include "core/float16.h"
 #include "io/npy.h"
 #include "qkv/attention.h"
+#include "qkv/attention_backward.h"
 #include "qkv/error.h"
 #include "tools/cli.h"
 #include "tools/cli_linear.h"
@@ -81,6 +83,27 @@ must be 1 or the full size. Errors print one line 'qkv: error: ...' and exit wit
 no output file is written unless the whole command succeeded.
 )";
 
+constexpr const char* kBackwardUsage =
+    R"(usage: qkv attention-backward --q Q.npy --k K.npy --v V.npy --dout DO.npy
+                              --dq DQ.npy --dk DK.npy --dv DV.npy [options]
+
+The gradients of qkv attention (docs/training.md): runs the forward on the inputs, then the
+backward for dL/d(out) = --dout, and writes dL/dq, dL/dk, dL/dv (and dL/d(bias)). Takes every
+option of qkv attention that defines the forward (scores, masks, --layout, --dtype, --threads)
+except --weights, --linear and --ring.
+
+  --dout DO.npy        dL/d(out), float32, the shape of out: (B, Lq, Hq, Dv)
+  --dq DQ.npy          writes dL/dq (B, Lq, Hq, D)
+  --dk DK.npy          writes dL/dk (B, Lk, Hkv, D): summed over the query heads of a kv head
+  --dv DV.npy          writes dL/dv (B, Lk, Hkv, Dv)
+  --dbias DB.npy       writes dL/d(bias), the shape of the --bias file (summed over the
+                       dimensions it broadcasts over); needs --bias
+  --out O.npy          also writes the forward's out; --lse LSE.npy its log-sum-exp
+  --kernel K           the forward's kernel (auto, reference, chunked, flash); the backward
+                       runs the f64 reference (the only backward kernel so far)
+(--layout bhsd orders --dout, --dq, --dk and --dv as (B, H, L, D) too.)
+)";
+
 enum class Layout { kBSHD, kBHSD };
 
 struct Options {
@@ -101,6 +124,9 @@ struct Options {
   bool ring = false;                            // --ring (cli_ring.h)
   RingCliOptions ring_options;                  // --ring-layout, --ring-block
   SparseCliOptions sparse;  // --sparse, --sparse-layout, --sparse-block (cli_sparse.h)
+  // qkv attention-backward
+  bool backward = false;
+  std::string dout_path, dq_path, dk_path, dv_path, dbias_path;
 };
 
 // A double option that must also be representable as a float.
@@ -112,8 +138,10 @@ float parse_float(const std::string& option, const std::string& text) {
   return static_cast<float>(value);
 }
 
-Options parse_options(std::vector<std::string> argv) {
+Options parse_options(std::vector<std::string> argv, bool backward) {
   Options o;
+  o.backward = backward;
+  const char* command = backward ? "attention-backward" : "attention";
   Args args(std::move(argv));
   std::set<std::string> seen;
   // The path after option `name`; a following option is a missing value, not a file name.
@@ -136,6 +164,14 @@ Options parse_options(std::vector<std::string> argv) {
       o.v_path = path_value(name);
     } else if (name == "--out") {
       o.out_path = path_value(name);
+    } else if (backward && (name == "--dout" || name == "--dq" || name == "--dk" ||
+                            name == "--dv" || name == "--dbias")) {
+      std::string* const paths[] = {&o.dout_path, &o.dq_path, &o.dk_path, &o.dv_path,
+                                    &o.dbias_path};
+      const char* const names[] = {"--dout", "--dq", "--dk", "--dv", "--dbias"};
+      for (int i = 0; i < 5; ++i) {
+        if (name == names[i]) *paths[i] = path_value(name);
+      }
     } else if (name == "--lse") {
       o.lse_path = path_value(name);
     } else if (name == "--weights") {
@@ -229,17 +265,36 @@ Options parse_options(std::vector<std::string> argv) {
     } else if (parse_sparse_option(name, args, o.sparse)) {
       // consumed: --sparse, --sparse-layout, --sparse-block
     } else {
-      throw UsageError("unknown option '" + name +
-                       "' for 'qkv attention' (try 'qkv attention --help')");
+      throw UsageError("unknown option '" + name + "' for 'qkv " + command + "' (try 'qkv " +
+                       command + " --help')");
     }
   }
-  const std::pair<const char*, const std::string*> required[] = {
-      {"--q", &o.q_path}, {"--k", &o.k_path}, {"--v", &o.v_path}, {"--out", &o.out_path}};
+  std::vector<std::pair<const char*, const std::string*>> required = {
+      {"--q", &o.q_path}, {"--k", &o.k_path}, {"--v", &o.v_path}};
+  if (backward) {
+    required.insert(required.end(), {{"--dout", &o.dout_path}, {"--dq", &o.dq_path},
+                                     {"--dk", &o.dk_path}, {"--dv", &o.dv_path}});
+  } else {
+    required.push_back({"--out", &o.out_path});
+  }
   for (const auto& [name, path] : required) {
     if (path->empty()) {
       throw UsageError(std::string("missing required option ") + name +
-                       " (usage: qkv attention --q Q.npy --k K.npy --v V.npy --out O.npy ...)");
+                       (backward ? " (usage: qkv attention-backward --q Q.npy --k K.npy --v V.npy "
+                                   "--dout DO.npy --dq DQ.npy --dk DK.npy --dv DV.npy ...)"
+                                 : " (usage: qkv attention --q Q.npy --k K.npy --v V.npy --out "
+                                   "O.npy ...)"));
     }
+  }
+  if (backward) {
+    const char* unsupported = !o.weights_path.empty() ? "--weights"
+                              : o.linear              ? "--linear"
+                              : o.ring                ? "--ring"
+                                                      : nullptr;
+    if (unsupported != nullptr) {
+      throw UsageError(std::string(unsupported) + ": not available for attention-backward");
+    }
+    if (!o.dbias_path.empty() && o.bias_path.empty()) throw UsageError("--dbias: needs --bias");
   }
   if (!o.favor_features_path.empty() &&
       (!o.linear || o.linear->feature_map != FeatureMap::kFavorPositive)) {
@@ -280,7 +335,11 @@ void check_output_paths(const Options& o) {
       {"--out", &o.out_path},
       {"--lse", &o.lse_path},
       {"--weights", &o.weights_path},
-      {"--favor-features-out", &o.favor_features_path}};
+      {"--favor-features-out", &o.favor_features_path},
+      {"--dq", &o.dq_path},
+      {"--dk", &o.dk_path},
+      {"--dv", &o.dv_path},
+      {"--dbias", &o.dbias_path}};
   std::vector<std::pair<std::string, std::filesystem::path>> seen;
   for (const auto& [name, path] : outputs) {
     if (path->empty()) continue;
@@ -380,7 +439,13 @@ std::string cli_message(const std::string& message, const Options& o) {
       {"softcap:", "--softcap:"},
       {"window:", "--window:"},
       {"num_threads:", "--threads:"},
-      {"sparsity:", sparse_option_text(o.sparse) + ":"}};
+      {"sparsity:", sparse_option_text(o.sparse) + ":"},
+      {"dout:", where("--dout", o.dout_path) + ":"},
+      {"dq:", where("--dq", o.dq_path) + ":"},
+      {"dk:", where("--dk", o.dk_path) + ":"},
+      {"dv:", where("--dv", o.dv_path) + ":"},
+      {"dbias:", where("--dbias", o.dbias_path) + ":"},
+      {"kernel:", "--kernel:"}};
   std::string text;
   std::size_t pos = 0;
   while (pos < message.size()) {
@@ -397,17 +462,38 @@ std::string cli_message(const std::string& message, const Options& o) {
     if (!replaced) text += message[pos++];
   }
   if (o.layout == Layout::kBHSD && text.find("shape") != std::string::npos) {
-    text +=
-        " (with --layout bhsd, shapes of --q, --k, --v and --out are shown here in logical "
-        "(B, L, H, D) order)";
+    text += o.backward ? " (with --layout bhsd, shapes of --q, --k, --v, --out, --dout, --dq, --dk "
+                         "and --dv are shown here in logical (B, L, H, D) order)"
+                       : " (with --layout bhsd, shapes of --q, --k, --v and --out are shown here "
+                         "in logical (B, L, H, D) order)";
   }
   return text;
 }
 
-}  // namespace
+// A float32 output array in the file order of --layout for logical [B, L, H, D] `sizes`, and
+// its logical view.
+TensorView make_output(io::NpyArray& array, const std::array<std::int64_t, 4>& sizes,
+                       Layout layout, const std::string& what) {
+  const bool bshd = layout == Layout::kBSHD;
+  array = io::make_npy_array(DType::kF32,
+                             bshd ? std::vector<std::int64_t>{sizes[0], sizes[1], sizes[2], sizes[3]}
+                                  : std::vector<std::int64_t>{sizes[0], sizes[2], sizes[1], sizes[3]},
+                             what);
+  const TensorView view = TensorView::contiguous(
+      array.data(), DType::kF32, {array.shape[0], array.shape[1], array.shape[2], array.shape[3]});
+  return bshd ? view : view.permuted({0, 2, 1, 3});
+}
 
-int run_attention(std::vector<std::string> args) {
+int run(std::vector<std::string> args, bool backward) {
   for (const std::string& arg : args) {
+    if ((arg == "--help" || arg == "-h") && backward) {
+      std::fputs(kBackwardUsage, stdout);
+      std::fputs("\nThe forward's options, as for qkv attention:\n\n", stdout);
+      std::fputs(kUsage, stdout);
+      std::fputs("\n", stdout);
+      std::fputs(kSparseHelp, stdout);
+      return 0;
+    }
     if (arg == "--help" || arg == "-h") {
       std::fputs(kUsage, stdout);
       std::fputs("\n", stdout);
@@ -419,7 +505,7 @@ int run_attention(std::vector<std::string> args) {
       return 0;
     }
   }
-  const Options o = parse_options(std::move(args));
+  const Options o = parse_options(std::move(args), backward);
   check_output_paths(o);
 
   // Inputs, as logical views. q: [B, Lq, Hq, D]  k: [B, Lk, Hkv, D]  v: [B, Lk, Hkv, Dv]
@@ -489,21 +575,15 @@ int run_attention(std::vector<std::string> args) {
 
   // Outputs. out: [B, Lq, Hq, Dv] (file order follows --layout)  lse: [B, Hq, Lq]
   // weights: [B, Hq, Lq, Lk]
-  const bool bshd = o.layout == Layout::kBSHD;
-  io::NpyArray out_array =
-      io::make_npy_array(DType::kF32,
-                         bshd ? std::vector<std::int64_t>{batch, seq_q, num_heads_q, head_dim_v}
-                              : std::vector<std::int64_t>{batch, num_heads_q, seq_q, head_dim_v},
-                         where("--out", o.out_path));
+  io::NpyArray out_array;
   AttentionOutputs outputs;
-  outputs.out = TensorView::contiguous(
-      out_array.data(), DType::kF32,
-      {out_array.shape[0], out_array.shape[1], out_array.shape[2], out_array.shape[3]});
-  if (!bshd) outputs.out = outputs.out.permuted({0, 2, 1, 3});
+  outputs.out = make_output(out_array, {batch, seq_q, num_heads_q, head_dim_v}, o.layout,
+                            o.out_path.empty() ? "out" : where("--out", o.out_path));
   io::NpyArray lse_array, weights_array;
-  if (!o.lse_path.empty()) {
+  if (!o.lse_path.empty() || backward) {  // the backward needs the forward's lse
     lse_array =
-        io::make_npy_array(DType::kF32, {batch, num_heads_q, seq_q}, where("--lse", o.lse_path));
+        io::make_npy_array(DType::kF32, {batch, num_heads_q, seq_q},
+                           o.lse_path.empty() ? "lse" : where("--lse", o.lse_path));
     outputs.lse =
         TensorView::contiguous(lse_array.data(), DType::kF32, {batch, num_heads_q, seq_q, 1});
   }
@@ -532,7 +612,33 @@ int run_attention(std::vector<std::string> args) {
   }
 
   io::NpyWriteSet files;
-  files.stage(o.out_path, out_array, "--out");
+  io::NpyArray dout_array, dq_array, dk_array, dv_array, dbias_array;
+  if (backward) {
+    const TensorView dout = load_operand(dout_array, "--dout", o.dout_path, o.layout,
+                                         "(B, Lq, Hq, Dv)", "(B, Hq, Lq, Dv)");
+    const std::int64_t heads_kv = k.sizes[2], head_dim = q.sizes[3];
+    AttentionGrads grads{
+        .dq = make_output(dq_array, {batch, seq_q, num_heads_q, head_dim}, o.layout,
+                          where("--dq", o.dq_path)),
+        .dk = make_output(dk_array, {batch, seq_kv, heads_kv, head_dim}, o.layout,
+                          where("--dk", o.dk_path)),
+        .dv = make_output(dv_array, {batch, seq_kv, heads_kv, head_dim_v}, o.layout,
+                          where("--dv", o.dv_path))};
+    if (!o.dbias_path.empty()) {  // the --bias file's shape
+      dbias_array = io::make_npy_array(DType::kF32, bias_array.shape, where("--dbias", o.dbias_path));
+      grads.dbias = TensorView::contiguous(dbias_array.data(), DType::kF32, params.bias.sizes);
+    }
+    try {
+      attention_backward(q, k, v, outputs.out, outputs.lse, dout, grads, params);
+    } catch (const Error& e) {
+      throw Error(cli_message(e.what(), o));
+    }
+    files.stage(o.dq_path, dq_array, "--dq");
+    files.stage(o.dk_path, dk_array, "--dk");
+    files.stage(o.dv_path, dv_array, "--dv");
+    if (!o.dbias_path.empty()) files.stage(o.dbias_path, dbias_array, "--dbias");
+  }
+  if (!o.out_path.empty()) files.stage(o.out_path, out_array, "--out");
   if (!o.lse_path.empty()) files.stage(o.lse_path, lse_array, "--lse");
   if (!o.weights_path.empty()) files.stage(o.weights_path, weights_array, "--weights");
   if (!o.favor_features_path.empty()) {
@@ -544,5 +650,11 @@ int run_attention(std::vector<std::string> args) {
   files.commit();
   return 0;
 }
+
+}  // namespace
+
+int run_attention(std::vector<std::string> args) { return run(std::move(args), false); }
+
+int run_attention_backward(std::vector<std::string> args) { return run(std::move(args), true); }
 
 }  // namespace qkv::cli

@@ -17,6 +17,8 @@ constexpr const char* kUsage =
     "\n"
     "commands:\n"
     "  attention   scaled dot-product attention on .npy files\n"
+    "  attention-backward\n"
+    "              its gradients dq, dk, dv (and dbias) for a given dL/d(out)\n"
     "  demo        the main job: standard vs chunked vs flash attention, side by side\n"
     "  bench       GFLOP/s of the attention kernels against this machine's measured peak\n"
     "  embed       sentence embeddings with a BERT-family model (e.g. all-MiniLM-L6-v2)\n"
@@ -27,6 +29,7 @@ constexpr const char* kUsage =
 
 int dispatch(const std::string& command, std::vector<std::string> args) {
   if (command == "attention") return qkv::cli::run_attention(std::move(args));
+  if (command == "attention-backward") return qkv::cli::run_attention_backward(std::move(args));
   if (command == "demo") return qkv::cli::run_demo(std::move(args));
   if (command == "bench") return qkv::cli::run_bench(std::move(args));
   if (command == "embed") return qkv::cli::run_embed(std::move(args));

@@ -101,6 +101,57 @@ def attention(q, k, v, scale=None, softcap=0.0, causal=False, align="bottom-righ
     return out.transpose(0, 2, 1, 3).astype(dtype), lse.astype(dtype), weights.astype(dtype)
 
 
+def attention_backward(q, k, v, dout, scale=None, softcap=0.0, causal=False,
+                       align="bottom-right", window=(-1, -1), key_lengths=None, mask=None,
+                       bias=None, dtype=np.float64):
+    """The gradients of attention() for dL/d(out) = dout (B, Lq, Hq, Dv), in `dtype`:
+    (dq, dk, dv, dbias) with dk, dv summed over the query heads of each kv head and dbias
+    (None without a bias) summed down to the bias's own shape. With P the weights:
+        dv = P^T dout   dP = dout v^T   D = rowsum(dout * out)   dS = P (dP - D)
+        dU = dS (1 - tanh(u / softcap)^2) with softcap (u = scale q.k), else dS
+        dq = scale dU k   dk = scale dU^T q   dbias = dS"""
+    out, _, weights = attention(q, k, v, scale, softcap, causal, align, window, key_lengths,
+                                mask, bias, dtype)
+    batch, seq_q, num_heads_q, head_dim = q.shape
+    _, seq_kv, num_heads_kv, _ = k.shape
+    group = num_heads_q // num_heads_kv
+    q, k, v, dout = (np.asarray(x).astype(dtype) for x in (q, k, v, dout))
+    if key_lengths is not None:  # never read: zero, as attention() does
+        k = k.copy()
+        v = v.copy()
+        for b, length in enumerate(np.asarray(key_lengths)):
+            k[b, length:] = 0
+            v[b, length:] = 0
+    scale = dtype(1.0 / np.sqrt(head_dim) if scale is None else scale)
+    qh = q.transpose(0, 2, 1, 3)
+    kh = np.repeat(k.transpose(0, 2, 1, 3), group, axis=1)
+    vh = np.repeat(v.transpose(0, 2, 1, 3), group, axis=1)
+    oh = out.transpose(0, 2, 1, 3)
+    doh = dout.transpose(0, 2, 1, 3)
+    p = weights
+    dvh = p.swapaxes(-1, -2) @ doh                                  # (B, Hq, Lk, Dv)
+    dp = doh @ vh.swapaxes(-1, -2)                                  # (B, Hq, Lq, Lk)
+    delta = (doh * oh).sum(axis=-1, keepdims=True)
+    ds = p * (dp - delta)
+    du = ds
+    if softcap > 0:
+        t = np.tanh((qh @ kh.swapaxes(-1, -2)) * scale / dtype(softcap))
+        du = ds * (1 - t * t)
+    dqh = scale * (du @ kh)
+    dkh = scale * (du.swapaxes(-1, -2) @ qh)
+
+    def per_kv_head(x):  # (B, Hq, L, E) -> (B, L, Hkv, E), summed over each group
+        return x.reshape(batch, num_heads_kv, group, *x.shape[2:]).sum(axis=2).transpose(0, 2, 1, 3)
+
+    dbias = None
+    if bias is not None:
+        shape = np.shape(bias)
+        padded = (1,) * (4 - len(shape)) + tuple(shape)
+        axes = tuple(d for d in range(4) if padded[d] == 1 and ds.shape[d] > 1)
+        dbias = ds.sum(axis=axes, keepdims=True).reshape(shape)
+    return dqh.transpose(0, 2, 1, 3), per_kv_head(dkh), per_kv_head(dvh), dbias
+
+
 def round_bf16(x):
     """float32 -> bfloat16 -> float32, round to nearest even (NaN kept)."""
     x = np.asarray(x, dtype=np.float32)

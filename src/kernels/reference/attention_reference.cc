@@ -1,8 +1,7 @@
 // The oracle: DESIGN.md section 3 written out literally, one (batch, head) at a time, with f64
 // accumulation and the whole Lq x Lk score matrix materialised. Nobody optimises this file;
-// every fast kernel is tested against it. Pairs are checked one by one (no range arithmetic),
-// so it shares no masking logic with the fast kernels (the sparsity predicate is the shared
-// definition in kernels/sparse_pair.h, which the tests check on its own).
+// every fast kernel is tested against it. Pairs are checked one by one
+// (kernels/reference/reference_scores.h, shared with the backward oracle only).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -11,25 +10,10 @@
 #include "core/aligned_buffer.h"
 #include "core/parallel.h"
 #include "kernels/kernels.h"
-#include "kernels/sparse_pair.h"
+#include "kernels/reference/reference_scores.h"
 
 namespace qkv {
 namespace {
-
-bool pair_allowed(const AttentionKernelParams& p, std::int64_t b, std::int64_t h, std::int64_t i,
-                  std::int64_t j) {
-  const std::int64_t diag = i + p.diagonal_offset;
-  if (p.window_left >= 0 && j < diag - p.window_left) return false;
-  if (p.window_right >= 0 && j > diag + p.window_right) return false;
-  if (p.key_lengths != nullptr && j >= p.key_lengths[b]) return false;
-  if (!sparse_pair_allowed(p.sparse, p.diagonal_offset, h, i, j)) return false;
-  if (p.mask != nullptr) {
-    const std::int64_t at =
-        b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2] + j * p.mask_stride[3];
-    if (p.mask[at] == 0) return false;
-  }
-  return true;
-}
 
 // One (b, h): scores [Lq, Lk] in f64 scratch, then softmax and the weighted sum of v.
 void reference_one_head(const AttentionKernelParams& p, std::int64_t b, std::int64_t h,
@@ -38,26 +22,14 @@ void reference_one_head(const AttentionKernelParams& p, std::int64_t b, std::int
   const std::int64_t kv_head = h / (p.num_heads_q / p.num_heads_kv);
   const std::int64_t lk = p.seq_kv;
   for (std::int64_t i = 0; i < p.seq_q; ++i) {
-    const std::int64_t q_row = b * p.q_stride[0] + i * p.q_stride[1] + h * p.q_stride[2];
     double* row = scores + i * lk;
     for (std::int64_t j = 0; j < lk; ++j) {
-      if (!pair_allowed(p, b, h, i, j)) {
+      if (!reference::pair_allowed(p, b, h, i, j)) {
         row[j] = kNegInf;  // never read k_j: keys past key_lengths may be garbage
         continue;
       }
-      const std::int64_t k_row = b * p.k_stride[0] + j * p.k_stride[1] + kv_head * p.k_stride[2];
-      double dot = 0.0;
-      for (std::int64_t d = 0; d < p.head_dim; ++d) {
-        dot += static_cast<double>(load_element(p.q, p.dtype, q_row + d * p.q_stride[3])) *
-               static_cast<double>(load_element(p.k, p.dtype, k_row + d * p.k_stride[3]));
-      }
-      double s = dot * static_cast<double>(p.scale);
-      if (p.softcap > 0.0f) s = p.softcap * std::tanh(s / p.softcap);
-      if (p.bias != nullptr) {
-        s += p.bias[b * p.bias_stride[0] + h * p.bias_stride[1] + i * p.bias_stride[2] +
-                    j * p.bias_stride[3]];
-      }
-      row[j] = s;
+      double capped;
+      row[j] = reference::score(p, b, h, i, j, &capped);
     }
   }
   for (std::int64_t i = 0; i < p.seq_q; ++i) {

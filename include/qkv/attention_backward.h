@@ -1,0 +1,45 @@
+// qkv::attention_backward: the gradients of qkv::attention (qkv/attention.h) with respect to
+// q, k, v and the bias, for every mask and option the forward takes.
+//
+//   q, k, v, params:  as given to the forward
+//   out, lse:         the forward's outputs for them (f32; [B, Lq, Hq, Dv] and [B, Hq, Lq, 1])
+//   dout:             dL/d(out), f32, [B, Lq, Hq, Dv]
+//   dq: [B, Lq, Hq, D]  dk: [B, Lk, Hkv, D]  dv: [B, Lk, Hkv, Dv]   f32, written (not added to)
+//   dbias:            optional, f32, the shape of params.bias: dL/d(bias) summed over the
+//                     dimensions the bias broadcasts over
+//
+// With P the forward's probabilities and s its scores (qkv/attention.h):
+//   dv_j = sum_i P_ij dout_i        dP_ij = dout_i . v_j        D_i = dout_i . out_i
+//   dS_ij = P_ij (dP_ij - D_i)      dbias_ij = dS_ij
+//   dU_ij = dS_ij (1 - (s_ij / softcap)^2) with softcap, else dS_ij   (before the bias)
+//   dq_i = scale sum_j dU_ij k_j    dk_j = scale sum_i dU_ij q_i
+// summed over the query heads that share a kv head (GQA / MQA). Pairs the masks leave out and
+// rows with no allowed key get zero gradients, never NaN; keys at or past key_lengths[b] are
+// never read and get dk = dv = 0. Deterministic: the same bits on any thread count.
+//
+// Kernels: kReference (and, for now, kAuto) is the f64 oracle, row by row: O(Lk (D + Dv))
+// scratch per thread, no Lq x Lk buffer, scalar speed (docs/training.md). A tiled fast backward
+// is not built yet; kChunked and kFlash are refused with a message that says so.
+#pragma once
+
+#include "qkv/attention.h"
+#include "qkv/tensor.h"
+
+namespace qkv {
+
+struct AttentionGrads {
+  TensorView dq = {};     // required
+  TensorView dk = {};     // required
+  TensorView dv = {};     // required
+  TensorView dbias = {};  // optional; needs params.bias
+};
+
+// Validates everything (the forward's checks on q, k, v, out, lse and params, then dout and
+// every gradient's shape, dtype and strides; no gradient may overlap an input or another
+// gradient) and throws qkv::Error naming the argument and shapes; the gradients are written
+// only after validation passed.
+void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& out, const TensorView& lse, const TensorView& dout,
+                        const AttentionGrads& grads, const AttentionParams& params);
+
+}  // namespace qkv

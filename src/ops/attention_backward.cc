@@ -1,0 +1,87 @@
+// qkv::attention_backward: the forward's boundary (ops/prepare_attention.h) on q, k, v, out,
+// lse and the params, then dout and the gradients; one AttentionBackwardKernelParams; one
+// kernel call.
+#include "qkv/attention_backward.h"
+
+#include <string>
+
+#include "kernels/kernels.h"
+#include "ops/prepare_attention.h"
+#include "ops/validate.h"
+#include "qkv/error.h"
+
+namespace qkv {
+namespace {
+
+// f32, present, of `want` shape, written by several threads.
+void require_gradient(const char* name, const TensorView& view,
+                      const std::array<std::int64_t, 4>& want, const char* want_text) {
+  if (view.empty()) {
+    throw Error(std::string(name) + ": required (f32, shape " + want_text + " = " +
+                shape_string(want) + ")");
+  }
+  ops::require_data(name, view);
+  ops::require_dtype(name, view, DType::kF32, "expected f32");
+  ops::require_shape(name, view, want, want_text);
+  ops::require_writable_strides(name, view);
+}
+
+}  // namespace
+
+void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& out, const TensorView& lse, const TensorView& dout,
+                        const AttentionGrads& grads, const AttentionParams& params) {
+  if (out.empty() || lse.empty()) {
+    throw Error(std::string(out.empty() ? "out" : "lse") +
+                ": required (the forward's output for these inputs; f32)");
+  }
+  if (params.kernel == Kernel::kChunked || params.kernel == Kernel::kFlash) {
+    throw Error(std::string("kernel: the backward has no ") +
+                (params.kernel == Kernel::kFlash ? "flash" : "chunked") +
+                " kernel yet; use kernel auto or reference (the f64 oracle)");
+  }
+  ops::PreparedAttention prepared;
+  ops::prepare_attention(q, k, v, {.out = out, .lse = lse}, params, nullptr, prepared);
+  const AttentionKernelParams& p = prepared.params;
+  const std::int64_t batch = p.batch, seq_q = p.seq_q, seq_kv = p.seq_kv;
+  const std::int64_t heads_q = p.num_heads_q, heads_kv = p.num_heads_kv;
+  const std::int64_t dim = p.head_dim, dim_v = p.head_dim_v;
+
+  if (dout.empty()) throw Error("dout: required (f32, the shape of out)");
+  ops::require_data("dout", dout);
+  ops::require_dtype("dout", dout, DType::kF32, "expected f32");
+  ops::require_shape("dout", dout, {batch, seq_q, heads_q, dim_v}, "(B, Lq, Hq, Dv)");
+  require_gradient("dq", grads.dq, {batch, seq_q, heads_q, dim}, "(B, Lq, Hq, D)");
+  require_gradient("dk", grads.dk, {batch, seq_kv, heads_kv, dim}, "(B, Lk, Hkv, D)");
+  require_gradient("dv", grads.dv, {batch, seq_kv, heads_kv, dim_v}, "(B, Lk, Hkv, Dv)");
+  AttentionBackwardKernelParams g{};
+  if (!grads.dbias.empty()) {
+    if (params.bias.empty()) throw Error("dbias: needs a bias (params.bias is empty)");
+    require_gradient("dbias", grads.dbias, params.bias.sizes, "the bias's shape");
+    ops::broadcast_strides("dbias", grads.dbias, {batch, heads_q, seq_q, seq_kv}, g.dbias_stride);
+    g.dbias = static_cast<float*>(grads.dbias.data);
+    for (int d = 0; d < 4; ++d) g.dbias_sizes[d] = grads.dbias.sizes[d];
+  }
+  const ops::NamedView written[] = {
+      {"dq", &grads.dq}, {"dk", &grads.dk}, {"dv", &grads.dv}, {"dbias", &grads.dbias}};
+  const ops::NamedView read[] = {{"q", &q},       {"k", &k},
+                                 {"v", &v},       {"out", &out},
+                                 {"lse", &lse},   {"dout", &dout},
+                                 {"mask", &params.mask}, {"bias", &params.bias}};
+  ops::require_no_overlap(written, read);
+
+  g.forward = p;
+  g.dout = static_cast<const float*>(dout.data);
+  g.dq = static_cast<float*>(grads.dq.data);
+  g.dk = static_cast<float*>(grads.dk.data);
+  g.dv = static_cast<float*>(grads.dv.data);
+  for (int d = 0; d < 4; ++d) {
+    g.dout_stride[d] = dout.strides[d];
+    g.dq_stride[d] = grads.dq.strides[d];
+    g.dk_stride[d] = grads.dk.strides[d];
+    g.dv_stride[d] = grads.dv.strides[d];
+  }
+  attention_backward_reference(g);
+}
+
+}  // namespace qkv

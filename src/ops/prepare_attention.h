@@ -1,0 +1,37 @@
+// The boundary every attention op shares (attention(), attention_block(),
+// attention_backward()): validate q, k, v, the outputs and the params, throwing qkv::Error that
+// names the argument and shapes, then lower them into one AttentionKernelParams.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/kernel_params.h"
+#include "ops/sparse_layout.h"
+#include "qkv/attention.h"
+#include "qkv/block_attention.h"
+
+namespace qkv::ops {
+
+// The lowered call and the memory its pointers point into, owned for the kernel call (filled
+// in place: the params point into the members).
+struct PreparedAttention {
+  AttentionKernelParams params{};
+  Kernel kernel = Kernel::kAuto;            // resolved: never kAuto
+  ResolvedSparsity sparsity;                // what params.sparse points to
+  std::vector<std::int64_t> block_lengths;  // a block's key lengths (params.key_lengths)
+
+  PreparedAttention() = default;
+  PreparedAttention(const PreparedAttention&) = delete;
+  PreparedAttention& operator=(const PreparedAttention&) = delete;
+};
+
+// `block` (nullable) places q and k in longer sequences (attention_block).
+void prepare_attention(const TensorView& q, const TensorView& k, const TensorView& v,
+                       const AttentionOutputs& outputs, const AttentionParams& params,
+                       const BlockPositions* block, PreparedAttention& prepared);
+
+// kAuto: flash, unless probabilities are requested (then chunked).
+Kernel resolve_kernel(Kernel requested, bool wants_probs);
+
+}  // namespace qkv::ops

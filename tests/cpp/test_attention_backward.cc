@@ -1,0 +1,300 @@
+// qkv::attention_backward (qkv/attention_backward.h) against central finite differences of the
+// forward: for random directions r, (L(x + e r) - L(x - e r)) / 2e must equal <dL/dx, r> for
+// x = q, k, v and the bias, with L = sum(dout * out) and the forward's f64 oracle. Over the
+// case table's masks (causal both ways, windows, key lengths with NaN padding, mask, bias with
+// -inf, softcap, GQA, Lq != Lk, Dv != D, BHSD strides, sparsity); plus zero gradients for rows
+// with no key, the same bits on any thread count, bf16 storage, and the boundary's errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attention_case.h"
+#include "qkv/attention_backward.h"
+#include "qkv/error.h"
+
+namespace qkv::testing {
+namespace {
+
+struct Grads {
+  std::vector<float> dq, dk, dv, dbias;
+};
+
+// The loss sum(dout * out) of the f64 forward oracle, in f64.
+double loss(const Problem& pr, const AttentionParams& params, const std::vector<float>& dout) {
+  AttentionParams p = params;
+  p.kernel = Kernel::kReference;
+  const Result r = pr.run_with(p, false);
+  double sum = 0.0;
+  for (std::size_t i = 0; i < dout.size(); ++i) sum += static_cast<double>(dout[i]) * r.out[i];
+  return sum;
+}
+
+// The backward of `pr` at its inputs; the forward's out and lse come from the oracle.
+Grads backward(Problem& pr, const AttentionParams& params, std::vector<float>& dout,
+               bool with_dbias, int num_threads = 0) {
+  const Case& c = pr.spec();
+  const std::int64_t dv = pr.head_dim_v();
+  AttentionParams p = params;
+  p.kernel = Kernel::kReference;
+  p.num_threads = num_threads;
+  Result f = pr.run_with(p, false);
+  Grads g;
+  g.dq.assign(pr.q.size(), 7.0f);
+  g.dk.assign(pr.k.size(), 7.0f);
+  g.dv.assign(pr.v.size(), 7.0f);
+  AttentionGrads grads{.dq = pr.view(g.dq, c.seq_q, c.num_heads_q, c.head_dim),
+                       .dk = pr.view(g.dk, c.seq_kv, c.num_heads_kv, c.head_dim),
+                       .dv = pr.view(g.dv, c.seq_kv, c.num_heads_kv, dv)};
+  if (with_dbias) {
+    g.dbias.assign(pr.bias.size(), 7.0f);
+    grads.dbias = params.bias;
+    grads.dbias.data = g.dbias.data();
+  }
+  TensorView q = pr.view(pr.q, c.seq_q, c.num_heads_q, c.head_dim);
+  TensorView k = pr.view(pr.k, c.seq_kv, c.num_heads_kv, c.head_dim);
+  TensorView v = pr.view(pr.v, c.seq_kv, c.num_heads_kv, dv);
+  if (c.dtype != DType::kF32) {
+    for (auto [view, bits] : {std::pair{&q, &pr.q16}, {&k, &pr.k16}, {&v, &pr.v16}}) {
+      view->data = bits->data();
+      view->dtype = c.dtype;
+    }
+  }
+  attention_backward(q, k, v, pr.view(f.out, c.seq_q, c.num_heads_q, dv),
+                     TensorView::contiguous(f.lse.data(), DType::kF32,
+                                            {c.batch, c.num_heads_q, c.seq_q, 1}),
+                     pr.view(dout, c.seq_q, c.num_heads_q, dv), grads, p);
+  return g;
+}
+
+std::vector<float> random_like(const std::vector<float>& x, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> r(x.size());
+  for (float& e : r) e = normal(rng);
+  return r;
+}
+
+double dot(const std::vector<float>& a, const std::vector<float>& b) {
+  double sum = 0.0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (std::isfinite(a[i]) && std::isfinite(b[i])) sum += static_cast<double>(a[i]) * b[i];
+  }
+  return sum;
+}
+
+// <grad, r> against the central difference of the loss along r in `x` (a member of pr).
+void expect_directional(Problem& pr, const AttentionParams& params, const std::vector<float>& dout,
+                        std::vector<float>& x, const std::vector<float>& grad, const char* name,
+                        std::uint64_t seed) {
+  const std::vector<float> r = random_like(x, seed);
+  const std::vector<float> saved = x;
+  const double eps = 1e-3;
+  auto at = [&](double t) {
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      // -inf bias entries and NaN padding stay what they are.
+      x[i] = std::isfinite(saved[i]) ? static_cast<float>(saved[i] + t * r[i]) : saved[i];
+    }
+    return loss(pr, params, dout);
+  };
+  const double numeric = (at(eps) - at(-eps)) / (2 * eps);
+  x = saved;
+  // f32 inputs: x + eps r is rounded to f32 and the forward's outputs are f32, so the
+  // difference carries ~1e-5 of noise; eps^2 truncation is ~1e-6. 1e-4 of the spread of
+  // <grad, r> (|grad|) is a tight bound that a wrong factor anywhere breaks by orders.
+  const double analytic = dot(grad, r);
+  const double scale = std::sqrt(dot(grad, grad)) + 1.0;  // the spread of <grad, r>
+  EXPECT_NEAR(analytic, numeric, 1e-4 * scale) << name;
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> cases;
+  cases.push_back({.batch = 2, .seq_q = 7, .seq_kv = 9, .num_heads_q = 2, .num_heads_kv = 1,
+                   .head_dim = 8});
+  for (Align align : {Align::kBottomRight, Align::kTopLeft}) {
+    cases.push_back({.batch = 1, .seq_q = 6, .seq_kv = 11, .num_heads_q = 3, .num_heads_kv = 3,
+                     .head_dim = 5, .head_dim_v = 7, .causal = true, .align = align});
+    cases.push_back({.batch = 1, .seq_q = 11, .seq_kv = 6, .num_heads_q = 2, .num_heads_kv = 1,
+                     .head_dim = 4, .causal = true, .align = align});
+  }
+  cases.push_back({.batch = 1, .seq_q = 13, .seq_kv = 13, .num_heads_q = 2, .num_heads_kv = 2,
+                   .head_dim = 6, .window_left = 3, .window_right = 1});
+  cases.push_back({.batch = 3, .seq_q = 5, .seq_kv = 10, .num_heads_q = 4, .num_heads_kv = 2,
+                   .head_dim = 8, .key_lengths = true, .nan_padding = true});
+  cases.push_back({.batch = 2, .seq_q = 6, .seq_kv = 8, .num_heads_q = 2, .num_heads_kv = 2,
+                   .head_dim = 4, .mask = MaskKind::kRandom});
+  cases.push_back({.batch = 2, .seq_q = 6, .seq_kv = 8, .num_heads_q = 2, .num_heads_kv = 1,
+                   .head_dim = 4, .bias = BiasKind::kRandom, .bhsd = true});
+  cases.push_back({.batch = 1, .seq_q = 7, .seq_kv = 7, .num_heads_q = 2, .num_heads_kv = 2,
+                   .head_dim = 4, .causal = true, .bias = BiasKind::kWithNegInf});
+  cases.push_back({.batch = 2, .seq_q = 5, .seq_kv = 6, .num_heads_q = 2, .num_heads_kv = 2,
+                   .head_dim = 4, .bias = BiasKind::kPerHeadRow});
+  cases.push_back({.batch = 1, .seq_q = 9, .seq_kv = 9, .num_heads_q = 2, .num_heads_kv = 1,
+                   .head_dim = 8, .softcap = 2.0f, .input_scale = 3.0f});
+  return cases;
+}
+
+class AttentionBackward : public ::testing::TestWithParam<Case> {};
+
+TEST_P(AttentionBackward, MatchesFiniteDifferences) {
+  Problem pr(GetParam());
+  const AttentionParams params = pr.params();
+  const Case& c = pr.spec();
+  std::vector<float> dout(static_cast<std::size_t>(c.batch * c.seq_q * c.num_heads_q * pr.head_dim_v()));
+  dout = random_like(dout, 99);
+  const bool with_dbias = !pr.bias.empty();
+  const Grads g = backward(pr, params, dout, with_dbias);
+  for (const std::vector<float>* grad : {&g.dq, &g.dk, &g.dv, &g.dbias}) {
+    for (float x : *grad) ASSERT_TRUE(std::isfinite(x));
+  }
+  for (std::uint64_t seed : {1, 2}) {
+    expect_directional(pr, params, dout, pr.q, g.dq, "dq", seed);
+    expect_directional(pr, params, dout, pr.k, g.dk, "dk", seed + 10);
+    expect_directional(pr, params, dout, pr.v, g.dv, "dv", seed + 20);
+    if (with_dbias) {
+      // params.bias views pr.bias: the perturbation reaches the forward.
+      expect_directional(pr, params, dout, pr.bias, g.dbias, "dbias", seed + 30);
+    }
+  }
+}
+
+TEST_P(AttentionBackward, SameBitsOnAnyThreadCount) {
+  Problem pr(GetParam());
+  const AttentionParams params = pr.params();
+  std::vector<float> dout = random_like(std::vector<float>(pr.q.size() / pr.spec().head_dim *
+                                                           pr.head_dim_v()),
+                                        5);
+  const Grads one = backward(pr, params, dout, !pr.bias.empty(), 1);
+  for (int threads : {2, 3}) {
+    const Grads many = backward(pr, params, dout, !pr.bias.empty(), threads);
+    EXPECT_TRUE(bit_equal(one.dq, many.dq) && bit_equal(one.dk, many.dk) &&
+                bit_equal(one.dv, many.dv) && bit_equal(one.dbias, many.dbias))
+        << threads << " threads";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, AttentionBackward, ::testing::ValuesIn(cases()),
+                         [](const auto& info) {
+                           std::string name = info.param.name();
+                           for (char& ch : name) {
+                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           }
+                           return name + "_" + std::to_string(info.index);
+                         });
+
+TEST(AttentionBackwardSparse, LongformerMatchesFiniteDifferences) {
+  Problem pr({.batch = 1, .seq_q = 12, .seq_kv = 12, .num_heads_q = 2, .num_heads_kv = 2,
+              .head_dim = 4});
+  const std::vector<std::int64_t> global = {5};
+  AttentionParams params = pr.params();
+  params.sparsity = LongformerSparsity{.window = 2, .dilation = 1, .global = global};
+  std::vector<float> dout = random_like(pr.q, 3);
+  const Grads g = backward(pr, params, dout, false);
+  expect_directional(pr, params, dout, pr.q, g.dq, "dq", 1);
+  expect_directional(pr, params, dout, pr.k, g.dk, "dk", 2);
+  expect_directional(pr, params, dout, pr.v, g.dv, "dv", 3);
+}
+
+TEST(AttentionBackwardRows, NoAllowedKeyGivesZeroGradients) {
+  // Key lengths 0 for one batch entry: its rows have no key; its dk/dv rows are never read.
+  Problem pr({.batch = 3, .seq_q = 4, .seq_kv = 6, .num_heads_q = 2, .num_heads_kv = 1,
+              .head_dim = 4, .key_lengths = true, .nan_padding = true});
+  std::vector<float> dout = random_like(pr.q, 4);
+  const Grads g = backward(pr, pr.params(), dout, false);
+  const Case& c = pr.spec();
+  for (std::int64_t b = 0; b < c.batch; ++b) {
+    const std::int64_t length = pr.key_lengths[b];
+    for (std::int64_t j = 0; j < c.seq_kv; ++j) {
+      for (std::int64_t d = 0; d < c.head_dim; ++d) {
+        const float x = g.dk[((b * c.seq_kv + j) * c.num_heads_kv) * c.head_dim + d];
+        ASSERT_TRUE(std::isfinite(x));
+        if (j >= length) {
+          EXPECT_EQ(x, 0.0f) << "b " << b << " j " << j;
+        }
+      }
+    }
+    if (length == 0) {
+      for (std::int64_t i = 0; i < c.seq_q * c.num_heads_q * c.head_dim; ++i) {
+        EXPECT_EQ(g.dq[b * c.seq_q * c.num_heads_q * c.head_dim + i], 0.0f);
+      }
+    }
+  }
+}
+
+TEST(AttentionBackwardDtype, Bf16StorageEqualsF32OfTheSameValues) {
+  const Case bf{.batch = 1, .seq_q = 6, .seq_kv = 8, .num_heads_q = 2, .num_heads_kv = 1,
+                .head_dim = 8, .causal = true, .dtype = DType::kBF16};
+  Problem half(bf);
+  Case f32 = bf;
+  f32.dtype = DType::kF32;
+  Problem as_f32(f32);
+  as_f32.q = half.q;  // the bf16 values, widened exactly
+  as_f32.k = half.k;
+  as_f32.v = half.v;
+  std::vector<float> dout = random_like(half.q, 6);
+  const Grads a = backward(half, half.params(), dout, false);
+  const Grads b = backward(as_f32, as_f32.params(), dout, false);
+  EXPECT_LE(max_abs_diff(a.dq, b.dq), 1e-6);
+  EXPECT_LE(max_abs_diff(a.dk, b.dk), 1e-6);
+  EXPECT_LE(max_abs_diff(a.dv, b.dv), 1e-6);
+}
+
+TEST(AttentionBackwardErrors, NamesTheArgumentAndWritesNothing) {
+  Problem pr({.batch = 2, .seq_q = 5, .seq_kv = 6, .num_heads_q = 2, .num_heads_kv = 1,
+              .head_dim = 4});
+  const Case& c = pr.spec();
+  Result f = pr.run(Kernel::kReference, false);
+  std::vector<float> dout(f.out.size(), 1.0f), dq(pr.q.size(), 7.0f), dk(pr.k.size(), 7.0f),
+      dv(pr.v.size(), 7.0f), small(4, 7.0f);
+  const TensorView q = pr.view(pr.q, c.seq_q, c.num_heads_q, c.head_dim);
+  const TensorView k = pr.view(pr.k, c.seq_kv, c.num_heads_kv, c.head_dim);
+  const TensorView v = pr.view(pr.v, c.seq_kv, c.num_heads_kv, c.head_dim);
+  const TensorView out = pr.view(f.out, c.seq_q, c.num_heads_q, c.head_dim);
+  const TensorView lse =
+      TensorView::contiguous(f.lse.data(), DType::kF32, {c.batch, c.num_heads_q, c.seq_q, 1});
+  const TensorView dout_view = pr.view(dout, c.seq_q, c.num_heads_q, c.head_dim);
+  const AttentionGrads good{.dq = pr.view(dq, c.seq_q, c.num_heads_q, c.head_dim),
+                            .dk = pr.view(dk, c.seq_kv, c.num_heads_kv, c.head_dim),
+                            .dv = pr.view(dv, c.seq_kv, c.num_heads_kv, c.head_dim)};
+  auto error = [&](auto&& call) -> std::string {
+    try {
+      call();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  auto expect = [&](const std::string& message, const std::string& want) {
+    EXPECT_NE(message.find(want), std::string::npos) << message;
+  };
+  AttentionGrads bad = good;
+  bad.dk = pr.view(dk, c.seq_kv, c.num_heads_q, c.head_dim / 2);  // wrong heads and D
+  expect(error([&] { attention_backward(q, k, v, out, lse, dout_view, bad, {}); }),
+         "dk: shape (2, 6, 2, 2)");
+  expect(error([&] {
+           attention_backward(q, k, v, out, lse,
+                              TensorView::contiguous(small.data(), DType::kF32, {1, 1, 1, 4}), good, {});
+         }),
+         "dout: shape (1, 1, 1, 4)");
+  bad = good;
+  bad.dbias = TensorView::contiguous(small.data(), DType::kF32, {1, 1, 1, 4});
+  expect(error([&] { attention_backward(q, k, v, out, lse, dout_view, bad, {}); }),
+         "dbias: needs a bias");
+  bad = good;
+  bad.dv = good.dq;  // two gradients in one buffer
+  bad.dv.sizes = {c.batch, c.seq_kv, c.num_heads_kv, c.head_dim};
+  expect(error([&] { attention_backward(q, k, v, out, lse, dout_view, bad, {}); }), "overlaps");
+  expect(error([&] { attention_backward(q, k, v, out, {}, dout_view, good, {}); }), "lse: required");
+  expect(error([&] {
+           attention_backward(q, k, v, out, lse, dout_view, good, {.kernel = Kernel::kFlash});
+         }),
+         "kernel: the backward has no flash kernel yet");
+  for (const std::vector<float>* g : {&dq, &dk, &dv}) {
+    for (float x : *g) ASSERT_EQ(x, 7.0f);  // nothing written
+  }
+}
+
+}  // namespace
+}  // namespace qkv::testing
