@@ -17,9 +17,10 @@
 // rows with no allowed key get zero gradients, never NaN; keys at or past key_lengths[b] are
 // never read and get dk = dv = 0. Deterministic: the same bits on any thread count.
 //
-// Kernels: kReference (and, for now, kAuto) is the f64 oracle, row by row: O(Lk (D + Dv))
-// scratch per thread, no Lq x Lk buffer, scalar speed (docs/training.md). A tiled fast backward
-// is not built yet; kChunked and kFlash are refused with a message that says so.
+// Kernels (params.kernel): kFlash, FlashAttention-2's scheme on tiles (probabilities
+// recomputed from lse, O(tile) scratch per thread; dbias not yet); kReference, the f64 oracle,
+// row by row (O(Lk (D + Dv)) scratch per thread, scalar speed); kAuto: flash, or the reference
+// when dbias is asked for. kChunked is refused. docs/training.md.
 #pragma once
 
 #include "qkv/attention.h"

@@ -18,6 +18,8 @@ void attention_backward_reference(const AttentionBackwardKernelParams& params);
 // kernels/cpu/: Highway SIMD with runtime dispatch.
 void attention_chunked_cpu(const AttentionKernelParams& params);  // may write probs
 void attention_flash_cpu(const AttentionKernelParams& params);    // never writes probs
+// The flash backward (kernels/cpu/flash_backward.cc): no dbias.
+void attention_backward_flash_cpu(const AttentionBackwardKernelParams& params);
 
 // The Highway target the CPU kernels dispatch to now, e.g. "AVX3", "AVX2", "SCALAR".
 const char* attention_cpu_target_name();

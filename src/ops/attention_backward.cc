@@ -35,10 +35,11 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
     throw Error(std::string(out.empty() ? "out" : "lse") +
                 ": required (the forward's output for these inputs; f32)");
   }
-  if (params.kernel == Kernel::kChunked || params.kernel == Kernel::kFlash) {
-    throw Error(std::string("kernel: the backward has no ") +
-                (params.kernel == Kernel::kFlash ? "flash" : "chunked") +
-                " kernel yet; use kernel auto or reference (the f64 oracle)");
+  if (params.kernel == Kernel::kChunked) {
+    throw Error("kernel: the backward has no chunked kernel; use kernel auto, flash or reference");
+  }
+  if (params.kernel == Kernel::kFlash && !grads.dbias.empty()) {
+    throw Error("dbias: the flash backward does not compute it yet; use kernel auto or reference");
   }
   ops::PreparedAttention prepared;
   ops::prepare_attention(q, k, v, {.out = out, .lse = lse}, params, nullptr, prepared);
@@ -81,7 +82,12 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
     g.dk_stride[d] = grads.dk.strides[d];
     g.dv_stride[d] = grads.dv.strides[d];
   }
-  attention_backward_reference(g);
+  // auto: flash, but the reference where it alone can (dbias).
+  if (params.kernel == Kernel::kReference || !grads.dbias.empty()) {
+    attention_backward_reference(g);
+  } else {
+    attention_backward_flash_cpu(g);
+  }
 }
 
 }  // namespace qkv

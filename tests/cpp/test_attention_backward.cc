@@ -8,10 +8,13 @@
 
 #include <cmath>
 #include <random>
+#include <tuple>
 #include <string>
 #include <vector>
 
 #include "attention_case.h"
+#include "every_target.h"
+#include "kernels/kernels.h"
 #include "qkv/attention_backward.h"
 #include "qkv/error.h"
 
@@ -32,15 +35,17 @@ double loss(const Problem& pr, const AttentionParams& params, const std::vector<
   return sum;
 }
 
-// The backward of `pr` at its inputs; the forward's out and lse come from the oracle.
+// The backward of `pr` at its inputs with `kernel`; the forward's out and lse come from the
+// oracle.
 Grads backward(Problem& pr, const AttentionParams& params, std::vector<float>& dout,
-               bool with_dbias, int num_threads = 0) {
+               bool with_dbias, int num_threads = 0, Kernel kernel = Kernel::kReference) {
   const Case& c = pr.spec();
   const std::int64_t dv = pr.head_dim_v();
   AttentionParams p = params;
   p.kernel = Kernel::kReference;
   p.num_threads = num_threads;
   Result f = pr.run_with(p, false);
+  p.kernel = kernel;
   Grads g;
   g.dq.assign(pr.q.size(), 7.0f);
   g.dk.assign(pr.k.size(), 7.0f);
@@ -184,6 +189,90 @@ INSTANTIATE_TEST_SUITE_P(Cases, AttentionBackward, ::testing::ValuesIn(cases()),
                            return name + "_" + std::to_string(info.index);
                          });
 
+// The flash backward against the oracle: several row and key tiles (ordered dq turns), every
+// mask, every compiled target this CPU has; bf16/f16 storage; the same bits on any thread count.
+std::vector<Case> flash_cases() {
+  std::vector<Case> cases = ::qkv::testing::cases();
+  cases.push_back({.batch = 2, .seq_q = 150, .seq_kv = 203, .num_heads_q = 4, .num_heads_kv = 2,
+                   .head_dim = 40});
+  cases.push_back({.batch = 1, .seq_q = 200, .seq_kv = 200, .num_heads_q = 2, .num_heads_kv = 1,
+                   .head_dim = 64, .causal = true});
+  cases.push_back({.batch = 1, .seq_q = 70, .seq_kv = 300, .num_heads_q = 2, .num_heads_kv = 2,
+                   .head_dim = 130, .head_dim_v = 24, .causal = true, .align = Align::kTopLeft});
+  cases.push_back({.batch = 1, .seq_q = 257, .seq_kv = 257, .num_heads_q = 2, .num_heads_kv = 2,
+                   .head_dim = 32, .window_left = 70, .window_right = 5, .softcap = 3.0f});
+  cases.push_back({.batch = 3, .seq_q = 90, .seq_kv = 180, .num_heads_q = 2, .num_heads_kv = 1,
+                   .head_dim = 16, .key_lengths = true, .nan_padding = true,
+                   .mask = MaskKind::kKeyPadding, .bhsd = true});
+  cases.push_back({.batch = 1, .seq_q = 1, .seq_kv = 333, .num_heads_q = 8, .num_heads_kv = 2,
+                   .head_dim = 64, .causal = true});
+  return cases;
+}
+
+void expect_flash_matches_reference(const Case& c) {
+  SCOPED_TRACE(c.name());
+  Problem pr(c);
+  const AttentionParams params = pr.params();
+  std::vector<float> dout = random_like(std::vector<float>(pr.q.size() / c.head_dim *
+                                                           pr.head_dim_v()),
+                                        8);
+  const Grads ref = backward(pr, params, dout, false, 0, Kernel::kReference);
+  const Grads flash = backward(pr, params, dout, false, 0, Kernel::kFlash);
+  for (auto [name, a, b] : {std::tuple{"dq", &flash.dq, &ref.dq}, {"dk", &flash.dk, &ref.dk},
+                            {"dv", &flash.dv, &ref.dv}}) {
+    // f32 accumulation over up to Lq (dk, dv) or Lk (dq) terms against f64.
+    EXPECT_LE(max_abs_diff(*a, *b), 2e-5 * std::max(1.0, max_abs(*b))) << name;
+  }
+}
+
+TEST(AttentionBackwardFlash, MatchesReferenceOnEveryTarget) {
+  const std::vector<Case> cases = flash_cases();
+  for_each_target(attention_cpu_target_name, [&](std::int64_t) {
+    for (const Case& c : cases) expect_flash_matches_reference(c);
+    for (DType dtype : {DType::kBF16, DType::kF16}) {
+      Case c = cases[cases.size() - 5];
+      c.dtype = dtype;
+      expect_flash_matches_reference(c);
+    }
+  });
+}
+
+TEST(AttentionBackwardFlash, SameBitsOnAnyThreadCount) {
+  for (const Case& c : flash_cases()) {
+    SCOPED_TRACE(c.name());
+    Problem pr(c);
+    const AttentionParams params = pr.params();
+    std::vector<float> dout = random_like(std::vector<float>(pr.q.size() / c.head_dim *
+                                                             pr.head_dim_v()),
+                                          9);
+    const Grads one = backward(pr, params, dout, false, 1, Kernel::kFlash);
+    for (int threads : {2, 3, 5}) {
+      const Grads many = backward(pr, params, dout, false, threads, Kernel::kFlash);
+      EXPECT_TRUE(bit_equal(one.dq, many.dq) && bit_equal(one.dk, many.dk) &&
+                  bit_equal(one.dv, many.dv))
+          << threads << " threads";
+    }
+  }
+}
+
+TEST(AttentionBackwardFlash, SparsityMatchesReference) {
+  Problem pr({.batch = 1, .seq_q = 150, .seq_kv = 150, .num_heads_q = 2, .num_heads_kv = 2,
+              .head_dim = 16});
+  const std::vector<std::int64_t> global = {3, 77};
+  for (const Sparsity& sparsity :
+       {Sparsity{LongformerSparsity{.window = 9, .dilation = 2, .global = global}},
+        Sparsity{BigBirdSparsity{.block = 16, .num_random_blocks = 2, .num_global_blocks = 1}}}) {
+    AttentionParams params = pr.params();
+    params.sparsity = sparsity;
+    std::vector<float> dout = random_like(pr.q, 10);
+    const Grads ref = backward(pr, params, dout, false, 0, Kernel::kReference);
+    const Grads flash = backward(pr, params, dout, false, 0, Kernel::kFlash);
+    EXPECT_LE(max_abs_diff(flash.dq, ref.dq), 2e-5 * std::max(1.0, max_abs(ref.dq)));
+    EXPECT_LE(max_abs_diff(flash.dk, ref.dk), 2e-5 * std::max(1.0, max_abs(ref.dk)));
+    EXPECT_LE(max_abs_diff(flash.dv, ref.dv), 2e-5 * std::max(1.0, max_abs(ref.dv)));
+  }
+}
+
 TEST(AttentionBackwardSparse, LongformerMatchesFiniteDifferences) {
   Problem pr({.batch = 1, .seq_q = 12, .seq_kv = 12, .num_heads_q = 2, .num_heads_kv = 2,
               .head_dim = 4});
@@ -288,9 +377,9 @@ TEST(AttentionBackwardErrors, NamesTheArgumentAndWritesNothing) {
   expect(error([&] { attention_backward(q, k, v, out, lse, dout_view, bad, {}); }), "overlaps");
   expect(error([&] { attention_backward(q, k, v, out, {}, dout_view, good, {}); }), "lse: required");
   expect(error([&] {
-           attention_backward(q, k, v, out, lse, dout_view, good, {.kernel = Kernel::kFlash});
+           attention_backward(q, k, v, out, lse, dout_view, good, {.kernel = Kernel::kChunked});
          }),
-         "kernel: the backward has no flash kernel yet");
+         "kernel: the backward has no chunked kernel");
   for (const std::vector<float>* g : {&dq, &dk, &dv}) {
     for (float x : *g) ASSERT_EQ(x, 7.0f);  // nothing written
   }

@@ -103,15 +103,19 @@ def attention(q, k, v, scale=None, softcap=0.0, causal=False, align="bottom-righ
 
 def attention_backward(q, k, v, dout, scale=None, softcap=0.0, causal=False,
                        align="bottom-right", window=(-1, -1), key_lengths=None, mask=None,
-                       bias=None, dtype=np.float64):
+                       bias=None, dtype=np.float64, store=None):
     """The gradients of attention() for dL/d(out) = dout (B, Lq, Hq, Dv), in `dtype`:
     (dq, dk, dv, dbias) with dk, dv summed over the query heads of each kv head and dbias
     (None without a bias) summed down to the bias's own shape. With P the weights:
         dv = P^T dout   dP = dout v^T   D = rowsum(dout * out)   dS = P (dP - D)
         dU = dS (1 - tanh(u / softcap)^2) with softcap (u = scale q.k), else dS
-        dq = scale dU k   dk = scale dU^T q   dbias = dS"""
+        dq = scale dU k   dk = scale dU^T q   dbias = dS
+    store: as for attention(): a plain low-precision implementation's rounding of the scores and
+    probabilities (the forward's out and the P of the products then carry it)."""
     out, _, weights = attention(q, k, v, scale, softcap, causal, align, window, key_lengths,
-                                mask, bias, dtype)
+                                mask, bias, dtype, store)
+    if store is not None:
+        weights = store(weights).astype(dtype)
     batch, seq_q, num_heads_q, head_dim = q.shape
     _, seq_kv, num_heads_kv, _ = k.shape
     group = num_heads_q // num_heads_kv

@@ -51,17 +51,20 @@ def grads_cli(cli, problem, dout, layout="bshd", dtype=None, threads=None, extra
     return (*grads, dbias)
 
 
-def numpy_grads(problem, dout, dtype, round_fn=None):
+def numpy_grads(problem, dout, dtype, round_fn=None, store=None):
     inputs = {name: problem[name] for name in ("q", "k", "v")}
     if round_fn is not None:
         inputs = {name: round_fn(value) for name, value in inputs.items()}
     options = {key: problem[key] for key in OPTIONS if key in problem}
-    return ref.attention_backward(**inputs, dout=dout, **options, dtype=dtype)
+    return ref.attention_backward(**inputs, dout=dout, **options, dtype=dtype, store=store)
 
 
 def check_grads(actual, problem, dout, round_fn=None):
+    """DESIGN.md section 5's check: against float64, within 4x the error of a plain float32
+    backward (for bf16/f16 inputs one that also stores scores and probabilities in that type,
+    as the forward's yardstick does)."""
     g64 = numpy_grads(problem, dout, np.float64, round_fn)
-    g32 = numpy_grads(problem, dout, np.float32, round_fn)
+    g32 = numpy_grads(problem, dout, np.float32, round_fn, store=round_fn)
     for name, a, r64, r32 in zip(("dq", "dk", "dv", "dbias"), actual, g64, g32):
         if r64 is None:
             assert a is None
@@ -155,7 +158,9 @@ def test_numpy_backward_matches_finite_differences(rng):
       "--dk", "dk.npy"], "missing required option --dv"),
     (["--dbias", "db.npy"], "--dbias: needs --bias"),
     (["--weights", "w.npy"], "--weights: not available for attention-backward"),
-    (["--kernel", "flash"], "--kernel: the backward has no flash kernel yet"),
+    (["--kernel", "flash", "--bias", "bias.npy", "--dbias", "db.npy"],
+     "--dbias db.npy: the flash backward does not compute it yet"),
+    (["--kernel", "chunked"], "--kernel: the backward has no chunked kernel"),
     (["--dout", "small.npy"], "--dout small.npy: shape (1, 1, 1, 4)"),
     (["--dq", "dk.npy"], "--dk dk.npy: same file as --dq dk.npy"),
 ])
@@ -165,6 +170,7 @@ def test_errors(cli, rng, args, message):
         cli.save(f"{name}.npy", problem[name])
     cli.save("dout.npy", random_dout(rng, problem))
     cli.save("small.npy", np.zeros((1, 1, 1, 4), np.float32))
+    cli.save("bias.npy", np.zeros((5, 7), np.float32))
     base = {"--q": "q.npy", "--k": "k.npy", "--v": "v.npy", "--dout": "dout.npy",
             "--dq": "dq.npy", "--dk": "dk.npy", "--dv": "dv.npy"}
     if args[0] in ("--dbias", "--weights", "--kernel", "--dout", "--dq"):

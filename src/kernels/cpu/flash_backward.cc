@@ -1,0 +1,341 @@
+// Flash attention backward on the CPU (qkv/attention_backward.h; FlashAttention-2's scheme):
+// the probabilities are recomputed tile by tile from the forward's lse, never stored, so the
+// memory is O(tile) per thread plus D_i = dout_i . out_i per row.
+//
+// Tasks are (batch, kv head, key tile of kBlockQ keys). A task packs its keys and values once,
+// then walks the query tiles of every query head of its group that may attend its keys
+// (causal, window and key lengths decide which; a tile the masks leave empty is skipped):
+//
+//   s  = q k^T * scale (softcap, bias, masks)      p  = exp(s - lse)
+//   dp = dout v^T        ds = p (dp - D_i)         du = ds (1 - tanh^2) with softcap, else ds
+//   dv += p^T dout       dk += du^T q * scale       dq_tile = du k * scale
+//
+// Every product is the rank-1-update micro-kernel of attention_tiles-inl.h with the tile's keys
+// along the lanes (s, dp, dv^T, dk^T) or the head dimension along them (dq). dk and dv
+// accumulate in the task in a fixed order and are written once. dq gathers from every key tile:
+// the tasks add their tiles into dq in key-tile order, each waiting (a per-row-tile counter) for
+// the previous key tile's turn, so the sum's order, and every bit, is the same on any thread
+// count (parallel_for hands tasks out in index order, so a task only ever waits for a task that
+// already runs; docs/kernels.md, "Backward").
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/flash_backward.cc"
+#include <atomic>
+#include <cmath>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "core/aligned_buffer.h"
+#include "core/parallel.h"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+#include "kernels/cpu/attention_tiles-inl.h"
+#include "kernels/kernels.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv {
+namespace HWY_NAMESPACE {
+namespace {
+
+using tiles::DF;
+using tiles::kBlockQ;
+using tiles::kLanes;
+using tiles::kNegInf;
+using tiles::VF;
+namespace hn = hwy::HWY_NAMESPACE;
+
+constexpr std::int64_t kKeys = kBlockQ;  // keys per task: the lanes of the products
+constexpr std::int64_t kRowsPerTile = 64;  // query rows per tile
+
+std::int64_t RoundUp(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
+
+// The sizes every task shares, and its scratch layout (floats).
+struct Plan {
+  std::int64_t key_tiles, row_tiles, passes;  // passes: head_dim in kBlockQ-wide parts
+  std::int64_t kt, vt, kp, dkt, dvt, qs, s, dp, cap, dqt, floats;
+};
+
+Plan MakePlan(const AttentionKernelParams& p) {
+  Plan plan;
+  plan.key_tiles = (p.seq_kv + kKeys - 1) / kKeys;
+  plan.row_tiles = (p.seq_q + kRowsPerTile - 1) / kRowsPerTile;
+  plan.passes = (p.head_dim + kBlockQ - 1) / kBlockQ;
+  std::int64_t at = 0;
+  auto take = [&](std::int64_t n) {
+    const std::int64_t start = at;
+    at += RoundUp(n, kBlockQ);
+    return start;
+  };
+  plan.kt = take(p.head_dim * kKeys);
+  plan.vt = take(p.head_dim_v * kKeys);
+  plan.kp = take(plan.passes * kKeys * kBlockQ);
+  plan.dkt = take(p.head_dim * kKeys);
+  plan.dvt = take(p.head_dim_v * kKeys);
+  plan.qs = take(kRowsPerTile * p.head_dim);
+  plan.s = take(kRowsPerTile * kKeys);
+  plan.dp = take(kRowsPerTile * kKeys);
+  plan.cap = take(kRowsPerTile * kKeys);
+  plan.dqt = take(plan.passes * kRowsPerTile * kBlockQ);
+  plan.floats = at;
+  return plan;
+}
+
+// Whether some row of [i0, i0 + rows) may attend some key of [j0, j1) under causal, window and
+// key lengths: the rows' allowed keys slide by one per row, so their union is one interval.
+bool Interacts(const AttentionKernelParams& p, std::int64_t key_limit, std::int64_t i0,
+               std::int64_t rows, std::int64_t j0, std::int64_t j1) {
+  const std::int64_t lo = p.window_left < 0 ? 0 : i0 + p.diagonal_offset - p.window_left;
+  const std::int64_t hi =
+      p.window_right < 0 ? key_limit - 1 : i0 + rows - 1 + p.diagonal_offset + p.window_right;
+  return std::max(lo, j0) <= std::min({hi, j1 - 1, key_limit - 1});
+}
+
+std::int64_t KeyLimit(const AttentionKernelParams& p, std::int64_t b) {
+  return p.key_lengths != nullptr ? p.key_lengths[b] : p.seq_kv;
+}
+
+template <typename T>
+float Element(const void* base, std::int64_t offset) {
+  return tiles::WideElement(static_cast<const T*>(base)[offset]);
+}
+
+// The task's keys and values as the products read them (f32, zero past `num_k`):
+// kt[d][l] = k[j0 + l][d], vt[e][l] = v[j0 + l][e], kp[pass][l][x] = k[j0 + l][pass kBlockQ + x].
+template <typename T>
+void PackKeys(const AttentionKernelParams& p, const Plan& plan, std::int64_t b, std::int64_t hkv,
+              std::int64_t j0, std::int64_t num_k, float* w) {
+  float* kt = w + plan.kt;
+  float* vt = w + plan.vt;
+  float* kp = w + plan.kp;
+  std::fill(kt, kt + p.head_dim * kKeys, 0.0f);
+  std::fill(vt, vt + p.head_dim_v * kKeys, 0.0f);
+  std::fill(kp, kp + plan.passes * kKeys * kBlockQ, 0.0f);
+  for (std::int64_t l = 0; l < num_k; ++l) {
+    const std::int64_t k_row = b * p.k_stride[0] + (j0 + l) * p.k_stride[1] + hkv * p.k_stride[2];
+    const std::int64_t v_row = b * p.v_stride[0] + (j0 + l) * p.v_stride[1] + hkv * p.v_stride[2];
+    for (std::int64_t d = 0; d < p.head_dim; ++d) {
+      const float x = Element<T>(p.k, k_row + d * p.k_stride[3]);
+      kt[d * kKeys + l] = x;
+      kp[(d / kBlockQ) * kKeys * kBlockQ + l * kBlockQ + d % kBlockQ] = x;
+    }
+    for (std::int64_t e = 0; e < p.head_dim_v; ++e) {
+      vt[e * kKeys + l] = Element<T>(p.v, v_row + e * p.v_stride[3]);
+    }
+  }
+}
+
+// s[r][l] for rows [i0, i0 + rows) of head h against the task's keys: softcap (cap[r][l] =
+// 1 - tanh^2, its derivative), bias, every mask (not allowed: -inf); then p = exp(s - lse).
+void Probabilities(const AttentionKernelParams& p, const Plan& plan, std::int64_t b,
+                   std::int64_t h, std::int64_t i0, std::int64_t rows, std::int64_t j0,
+                   std::int64_t num_k, float* w) {
+  const DF df;
+  float* s = w + plan.s;
+  float* cap = w + plan.cap;
+  tiles::OuterProduct(w + plan.kt, w + plan.qs, rows, p.head_dim, 1, p.head_dim, s, nullptr,
+                      false);
+  if (p.softcap > 0.0f) {
+    const VF c = hn::Set(df, p.softcap), inv_c = hn::Set(df, 1.0f / p.softcap);
+    const VF one = hn::Set(df, 1.0f);
+    for (std::int64_t x = 0; x < rows * kKeys; x += kLanes) {
+      const VF t = hn::Tanh(df, hn::Mul(hn::Load(df, s + x), inv_c));
+      hn::Store(hn::Mul(c, t), df, s + x);
+      hn::Store(hn::NegMulAdd(t, t, one), df, cap + x);
+    }
+  }
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t i = i0 + r;
+    float* row = s + r * kKeys;
+    if (p.bias != nullptr) {
+      const float* bias = p.bias + b * p.bias_stride[0] + h * p.bias_stride[1] +
+                          i * p.bias_stride[2] + j0 * p.bias_stride[3];
+      for (std::int64_t l = 0; l < num_k; ++l) row[l] += bias[l * p.bias_stride[3]];
+    }
+    const tiles::KeyRange keys = tiles::LaneKeys(p, b, i);
+    const std::int64_t lo = std::clamp<std::int64_t>(keys.lo - j0, 0, kKeys);
+    const std::int64_t hi = std::clamp<std::int64_t>(keys.hi - j0, lo, kKeys);
+    for (std::int64_t l = 0; l < lo; ++l) row[l] = kNegInf;
+    for (std::int64_t l = hi; l < kKeys; ++l) row[l] = kNegInf;
+    if (p.mask != nullptr) {
+      const std::uint8_t* mask = p.mask + b * p.mask_stride[0] + h * p.mask_stride[1] +
+                                 i * p.mask_stride[2] + j0 * p.mask_stride[3];
+      for (std::int64_t l = lo; l < hi; ++l) {
+        if (mask[l * p.mask_stride[3]] == 0) row[l] = kNegInf;
+      }
+    }
+    if (p.sparse.kind != SparseKernelParams::Kind::kNone) {
+      for (std::int64_t l = lo; l < hi; ++l) {
+        if (!sparse_pair_allowed(p.sparse, p.diagonal_offset, h, i, j0 + l)) row[l] = kNegInf;
+      }
+    }
+    // A row with no allowed key has lse = -inf and only -inf scores: p = exp(-inf) = 0.
+    const float lse = p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]];
+    const VF shift = hn::Set(df, lse == kNegInf ? 0.0f : lse);
+    const VF zero = hn::Zero(df);
+    for (std::int64_t x = 0; x < kKeys; x += kLanes) {
+      // s <= lse up to rounding: clamp to the exp's domain.
+      const VF arg = hn::Min(hn::Sub(hn::Load(df, row + x), shift), zero);
+      hn::Store(fastexp::ExpNonPositive(df, arg), df, row + x);
+    }
+  }
+}
+
+template <typename T>
+void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, const float* delta,
+                  std::atomic<std::int64_t>* turns, std::int64_t task, float* w) {
+  const AttentionKernelParams& p = g.forward;
+  const DF df;
+  const std::int64_t per_batch = p.num_heads_kv * plan.key_tiles;
+  const std::int64_t b = task / per_batch, hkv = task % per_batch / plan.key_tiles;
+  const std::int64_t jt = task % plan.key_tiles, j0 = jt * kKeys;
+  const std::int64_t key_limit = KeyLimit(p, b);
+  const std::int64_t num_k = std::max<std::int64_t>(0, std::min({kKeys, p.seq_kv - j0, key_limit - j0}));
+  const std::int64_t group = p.num_heads_q / p.num_heads_kv;
+  float* dkt = w + plan.dkt;
+  float* dvt = w + plan.dvt;
+  std::fill(dkt, dkt + p.head_dim * kKeys, 0.0f);
+  std::fill(dvt, dvt + p.head_dim_v * kKeys, 0.0f);
+  if (num_k > 0) PackKeys<T>(p, plan, b, hkv, j0, num_k, w);
+  float* qs = w + plan.qs;
+  float* s = w + plan.s;
+  float* dp = w + plan.dp;
+  const float* cap = w + plan.cap;
+  float* dqt = w + plan.dqt;
+  for (std::int64_t h = hkv * group; num_k > 0 && h < (hkv + 1) * group; ++h) {
+    for (std::int64_t it = 0; it < plan.row_tiles; ++it) {
+      const std::int64_t i0 = it * kRowsPerTile;
+      const std::int64_t rows = std::min(kRowsPerTile, p.seq_q - i0);
+      if (!Interacts(p, key_limit, i0, rows, j0, j0 + num_k)) continue;
+      // qs[r][d] = q[i0 + r][d] * scale.
+      for (std::int64_t r = 0; r < rows; ++r) {
+        const std::int64_t q_row = b * p.q_stride[0] + (i0 + r) * p.q_stride[1] + h * p.q_stride[2];
+        for (std::int64_t d = 0; d < p.head_dim; ++d) {
+          qs[r * p.head_dim + d] = Element<T>(p.q, q_row + d * p.q_stride[3]) * p.scale;
+        }
+      }
+      Probabilities(p, plan, b, h, i0, rows, j0, num_k, w);
+      // dp[r][l] = dout_r . v_l, then du = p (dp - D_r) (times the softcap's derivative).
+      const float* dout = g.dout + b * g.dout_stride[0] + i0 * g.dout_stride[1] + h * g.dout_stride[2];
+      tiles::OuterProduct(w + plan.vt, dout, rows, g.dout_stride[1], g.dout_stride[3],
+                          p.head_dim_v, dp, nullptr, false);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        const VF d_r = hn::Set(df, delta[(b * p.num_heads_q + h) * p.seq_q + i0 + r]);
+        for (std::int64_t x = r * kKeys; x < (r + 1) * kKeys; x += kLanes) {
+          VF du = hn::Mul(hn::Load(df, s + x), hn::Sub(hn::Load(df, dp + x), d_r));
+          if (p.softcap > 0.0f) du = hn::Mul(du, hn::Load(df, cap + x));
+          hn::Store(du, df, dp + x);
+        }
+      }
+      // dv^T[e][l] += sum_r dout[r][e] p[r][l];  dk^T[d][l] += sum_r qs[r][d] du[r][l].
+      tiles::OuterProduct(s, dout, p.head_dim_v, g.dout_stride[3], g.dout_stride[1], rows, dvt,
+                          nullptr, true);
+      tiles::OuterProduct(dp, qs, p.head_dim, 1, p.head_dim, rows, dkt, nullptr, true);
+      // dq tile: dqt[pass][r][x] = sum_l du[r][l] k[l][pass kBlockQ + x].
+      for (std::int64_t pass = 0; pass < plan.passes; ++pass) {
+        tiles::OuterProduct(w + plan.kp + pass * kKeys * kBlockQ, dp, rows, kKeys, 1, num_k,
+                            dqt + pass * kRowsPerTile * kBlockQ, nullptr, false);
+      }
+      // Our turn on these dq rows: after every earlier key tile that touches them.
+      std::atomic<std::int64_t>& turn = turns[(b * p.num_heads_q + h) * plan.row_tiles + it];
+      for (int spins = 0; turn.load(std::memory_order_acquire) != jt; ++spins) {
+        if (spins > 64) std::this_thread::yield();
+      }
+      const VF scale = hn::Set(df, p.scale);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        float* dq = g.dq + b * g.dq_stride[0] + (i0 + r) * g.dq_stride[1] + h * g.dq_stride[2];
+        for (std::int64_t pass = 0; pass < plan.passes; ++pass) {
+          const float* tile = dqt + pass * kRowsPerTile * kBlockQ + r * kBlockQ;
+          const std::int64_t d0 = pass * kBlockQ, width = std::min(kBlockQ, p.head_dim - d0);
+          std::int64_t x = 0;
+          if (g.dq_stride[3] == 1) {
+            for (; x + kLanes <= width; x += kLanes) {
+              hn::StoreU(hn::MulAdd(hn::Load(df, tile + x), scale, hn::LoadU(df, dq + d0 + x)), df,
+                         dq + d0 + x);
+            }
+          }
+          for (; x < width; ++x) dq[(d0 + x) * g.dq_stride[3]] += tile[x] * p.scale;
+        }
+      }
+      turn.store(jt + 1, std::memory_order_release);
+    }
+  }
+  // dk = dk^T transposed, times scale (qs carried it already); rows past key_limit are 0.
+  const std::int64_t rows_out = std::min(kKeys, p.seq_kv - j0);
+  for (std::int64_t l = 0; l < rows_out; ++l) {
+    float* dk = g.dk + b * g.dk_stride[0] + (j0 + l) * g.dk_stride[1] + hkv * g.dk_stride[2];
+    float* dv = g.dv + b * g.dv_stride[0] + (j0 + l) * g.dv_stride[1] + hkv * g.dv_stride[2];
+    for (std::int64_t d = 0; d < p.head_dim; ++d) dk[d * g.dk_stride[3]] = dkt[d * kKeys + l];
+    for (std::int64_t e = 0; e < p.head_dim_v; ++e) dv[e * g.dv_stride[3]] = dvt[e * kKeys + l];
+  }
+}
+
+void FlashBackward(const AttentionBackwardKernelParams& g) {
+  const AttentionKernelParams& p = g.forward;
+  const Plan plan = MakePlan(p);
+  // D_r = dout_r . out_r per (b, h, row), and dq = 0, one (b, h) per task.
+  AlignedBuffer delta(sizeof(float) * p.batch * p.num_heads_q * p.seq_q);
+  const std::int64_t heads = p.batch * p.num_heads_q;
+  parallel_for(heads, static_cast<int>(std::min<std::int64_t>(p.num_threads, heads)),
+               [&](std::int64_t task, int) {
+                 const std::int64_t b = task / p.num_heads_q, h = task % p.num_heads_q;
+                 for (std::int64_t i = 0; i < p.seq_q; ++i) {
+                   const float* out = p.out + b * p.out_stride[0] + i * p.out_stride[1] + h * p.out_stride[2];
+                   const float* dout = g.dout + b * g.dout_stride[0] + i * g.dout_stride[1] + h * g.dout_stride[2];
+                   double sum = 0.0;
+                   for (std::int64_t e = 0; e < p.head_dim_v; ++e) {
+                     sum += static_cast<double>(out[e * p.out_stride[3]]) * dout[e * g.dout_stride[3]];
+                   }
+                   delta.as<float>()[task * p.seq_q + i] = static_cast<float>(sum);
+                   float* dq = g.dq + b * g.dq_stride[0] + i * g.dq_stride[1] + h * g.dq_stride[2];
+                   for (std::int64_t d = 0; d < p.head_dim; ++d) dq[d * g.dq_stride[3]] = 0.0f;
+                 }
+               });
+  // Each row tile's turn starts at the first key tile that touches it.
+  const std::int64_t num_turns = heads * plan.row_tiles;
+  std::unique_ptr<std::atomic<std::int64_t>[]> turns(new std::atomic<std::int64_t>[num_turns]);
+  for (std::int64_t t = 0; t < num_turns; ++t) {
+    const std::int64_t b = t / (p.num_heads_q * plan.row_tiles), it = t % plan.row_tiles;
+    const std::int64_t i0 = it * kRowsPerTile, rows = std::min(kRowsPerTile, p.seq_q - i0);
+    const std::int64_t key_limit = KeyLimit(p, b);
+    std::int64_t first = 0;
+    while (first < plan.key_tiles &&
+           !Interacts(p, key_limit, i0, rows, first * kKeys,
+                      std::min(p.seq_kv, (first + 1) * kKeys))) {
+      ++first;
+    }
+    turns[t].store(first, std::memory_order_relaxed);
+  }
+  const std::int64_t tasks = p.batch * p.num_heads_kv * plan.key_tiles;
+  const int threads = static_cast<int>(std::min<std::int64_t>(p.num_threads, tasks));
+  AlignedBuffer scratch(sizeof(float) * plan.floats * threads);
+  parallel_for(tasks, threads, [&](std::int64_t task, int thread) {
+    float* w = scratch.as<float>() + thread * plan.floats;
+    if (p.dtype == DType::kBF16) {
+      BackwardTask<hwy::bfloat16_t>(g, plan, delta.as<float>(), turns.get(), task, w);
+    } else if (p.dtype == DType::kF16) {
+      BackwardTask<hwy::float16_t>(g, plan, delta.as<float>(), turns.get(), task, w);
+    } else {
+      BackwardTask<float>(g, plan, delta.as<float>(), turns.get(), task, w);
+    }
+  });
+}
+
+}  // namespace
+
+void FlashBackwardEntry(const AttentionBackwardKernelParams& g) { FlashBackward(g); }
+
+}  // namespace HWY_NAMESPACE
+}  // namespace qkv
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace qkv {
+
+HWY_EXPORT(FlashBackwardEntry);
+
+void attention_backward_flash_cpu(const AttentionBackwardKernelParams& params) {
+  HWY_DYNAMIC_DISPATCH(FlashBackwardEntry)(params);
+}
+
+}  // namespace qkv
+#endif  // HWY_ONCE
