@@ -19,6 +19,7 @@
 #include "core/float16.h"
 #include "core/parallel.h"
 #include "qkv/attention.h"
+#include "qkv/attention_backward.h"
 #include "qkv/tensor.h"
 #include "tools/cli.h"
 #include "tools/cli_linear.h"
@@ -32,7 +33,7 @@ namespace {
 
 constexpr const char* kBenchUsage =
     "usage: qkv bench [--json] [--shape B,Hq,Hkv,Lq,Lk,D] [--causal] [--kernel K] [--dtype T]\n"
-    "                 [--threads N] [--repeats R]\n"
+    "                 [--threads N] [--repeats R] [--backward]\n"
     "\n"
     "Times qkv::attention on random inputs (fixed seed) and reports GFLOP/s as a fraction of this\n"
     "machine's peak for the dtype's instructions, measured first in the same process on the same\n"
@@ -64,6 +65,10 @@ constexpr const char* kBenchUsage =
     "                   block-sparse attention, spelled as for qkv attention (docs/sparse.md);\n"
     "                   eff GFLOP/s then counts the pairs the sparsity and causal allow (json:\n"
     "                   \"pairs\", per batch and head)\n"
+    "  --backward       time qkv::attention_backward (dq, dk, dv for a random dout; the forward's\n"
+    "                   out and lse computed once before) instead; GFLOP/s counts 2.5x the\n"
+    "                   forward's FLOPs (FlashAttention's convention: five products to the\n"
+    "                   forward's two). --kernel auto|flash|reference (docs/training.md)\n"
     "  --help           this text\n"
     "\n"
     "columns: median ms per call; GFLOP/s = 4*B*Hq*Lq*Lk*D / seconds (all pairs); eff GFLOP/s\n"
@@ -92,6 +97,7 @@ struct BenchOptions {
   DType dtype = DType::kF32;
   std::optional<LinearAttentionParams> linear;  // --linear: time linear_attention instead
   SparseCliOptions sparse;                      // --sparse, --sparse-layout, --sparse-block
+  bool backward = false;                        // --backward: time attention_backward
 };
 
 Kernel parse_kernel(const std::string& name) {
@@ -145,6 +151,8 @@ BenchOptions parse_options(std::vector<std::string> argv, bool* help) {
       *help = true;
     } else if (arg == "--json") {
       options.json = true;
+    } else if (arg == "--backward") {
+      options.backward = true;
     } else if (arg == "--causal") {
       options.causal = true;
     } else if (arg == "--shape") {
@@ -184,6 +192,14 @@ BenchOptions parse_options(std::vector<std::string> argv, bool* help) {
     }
   }
   check_sparse_options(options.sparse);
+  if (options.backward && options.linear) throw UsageError("--backward: not available with --linear");
+  if (options.backward) {
+    for (Kernel kernel : options.kernels) {
+      if (kernel == Kernel::kChunked) {
+        throw UsageError("--kernel chunked: the backward has no chunked kernel (auto, flash or reference)");
+      }
+    }
+  }
   return options;
 }
 
@@ -285,9 +301,34 @@ BenchResult run_case(const BenchCase& c, Kernel kernel, const BenchOptions& opti
     linear = linear_params_from(*options.linear, params);
     result.kernel = linear_spec_name(linear);
   }
+  // --backward: the forward once (out, lse), then the backward is what is timed.
+  std::vector<float> lse, dout, dq, dk, dv;
+  AttentionGrads grads;
+  TensorView dout_view;
+  if (options.backward) {
+    lse.assign(static_cast<std::size_t>(c.batch * c.num_heads_q * c.seq_q), 0.0f);
+    outputs.lse = TensorView::contiguous(lse.data(), DType::kF32,
+                                         {c.batch, c.num_heads_q, c.seq_q, 1});
+    AttentionParams forward = params;
+    forward.kernel = Kernel::kAuto;
+    attention(q_view, k_view, v_view, outputs, forward);
+    dout.resize(out.size());
+    tools::fill_normal(dout, 4);
+    dout_view = TensorView::contiguous(dout.data(), DType::kF32, q_sizes);
+    dq.assign(out.size(), 0.0f);
+    dk.assign(static_cast<std::size_t>(c.batch * c.seq_kv * c.num_heads_kv * c.head_dim), 0.0f);
+    dv.assign(dk.size(), 0.0f);
+    grads = {.dq = TensorView::contiguous(dq.data(), DType::kF32, q_sizes),
+             .dk = TensorView::contiguous(dk.data(), DType::kF32, kv_sizes),
+             .dv = TensorView::contiguous(dv.data(), DType::kF32, kv_sizes)};
+    result.kernel = std::string(kernel == Kernel::kReference ? "reference" : "flash") + "-backward";
+  }
   auto call = [&] {
     if (options.linear) {
       linear_attention(q_view, k_view, v_view, outputs, linear);
+    } else if (options.backward) {
+      attention_backward(q_view, k_view, v_view, outputs.out, outputs.lse, dout_view, grads,
+                         params);
     } else {
       attention(q_view, k_view, v_view, outputs, params);
     }
@@ -325,8 +366,9 @@ BenchResult run_case(const BenchCase& c, Kernel kernel, const BenchOptions& opti
   result.pairs = sparse_allowed_pairs(c.seq_q, c.seq_kv, c.num_heads_q, params);
   const double effective_flops =
       attention_flops(c.batch, c.num_heads_q, result.pairs, c.head_dim, c.head_dim);
-  result.gflops = flops / result.seconds / 1e9;
-  result.effective_gflops = effective_flops / result.seconds / 1e9;
+  const double work = options.backward ? 2.5 : 1.0;  // the backward's five products to two
+  result.gflops = work * flops / result.seconds / 1e9;
+  result.effective_gflops = work * effective_flops / result.seconds / 1e9;
   if (options.linear) {
     // Linear attention does the same work whatever the mask: one count (linear_attention.h).
     result.gflops = result.effective_gflops =
