@@ -25,7 +25,7 @@ import numpy as np
 from . import _qkv
 from ._qkv import Sparsity
 
-__all__ = ["attention", "linear_attention", "longformer", "bigbird", "block_layout",
+__all__ = ["attention", "attention_backward", "linear_attention", "longformer", "bigbird", "block_layout",
            "bigbird_layout", "Sparsity", "SentenceEmbedder"]
 __version__ = "0.1.0"
 
@@ -188,6 +188,54 @@ def attention(q: Array, k: Array, v: Array, *, layout: str = "bshd", causal: boo
     if not (return_lse or return_weights):
         return _result(framework, out)
     results = [out] + ([lse] if return_lse else []) + ([weights] if return_weights else [])
+    return tuple(_result(framework, x) for x in results)
+
+
+def attention_backward(q: Array, k: Array, v: Array, out: Array, lse: Array, dout: Array, *,
+                       layout: str = "bshd", causal: bool = False, align: str = "bottom_right",
+                       window: Tuple[int, int] = (-1, -1),
+                       key_lengths: Optional[Union[Array, Sequence[int]]] = None,
+                       mask: Optional[Array] = None, bias: Optional[Array] = None,
+                       scale: Optional[float] = None, softcap: float = 0.0,
+                       sparsity: Optional[Sparsity] = None, kernel: str = "auto",
+                       num_threads: int = 0, return_dbias: bool = False) -> Any:
+    """The gradients of attention() (qkv::attention_backward; docs/training.md).
+
+    q, k, v and every option: as given to attention(); out, lse: what it returned for them
+    (float32; lse (B, Hq, Lq)); dout: dL/d(out), float32, out's shape. Returns (dq, dk, dv),
+    float32 in q's framework and layout (dk, dv summed over the query heads of each kv head),
+    and dbias (the bias's shape, summed over the dimensions it broadcasts over) as a fourth
+    when return_dbias. kernel: "auto" (flash; the reference when dbias is asked for),
+    "flash" or "reference" (the float64 oracle). Same bits on any num_threads.
+    """
+    framework = _framework(q)
+    shapes = [_shape(name, x, "(B, L, H, D)" if layout != "bhsd" else "(B, H, L, D)")
+              for name, x in (("q", q), ("k", k), ("v", v))]
+    dq, dk, dv = (_empty(framework, shape) for shape in shapes)
+    dbias = None
+    if return_dbias:
+        if bias is None:
+            raise ValueError("return_dbias: needs a bias")
+        dbias = _empty(framework, tuple(bias.shape))
+    q, q_bits = _input("q", q)
+    k, k_bits = _input("k", k)
+    v, v_bits = _input("v", v)
+    if mask is not None:
+        mask = _input("mask", mask)[0]
+    if bias is not None:
+        bias = _input("bias", bias)[0]
+    try:
+        window_left, window_right = window
+    except (TypeError, ValueError):
+        raise TypeError(f"window: expected (left, right), got {window!r}") from None
+    _qkv.attention_backward(
+        q, k, v, _input("out", out)[0], _input("lse", lse)[0], _input("dout", dout)[0],
+        _input("dq", dq)[0], _input("dk", dk)[0], _input("dv", dv)[0],
+        None if dbias is None else _input("dbias", dbias)[0], mask, bias, _lengths(key_lengths),
+        sparsity, None if scale is None else float(scale), float(softcap), bool(causal), align,
+        _int("window", window_left), _int("window", window_right), kernel,
+        _int("num_threads", num_threads), layout, q_bits | (k_bits << 1) | (v_bits << 2))
+    results = (dq, dk, dv) + ((dbias,) if return_dbias else ())
     return tuple(_result(framework, x) for x in results)
 
 

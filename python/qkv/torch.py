@@ -12,15 +12,17 @@ multiple of Hkv. One difference: a query row that the mask leaves with no key ge
 qkv, where PyTorch's math kernel gives NaN.
 
 It runs on torch.get_num_threads() threads (torch.set_num_threads sets them), as torch's own
-does. It is registered as the torch.library custom op torch.ops.qkv.scaled_dot_product_attention with a
-fake (meta) implementation, so torch.compile traces it as one node. CPU tensors only; float32,
-bfloat16 and float16 (computed with float32 accumulation). Forward only for now: dropout_p must
-be 0 and gradients do not flow through it yet.
+does. It is the torch.library custom op torch.ops.qkv.sdpa_forward (out and the log-sum-exp)
+with a fake (meta) implementation, so torch.compile traces it as one node, and an autograd
+formula: loss.backward() flows through qkv's attention backward (torch.ops.qkv.sdpa_backward:
+grads for query, key, value and a float attn_mask). CPU tensors only; float32, bfloat16 and
+float16 (computed with float32 accumulation; gradients come back in the inputs' dtype).
+dropout_p must be 0 (no dropout yet).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -49,7 +51,7 @@ def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         raise ValueError(f"query, key and value must have the same number of dims, got shapes "
                          f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}")
     if dropout_p != 0.0:
-        raise ValueError(f"dropout_p: qkv's attention has no dropout yet (forward only); got "
+        raise ValueError(f"dropout_p: qkv's attention has no dropout yet; got "
                          f"{dropout_p}")
     if attn_mask is not None and is_causal:
         raise RuntimeError("scaled_dot_product_attention: explicit attn_mask should not be set "
@@ -70,12 +72,9 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-@torch.library.custom_op("qkv::scaled_dot_product_attention", mutates_args=(),
-                         device_types="cpu")
-def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-          attn_mask: Optional[torch.Tensor], dropout_p: float, is_causal: bool,
-          scale: Optional[float], enable_gqa: bool) -> torch.Tensor:
-    _check(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+def _mask_and_bias(query, key, attn_mask):
+    """attn_mask as qkv's (mask, bias): bool -> mask, float -> bias (float32), both 4-D when the
+    inputs have more than 4 dims."""
     mask = bias = None
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
@@ -89,16 +88,82 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             mask_shape = (*query.shape[:-1], key.shape[-2])
             full = attn_mask.expand(mask_shape).reshape(-1, *mask_shape[-3:])
             mask, bias = (full, None) if mask is not None else (None, full)
-    out = qkv.attention(_as_4d(query), _as_4d(key), _as_4d(value), layout="bhsd",
-                        causal=is_causal, align="top_left", mask=mask, bias=bias, scale=scale,
-                        num_threads=torch.get_num_threads())
+    return mask, bias
+
+
+@torch.library.custom_op("qkv::sdpa_forward", mutates_args=(), device_types="cpu")
+def _sdpa_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attn_mask: Optional[torch.Tensor], dropout_p: float, is_causal: bool,
+                  scale: Optional[float], enable_gqa: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out in query's dtype, lse float32 (B, Hq, L) over the inputs folded to 4-D)."""
+    _check(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+    mask, bias = _mask_and_bias(query, key, attn_mask)
+    out, lse = qkv.attention(_as_4d(query), _as_4d(key), _as_4d(value), layout="bhsd",
+                             causal=is_causal, align="top_left", mask=mask, bias=bias,
+                             scale=scale, num_threads=torch.get_num_threads(), return_lse=True)
     out = out.reshape(*query.shape[:-1], value.shape[-1])
-    return out if query.dtype == torch.float32 else out.to(query.dtype)
+    return (out if query.dtype == torch.float32 else out.to(query.dtype)), lse
 
 
-@_sdpa.register_fake
-def _sdpa_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    return query.new_empty((*query.shape[:-1], value.shape[-1]))
+@_sdpa_forward.register_fake
+def _sdpa_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    batch = _as_4d(query).shape[0]
+    return (query.new_empty((*query.shape[:-1], value.shape[-1])),
+            query.new_empty((batch, query.shape[-3], query.shape[-2]), dtype=torch.float32))
+
+
+@torch.library.custom_op("qkv::sdpa_backward", mutates_args=(), device_types="cpu")
+def _sdpa_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, attn_mask: Optional[torch.Tensor], out: torch.Tensor,
+                   lse: torch.Tensor, is_causal: bool, scale: Optional[float],
+                   mask_grad: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                             torch.Tensor]:
+    """(d query, d key, d value in their dtypes, d attn_mask: its shape and dtype when
+    mask_grad, else an empty tensor)."""
+    mask, bias = _mask_and_bias(query, key, attn_mask)
+    as32 = lambda t: t if t.dtype == torch.float32 else t.to(torch.float32)  # noqa: E731
+    grads = qkv.attention_backward(
+        _as_4d(query), _as_4d(key), _as_4d(value), _as_4d(as32(out)), lse,
+        _as_4d(as32(grad_out)).contiguous(), layout="bhsd", causal=is_causal, align="top_left",
+        mask=mask, bias=bias, scale=scale, num_threads=torch.get_num_threads(),
+        return_dbias=mask_grad)
+    dq, dk, dv = (g.reshape(t.shape).to(t.dtype) for g, t in zip(grads[:3], (query, key, value)))
+    dmask = query.new_empty((0,))
+    if mask_grad:
+        # dbias has the bias's shape; with more than 4 input dims the bias was expanded to the
+        # full 4-D shape first: sum it back down to attn_mask's.
+        dbias = grads[3].reshape(*query.shape[:-1], key.shape[-2]) if query.dim() > 4 and \
+            attn_mask.dim() > 3 else grads[3]
+        dmask = dbias.sum_to_size(attn_mask.shape).to(attn_mask.dtype)
+    return dq, dk, dv, dmask
+
+
+@_sdpa_backward.register_fake
+def _sdpa_backward_fake(grad_out, query, key, value, attn_mask, out, lse, is_causal, scale,
+                        mask_grad):
+    dmask = attn_mask.new_empty(attn_mask.shape) if mask_grad else query.new_empty((0,))
+    return (query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape),
+            dmask)
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, attn_mask, _, is_causal, scale, _ = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, attn_mask, out, lse)
+    ctx.is_causal = is_causal
+    ctx.scale = scale
+    ctx.mask_grad = (attn_mask is not None and attn_mask.is_floating_point()
+                     and attn_mask.requires_grad)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    query, key, value, attn_mask, out, lse = ctx.saved_tensors
+    dq, dk, dv, dmask = torch.ops.qkv.sdpa_backward(grad_out, query, key, value, attn_mask, out,
+                                                    lse, ctx.is_causal, ctx.scale, ctx.mask_grad)
+    return dq, dk, dv, (dmask if ctx.mask_grad else None), None, None, None, None
+
+
+_sdpa_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -109,5 +174,5 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     """torch.nn.functional.scaled_dot_product_attention with PyTorch's semantics, computed by
     qkv (see the module docstring). query (N, ..., Hq, L, E), key (N, ..., Hkv, S, E), value
     (N, ..., Hkv, S, Ev) -> (N, ..., Hq, L, Ev), query's dtype."""
-    return _sdpa(query, key, value, attn_mask, float(dropout_p), bool(is_causal),
-                 None if scale is None else float(scale), bool(enable_gqa))
+    return _sdpa_forward(query, key, value, attn_mask, float(dropout_p), bool(is_causal),
+                         None if scale is None else float(scale), bool(enable_gqa))[0]

@@ -19,6 +19,7 @@
 #include "core/int_math.h"
 #include "python/arrays.h"
 #include "qkv/attention.h"
+#include "qkv/attention_backward.h"
 #include "qkv/error.h"
 #include "qkv/linear_attention.h"
 #include "qkv/models/sentence_embedder.h"
@@ -229,6 +230,59 @@ nb::ndarray<nb::numpy, bool> numpy_bool(std::vector<std::uint8_t> mask, std::int
   return nb::ndarray<nb::numpy, bool>(owned->data(), 3, shape, owner);
 }
 
+// The attention options as the library takes them, and the arrays they view (held for the
+// call): shared by attention() and attention_backward().
+struct PyParams {
+  AttentionParams params;
+  std::vector<std::int64_t> lengths;
+  std::optional<Held<InArray>> mask, bias;
+};
+
+void attention_params(nb::handle mask, nb::handle bias, nb::handle key_lengths,
+                      const PySparsity* sparsity, std::optional<float> scale, float softcap,
+                      bool causal, const std::string& align, std::int64_t window_left,
+                      std::int64_t window_right, const std::string& kernel, int num_threads,
+                      PyParams& out) {
+  // mask, bias: broadcastable to [B, Hq, Lq, Lk] (numpy's rule: missing leading dims are 1)
+  out.lengths = key_lengths_of(key_lengths);
+  out.params = {.scale = scale,
+                .softcap = softcap,
+                .causal = causal,
+                .align = parse_align(align),
+                .window_left = window_left,
+                .window_right = window_right,
+                .key_lengths = out.lengths,
+                .kernel = parse_choice<Kernel>("kernel", kernel,
+                                               {{"auto", Kernel::kAuto},
+                                                {"reference", Kernel::kReference},
+                                                {"chunked", Kernel::kChunked},
+                                                {"flash", Kernel::kFlash}}),
+                .num_threads = num_threads};
+  if (!mask.is_none()) {
+    out.mask = input_view("mask", mask,
+                          {0,
+                           4,
+                           "at most 4, broadcastable to (B, Hq, Lq, Lk)",
+                           {DType::kBool, DType::kU8},
+                           "bool or uint8 (true = may attend)"});
+    out.params.mask = out.mask->view;
+  }
+  if (!bias.is_none()) {
+    out.bias =
+        input_view("bias", bias,
+                   {0, 4, "at most 4, broadcastable to (B, Hq, Lq, Lk)", {DType::kF32}, "float32"});
+    out.params.bias = out.bias->view;
+  }
+  if (sparsity) out.params.sparsity = sparsity->get();
+}
+
+// lse as the library takes it: a (B, Hq, Lq) array seen as [B, Hq, Lq, 1].
+TensorView lse_view(TensorView view) {
+  view.sizes = {view.sizes[1], view.sizes[2], view.sizes[3], 1};  // [1, B, Hq, Lq] ->
+  view.strides = {view.strides[1], view.strides[2], view.strides[3], 1};
+  return view;
+}
+
 void attention_binding(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
                        nb::handle weights, nb::handle mask, nb::handle bias, nb::handle key_lengths,
                        const PySparsity* sparsity, std::optional<float> scale, float softcap,
@@ -237,54 +291,58 @@ void attention_binding(nb::handle q, nb::handle k, nb::handle v, nb::handle out,
                        const std::string& layout, int bf16_bits) {
   // q: [B, Lq, Hq, D]  k: [B, Lk, Hkv, D]  v: [B, Lk, Hkv, Dv]  out: [B, Lq, Hq, Dv]
   // (each [B, H, L, D] with layout "bhsd");  lse: [B, Hq, Lq]  weights: [B, Hq, Lq, Lk]
-  // mask, bias: broadcastable to [B, Hq, Lq, Lk] (numpy's rule: missing leading dims are 1)
   const Operands o = operands(q, k, v, out, layout, bf16_bits);
-  const std::vector<std::int64_t> lengths = key_lengths_of(key_lengths);
-  AttentionParams params{.scale = scale,
-                         .softcap = softcap,
-                         .causal = causal,
-                         .align = parse_align(align),
-                         .window_left = window_left,
-                         .window_right = window_right,
-                         .key_lengths = lengths,
-                         .kernel = parse_choice<Kernel>("kernel", kernel,
-                                                        {{"auto", Kernel::kAuto},
-                                                         {"reference", Kernel::kReference},
-                                                         {"chunked", Kernel::kChunked},
-                                                         {"flash", Kernel::kFlash}}),
-                         .num_threads = num_threads};
-  std::optional<Held<InArray>> mask_held, bias_held;
-  if (!mask.is_none()) {
-    mask_held = input_view("mask", mask,
-                           {0,
-                            4,
-                            "at most 4, broadcastable to (B, Hq, Lq, Lk)",
-                            {DType::kBool, DType::kU8},
-                            "bool or uint8 (true = may attend)"});
-    params.mask = mask_held->view;
-  }
-  if (!bias.is_none()) {
-    bias_held =
-        input_view("bias", bias,
-                   {0, 4, "at most 4, broadcastable to (B, Hq, Lq, Lk)", {DType::kF32}, "float32"});
-    params.bias = bias_held->view;
-  }
-  if (sparsity) params.sparsity = sparsity->get();
+  PyParams py;
+  attention_params(mask, bias, key_lengths, sparsity, scale, softcap, causal, align, window_left,
+                   window_right, kernel, num_threads, py);
   AttentionOutputs outputs{.out = o.out.view};
   std::optional<Held<OutArray>> lse_held, weights_held;
   if (!lse.is_none()) {
     lse_held = output_view("lse", lse, {3, 3, "3: (B, Hq, Lq)", {DType::kF32}, "float32"});
-    TensorView& view = lse_held->view;  // [1, B, Hq, Lq] -> [B, Hq, Lq, 1]
-    view.sizes = {view.sizes[1], view.sizes[2], view.sizes[3], 1};
-    view.strides = {view.strides[1], view.strides[2], view.strides[3], 1};
-    outputs.lse = view;
+    outputs.lse = lse_view(lse_held->view);
   }
   if (!weights.is_none()) {
     weights_held =
         output_view("weights", weights, {4, 4, "4: (B, Hq, Lq, Lk)", {DType::kF32}, "float32"});
     outputs.probs = weights_held->view;
   }
-  call_library(o, [&] { attention(o.q.view, o.k.view, o.v.view, outputs, params); });
+  call_library(o, [&] { attention(o.q.view, o.k.view, o.v.view, outputs, py.params); });
+}
+
+// qkv::attention_backward: out (the forward's, f32) travels in the Operands' out slot; dq, dk,
+// dv (and dbias) are written. Shapes as for attention_binding; dout like out.
+void attention_backward_binding(nb::handle q, nb::handle k, nb::handle v, nb::handle out,
+                                nb::handle lse, nb::handle dout, nb::handle dq, nb::handle dk,
+                                nb::handle dv, nb::handle dbias, nb::handle mask, nb::handle bias,
+                                nb::handle key_lengths, const PySparsity* sparsity,
+                                std::optional<float> scale, float softcap, bool causal,
+                                const std::string& align, std::int64_t window_left,
+                                std::int64_t window_right, const std::string& kernel,
+                                int num_threads, const std::string& layout, int bf16_bits) {
+  const Operands o = operands(q, k, v, out, layout, bf16_bits);
+  PyParams py;
+  attention_params(mask, bias, key_lengths, sparsity, scale, softcap, causal, align, window_left,
+                   window_right, kernel, num_threads, py);
+  const bool bhsd = o.bhsd;
+  auto bshd = [&](TensorView view) { return bhsd ? view.permuted({0, 2, 1, 3}) : view; };
+  const Held<InArray> lse_held =
+      input_view("lse", lse, {3, 3, "3: (B, Hq, Lq)", {DType::kF32}, "float32"});
+  const Held<InArray> dout_held = input_view(
+      "dout", dout, {4, 4, bhsd ? "4: (B, Hq, Lq, Dv) for layout 'bhsd'" : "4: (B, Lq, Hq, Dv)",
+                     {DType::kF32}, "float32"});
+  const Expect f32_4d{4, 4, "4: the shape of q, k or v", {DType::kF32}, "float32"};
+  Held<OutArray> dq_held = output_view("dq", dq, f32_4d), dk_held = output_view("dk", dk, f32_4d),
+                 dv_held = output_view("dv", dv, f32_4d);
+  AttentionGrads grads{.dq = bshd(dq_held.view), .dk = bshd(dk_held.view), .dv = bshd(dv_held.view)};
+  std::optional<Held<OutArray>> dbias_held;
+  if (!dbias.is_none()) {
+    dbias_held = output_view("dbias", dbias, {0, 4, "the bias's shape", {DType::kF32}, "float32"});
+    grads.dbias = dbias_held->view;
+  }
+  call_library(o, [&] {
+    attention_backward(o.q.view, o.k.view, o.v.view, o.out.view, lse_view(lse_held.view),
+                       bshd(dout_held.view), grads, py.params);
+  });
 }
 
 void linear_attention_binding(nb::handle q, nb::handle k, nb::handle v, nb::handle out,
@@ -422,6 +480,12 @@ void define_module(nb::module_& m) {
   // q, k, v and out accept None too, so that a None there gets qkv's message, not nanobind's.
   m.def("attention", &attention_binding, "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(),
         "lse"_a.none(), "weights"_a.none(), "mask"_a.none(), "bias"_a.none(),
+        "key_lengths"_a.none(), "sparsity"_a.none(), "scale"_a.none(), "softcap"_a, "causal"_a,
+        "align"_a, "window_left"_a, "window_right"_a, "kernel"_a, "num_threads"_a, "layout"_a,
+        "bf16_bits"_a);
+  m.def("attention_backward", &attention_backward_binding, "q"_a.none(), "k"_a.none(),
+        "v"_a.none(), "out"_a.none(), "lse"_a.none(), "dout"_a.none(), "dq"_a.none(),
+        "dk"_a.none(), "dv"_a.none(), "dbias"_a.none(), "mask"_a.none(), "bias"_a.none(),
         "key_lengths"_a.none(), "sparsity"_a.none(), "scale"_a.none(), "softcap"_a, "causal"_a,
         "align"_a, "window_left"_a, "window_right"_a, "kernel"_a, "num_threads"_a, "layout"_a,
         "bf16_bits"_a);

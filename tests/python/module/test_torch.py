@@ -151,8 +151,12 @@ def test_bad_tensors():
 
 def test_is_a_torch_library_op_that_compiles():
     q, k, v = tensors(15)
-    op = torch.ops.qkv.scaled_dot_product_attention.default
+    op = torch.ops.qkv.sdpa_forward.default
     torch.library.opcheck(op, (q, k, v, None, 0.0, True, None, False))
+    # With inputs that require grad, opcheck also checks the autograd registration.
+    leaves = [x.requires_grad_() for x in tensors(15)]
+    bias = torch.randn(37, 53, requires_grad=True)
+    torch.library.opcheck(op, (*leaves, bias, 0.0, False, None, False))
 
     def f(q, k, v):
         return qt.scaled_dot_product_attention(q, k, v, is_causal=True) * 2
@@ -167,3 +171,112 @@ def test_tensors_that_require_grad_are_read():
         expected = F.scaled_dot_product_attention(q, k, v)
     out = qt.scaled_dot_product_attention(q, k, v)
     assert (out.detach() - expected).abs().max() < 2e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients: loss.backward() through qkv against torch's own SDPA backward in float64.
+
+def grads_of(fn, q, k, v, mask=None, **options):
+    """(out, dq, dk, dv, dmask) of sum(out * w) for a fixed random w, through `fn`."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    m = None
+    if mask is not None:
+        m = mask.detach().clone()
+        if m.is_floating_point():
+            m.requires_grad_()
+    out = fn(*leaves, attn_mask=m, **options)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(99)).to(out.dtype)
+    (out * w).sum().backward()
+    return [out] + [x.grad for x in leaves] + [m.grad if m is not None and m.is_floating_point()
+                                               else None]
+
+
+def f64(q, k, v, attn_mask=None, **options):
+    if attn_mask is not None and attn_mask.is_floating_point():
+        attn_mask = attn_mask.double()
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                          attn_mask=attn_mask, **options)
+
+
+@pytest.mark.parametrize("case", ["plain", "causal", "gqa", "bool_mask", "float_mask", "scale",
+                                  "causal_lq_gt_lk", "five_dims"])
+def test_gradients_match_torch(case):
+    q, k, v = tensors(20, seq_q=37, seq_kv=53)
+    mask, options = None, {}
+    if case == "causal":
+        options = dict(is_causal=True)
+    elif case == "gqa":
+        q, k, v = tensors(21, heads_q=6, heads_kv=2)
+        options = dict(enable_gqa=True)
+    elif case == "bool_mask":
+        mask = torch.rand(37, 53, generator=torch.Generator().manual_seed(3)) < 0.7
+    elif case == "float_mask":
+        mask = torch.randn(4, 37, 53, generator=torch.Generator().manual_seed(4))
+    elif case == "scale":
+        options = dict(scale=0.3)
+    elif case == "causal_lq_gt_lk":
+        q, k, v = tensors(22, seq_q=53, seq_kv=37)
+        options = dict(is_causal=True)
+    elif case == "five_dims":
+        q, k, v = (x.reshape(1, *x.shape) for x in tensors(23))
+        mask = torch.randn(1, 2, 4, 37, 53, generator=torch.Generator().manual_seed(5))
+    ours = grads_of(qt.scaled_dot_product_attention, q, k, v, mask, **options)
+    expected = grads_of(f64, q, k, v, mask, **options)
+    theirs = grads_of(F.scaled_dot_product_attention, q, k, v, mask, **options)
+    for name, a, e, t in zip(("out", "dq", "dk", "dv", "dmask"), ours, expected, theirs):
+        if e is None:
+            assert a is None, name
+            continue
+        assert a.dtype == t.dtype and a.shape == e.shape, name
+        error = (a.double() - e).abs().max().item()
+        torch_error = (t.double() - e).abs().max().item()
+        # Rows that see no key (causal with Lq > Lk): torch gives NaN, qkv zeros.
+        if not np.isfinite(torch_error):
+            torch_error = 0.0
+            e = torch.nan_to_num(e)
+            error = (a.double() - e).abs().max().item()
+        assert error <= max(2e-5 * max(1.0, e.abs().max().item()), 4 * torch_error), \
+            (name, error, torch_error)
+
+
+def test_bf16_gradients_are_bf16_and_close():
+    q, k, v = tensors(24, dtype=torch.bfloat16)
+    ours = grads_of(qt.scaled_dot_product_attention, q, k, v, is_causal=True)
+    expected = grads_of(f64, q, k, v, is_causal=True)
+    theirs = grads_of(F.scaled_dot_product_attention, q, k, v, is_causal=True)
+    for name, a, e, t in zip(("out", "dq", "dk", "dv"), ours, expected, theirs):
+        assert a.dtype == torch.bfloat16, name
+        error = (a.double() - e).abs().max().item()
+        torch_error = (t.double() - e).abs().max().item()
+        assert error <= max(1e-2, 4 * torch_error), (name, error, torch_error)
+
+
+def test_gradcheck_in_float32():
+    """torch.autograd.gradcheck needs float64 for its default tolerances; qkv computes in
+    float32, so the finite differences run with eps 1e-3 and matching tolerances."""
+    q, k, v = (x.requires_grad_() for x in tensors(25, batch=1, heads_q=2, heads_kv=1,
+                                                       seq_q=5, seq_kv=7, head_dim=4))
+    bias = torch.randn(5, 7, requires_grad=True)
+
+    def fn(q, k, v, bias):
+        return qt.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "not a double precision floating point"
+        assert torch.autograd.gradcheck(fn, (q, k, v, bias), eps=1e-3, atol=2e-3, rtol=2e-3)
+
+
+def test_backward_compiles():
+    def f(q, k, v):
+        return qt.scaled_dot_product_attention(q, k, v, is_causal=True).square().sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    leaves = [x.requires_grad_() for x in tensors(26)]
+    compiled(*leaves).backward()
+    compiled_grads = [x.grad.clone() for x in leaves]
+    for x in leaves:
+        x.grad = None
+    f(*leaves).backward()
+    for a, b in zip(compiled_grads, (x.grad for x in leaves)):
+        assert torch.equal(a, b)
