@@ -2,6 +2,12 @@
 """Times qkv's attention against its peers in one run: same shapes, same thread count.
 
     python3 scripts/bench_attention_peers.py [--quick] [--threads N] [--png FILE] [--json FILE]
+    python3 scripts/bench_attention_peers.py --training [--lengths 4096] ...
+
+--training times a training step's attention instead: forward + backward (out.backward(dout)
+for a fixed random dout) through torch's SDPA (torch-f32/-bf16) and through qkv.torch's
+autograd op (qkv-f32/-bf16: qkv's forward, then its flash backward); GFLOP/s then counts 3.5x
+the forward's FLOPs (forward 1 + backward 2.5, FlashAttention's convention). No decode case.
 
 Peers (DESIGN.md section 6: timed in the same run, reported as ratios):
   torch-f32, torch-bf16  torch.nn.functional.scaled_dot_product_attention on CPU, inputs
@@ -59,6 +65,7 @@ from peers_env import ensure_venv  # scripts/peers_env.py (this folder is on sys
 ROOT = Path(__file__).resolve().parent.parent
 MIN_SAMPLE_S = 0.02  # fast calls are repeated to fill this, so timer overhead stays < 0.1%
 SLOW_CALL_S = 2.0  # cases slower than this per call get 3 rounds
+FLOP_FACTOR = 1.0  # --training: 3.5 (forward + backward)
 
 
 @dataclass(frozen=True)
@@ -300,6 +307,44 @@ class QkvTorchOp:
         return call, lambda out: out.float().transpose(1, 2).numpy()
 
 
+class Training:
+    """--training: forward + backward of one attention call through `module`'s SDPA on
+    (B, H, L, D) tensors that require grad; dout fixed per case; grads reset per call."""
+
+    def __init__(self, dtype, label, module_dir=None):
+        self.dtype, self.label, self.module_dir = dtype, label, module_dir
+
+    def prepare(self, case, data, threads):
+        import torch
+        import torch.nn.functional as F
+        if case.is_decode():
+            raise NotApplicable
+        if case.causal and case.Lq != case.Lk:
+            raise Skip("is_causal is top-left aligned; qkv is bottom-right")
+        sdpa = F.scaled_dot_product_attention
+        if self.module_dir is not None:
+            if str(self.module_dir) not in sys.path:
+                sys.path.insert(0, str(self.module_dir))
+            try:
+                import qkv.torch as qt
+            except ImportError as error:
+                raise Skip(f"cannot import qkv from {self.module_dir}: {error}")
+            sdpa = qt.scaled_dot_product_attention
+        torch.set_num_threads(threads)
+        q, k, v = (to_torch_bhsd(x, self.dtype).requires_grad_() for x in data)
+        dout = torch.randn(q.shape[:-1] + (v.shape[-1],),
+                           generator=torch.Generator().manual_seed(7)).to(q.dtype)
+        gqa = {"enable_gqa": True} if case.Hq != case.Hkv else {}
+
+        def call():
+            q.grad = k.grad = v.grad = None
+            out = sdpa(q, k, v, is_causal=case.causal, **gqa)
+            out.backward(dout)
+            return out.detach()
+
+        return call, lambda out: out.float().transpose(1, 2).numpy()
+
+
 # ---- qkv: one `qkv bench` process per round ---------------------------------------------------
 
 
@@ -420,7 +465,7 @@ def bench_case(case, impls, args, log):
             continue
         seconds = statistics.median(samples[label])
         result = {"seconds": seconds, "rounds": len(samples[label]),
-                  "gflops": case.flops() / seconds / 1e9}
+                  "gflops": FLOP_FACTOR * case.flops() / seconds / 1e9}
         if qkv_json[label]:
             rows = qkv_json[label]
             result["peak_gflops"] = statistics.median(r["peak_gflops"] for r in rows)
@@ -620,6 +665,8 @@ def main():
     parser.add_argument("--python-module", default=str(ROOT / "build" / "release" / "python"),
                         help="folder holding the qkv Python package (qkv.torch-* rows; "
                              "scripts/test.sh builds it there)")
+    parser.add_argument("--training", action="store_true",
+                        help="forward + backward through torch SDPA and qkv.torch (see above)")
     parser.add_argument("--png", help="write GFLOP/s against L per implementation")
     parser.add_argument("--json", help="write every measurement as JSON")
     args = parser.parse_args()
@@ -641,6 +688,14 @@ def main():
         impls += [QkvTorchOp("f32", args.python_module), QkvTorchOp("bf16", args.python_module)]
     else:
         print(f"note: {args.qkv} not found (scripts/build.sh builds it); timing peers only")
+    if args.training:
+        global FLOP_FACTOR
+        FLOP_FACTOR = 3.5
+        cases = [c for c in cases if not c.is_decode()]
+        impls = [Training("f32", "torch-f32"), Training("bf16", "torch-bf16"),
+                 Training("f32", "qkv-f32", args.python_module),
+                 Training("bf16", "qkv-bf16", args.python_module)]
+        args.scaling = set()
     if args.impls:
         wanted = set(args.impls.split(","))
         impls = [i for i in impls if i.label in wanted]
@@ -655,6 +710,8 @@ def main():
     for index, case in enumerate(cases):
         log(f"[{index + 1}/{len(cases)}] {case.name()}")
         all_results[case], agreements[case] = bench_case(case, impls, args, log)
+    if args.training:
+        print("training step: forward + backward; GFLOP/s counts 3.5x the forward's FLOPs")
     print(report(all_results, agreements, args.threads))
     print(others.note())
     if args.png:
