@@ -63,6 +63,8 @@ AGENT
 chmod +x "$work/agent"
 printf '10.77.0.1 slots=2\n10.77.0.2 slots=2\n' >"$work/hosts"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# --bind-to none: each "host" sees all of this machine's cores and would bind its rank to the
+# first, so both ranks would share one core.
 # $1: hosts ("one": both ranks in namespace a; "two": a rank in each).
 run() {
   local hosts=$1; shift
@@ -70,7 +72,7 @@ run() {
   [[ $hosts == two ]] && placement=(--host 10.77.0.1:1,10.77.0.2:1)
   timeout 300 ip netns exec "$a" mpirun -np 2 "${placement[@]}" --hostfile "$work/hosts" \
     --mca plm_rsh_agent "$work/agent" --mca btl tcp,self --mca btl_tcp_if_include 10.77.0.0/24 \
-    --mca oob_tcp_if_include 10.77.0.0/24 ${QKV_RING_MCA:-} ${ASAN_OPTIONS:+-x ASAN_OPTIONS} \
+    --mca oob_tcp_if_include 10.77.0.0/24 --bind-to none ${QKV_RING_MCA:-} ${ASAN_OPTIONS:+-x ASAN_OPTIONS} \
     -x OMP_NUM_THREADS=1 "$@"
 }
 
