@@ -35,7 +35,7 @@ enum class Align : std::uint8_t {
 };
 
 enum class Kernel : std::uint8_t {
-  kAuto,       // flash, unless probabilities are requested (then chunked)
+  kAuto,       // flash, unless probabilities are requested (then chunked; with dropout, reference)
   kReference,  // scalar oracle; materialises each (batch, head) score matrix; f64 accumulation
   kChunked,    // query-chunked "memory-efficient" form: O(chunk_size x Lk) scratch per thread
   kFlash,      // tiled online softmax: O(tile) scratch; skips tiles that masks make empty
@@ -59,6 +59,14 @@ struct AttentionParams {
   // Block-sparse attention (Longformer, BigBird, a block layout): ANDed with every mask above;
   // key tiles it leaves out are skipped. See qkv/sparse.h and docs/sparse.md.
   std::optional<Sparsity> sparsity = std::nullopt;
+  // Dropout on the probabilities (training): out_i = sum_j P_ij keep_ij / (1 - dropout_p) v_j,
+  // keep_ij a hash of (seed, offset, b, h, i, j) (kernels/dropout_mask.h: the same mask in
+  // every kernel, in the backward, and on any thread count; a new offset gives a new mask).
+  // lse and probs are those of P itself. dropout_p in [0, 1); 0 = off (costs nothing). Not
+  // available from Kernel::kChunked or attention_block.
+  float dropout_p = 0.0f;
+  std::uint64_t seed = 0;
+  std::uint64_t offset = 0;
 };
 
 struct AttentionOutputs {

@@ -103,6 +103,14 @@ def _int(name: str, value: Any) -> int:
         raise TypeError(f"{name}: expected an integer, got {type(value).__name__}") from None
 
 
+def _seed(name: str, value: Any) -> int:
+    """A dropout seed or offset: an integer in [0, 2**64)."""
+    value = _int(name, value)
+    if not 0 <= value < 2**64:
+        raise ValueError(f"{name}: expected an integer in [0, 2**64), got {value}")
+    return value
+
+
 def _lengths(key_lengths: Any) -> Any:
     """key_lengths as an int array _qkv reads (lists and tuples are converted)."""
     if key_lengths is None or hasattr(key_lengths, "shape"):
@@ -119,6 +127,7 @@ def attention(q: Array, k: Array, v: Array, *, layout: str = "bshd", causal: boo
               mask: Optional[Array] = None, bias: Optional[Array] = None,
               scale: Optional[float] = None, softcap: float = 0.0,
               sparsity: Optional[Sparsity] = None, kernel: str = "auto", num_threads: int = 0,
+              dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
               return_lse: bool = False, return_weights: bool = False,
               out: Optional[Array] = None) -> Any:
     """Exact scaled dot-product attention (qkv::attention; docs/semantics.md).
@@ -145,6 +154,11 @@ def attention(q: Array, k: Array, v: Array, *, layout: str = "bshd", causal: boo
 
     kernel: "auto" (flash; chunked when weights are asked for), "flash", "chunked",
     "reference". num_threads: 0 = OpenMP's default; results do not depend on it.
+
+    dropout_p in [0, 1): each probability is dropped before it weights v, the kept ones scaled
+    by 1 / (1 - dropout_p), by a mask that is a hash of (seed, offset, b, h, i, j): the same in
+    every kernel, in attention_backward and on any thread count (lse and weights stay the
+    softmax's; docs/training.md). Not from kernel "chunked".
 
     Returns out, or a tuple (out, lse), (out, weights) or (out, lse, weights) as asked, all
     float32 in q's framework. out=: a writable float32 array of out's shape to write into
@@ -183,8 +197,8 @@ def attention(q: Array, k: Array, v: Array, *, layout: str = "bshd", causal: boo
                    _lengths(key_lengths), sparsity,
                    None if scale is None else float(scale), float(softcap), bool(causal), align,
                    _int("window", window_left), _int("window", window_right), kernel,
-                   _int("num_threads", num_threads), layout,
-                   q_bits | (k_bits << 1) | (v_bits << 2))
+                   _int("num_threads", num_threads), float(dropout_p), _seed("seed", seed),
+                   _seed("offset", offset), layout, q_bits | (k_bits << 1) | (v_bits << 2))
     if not (return_lse or return_weights):
         return _result(framework, out)
     results = [out] + ([lse] if return_lse else []) + ([weights] if return_weights else [])
@@ -198,7 +212,8 @@ def attention_backward(q: Array, k: Array, v: Array, out: Array, lse: Array, dou
                        mask: Optional[Array] = None, bias: Optional[Array] = None,
                        scale: Optional[float] = None, softcap: float = 0.0,
                        sparsity: Optional[Sparsity] = None, kernel: str = "auto",
-                       num_threads: int = 0, return_dbias: bool = False) -> Any:
+                       num_threads: int = 0, dropout_p: float = 0.0, seed: int = 0,
+                       offset: int = 0, return_dbias: bool = False) -> Any:
     """The gradients of attention() (qkv::attention_backward; docs/training.md).
 
     q, k, v and every option: as given to attention(); out, lse: what it returned for them
@@ -206,7 +221,8 @@ def attention_backward(q: Array, k: Array, v: Array, out: Array, lse: Array, dou
     float32 in q's framework and layout (dk, dv summed over the query heads of each kv head),
     and dbias (the bias's shape, summed over the dimensions it broadcasts over) as a fourth
     when return_dbias. kernel: "auto" (flash; the reference when dbias is asked for),
-    "flash" or "reference" (the float64 oracle). Same bits on any num_threads.
+    "flash" or "reference" (the float64 oracle). Same bits on any num_threads. dropout_p,
+    seed, offset: the forward's (the same mask).
     """
     framework = _framework(q)
     shapes = [_shape(name, x, "(B, L, H, D)" if layout != "bhsd" else "(B, H, L, D)")
@@ -234,7 +250,8 @@ def attention_backward(q: Array, k: Array, v: Array, out: Array, lse: Array, dou
         None if dbias is None else _input("dbias", dbias)[0], mask, bias, _lengths(key_lengths),
         sparsity, None if scale is None else float(scale), float(softcap), bool(causal), align,
         _int("window", window_left), _int("window", window_right), kernel,
-        _int("num_threads", num_threads), layout, q_bits | (k_bits << 1) | (v_bits << 2))
+        _int("num_threads", num_threads), float(dropout_p), _seed("seed", seed),
+        _seed("offset", offset), layout, q_bits | (k_bits << 1) | (v_bits << 2))
     results = (dq, dk, dv) + ((dbias,) if return_dbias else ())
     return tuple(_result(framework, x) for x in results)
 

@@ -17,7 +17,9 @@ with a fake (meta) implementation, so torch.compile traces it as one node, and a
 formula: loss.backward() flows through qkv's attention backward (torch.ops.qkv.sdpa_backward:
 grads for query, key, value and a float attn_mask). CPU tensors only; float32, bfloat16 and
 float16 (computed with float32 accumulation; gradients come back in the inputs' dtype).
-dropout_p must be 0 (no dropout yet).
+dropout_p > 0 drops probabilities by qkv's counter-based mask (docs/training.md), keyed by a
+seed drawn from torch's default generator per call (torch.manual_seed makes it repeatable) and
+reused by the backward; the mask is not torch's own (no CPU kernel shares one).
 """
 
 from __future__ import annotations
@@ -50,9 +52,6 @@ def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if not (query.dim() == key.dim() == value.dim()):
         raise ValueError(f"query, key and value must have the same number of dims, got shapes "
                          f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}")
-    if dropout_p != 0.0:
-        raise ValueError(f"dropout_p: qkv's attention has no dropout yet; got "
-                         f"{dropout_p}")
     if attn_mask is not None and is_causal:
         raise RuntimeError("scaled_dot_product_attention: explicit attn_mask should not be set "
                            "when is_causal=True (PyTorch's rule)")
@@ -94,19 +93,22 @@ def _mask_and_bias(query, key, attn_mask):
 @torch.library.custom_op("qkv::sdpa_forward", mutates_args=(), device_types="cpu")
 def _sdpa_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attn_mask: Optional[torch.Tensor], dropout_p: float, is_causal: bool,
-                  scale: Optional[float], enable_gqa: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                  scale: Optional[float], enable_gqa: bool,
+                  seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out in query's dtype, lse float32 (B, Hq, L) over the inputs folded to 4-D)."""
     _check(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     mask, bias = _mask_and_bias(query, key, attn_mask)
     out, lse = qkv.attention(_as_4d(query), _as_4d(key), _as_4d(value), layout="bhsd",
                              causal=is_causal, align="top_left", mask=mask, bias=bias,
-                             scale=scale, num_threads=torch.get_num_threads(), return_lse=True)
+                             scale=scale, num_threads=torch.get_num_threads(),
+                             dropout_p=dropout_p, seed=seed, return_lse=True)
     out = out.reshape(*query.shape[:-1], value.shape[-1])
     return (out if query.dtype == torch.float32 else out.to(query.dtype)), lse
 
 
 @_sdpa_forward.register_fake
-def _sdpa_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+def _sdpa_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                       seed):
     batch = _as_4d(query).shape[0]
     return (query.new_empty((*query.shape[:-1], value.shape[-1])),
             query.new_empty((batch, query.shape[-3], query.shape[-2]), dtype=torch.float32))
@@ -116,7 +118,7 @@ def _sdpa_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, scale
 def _sdpa_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor, attn_mask: Optional[torch.Tensor], out: torch.Tensor,
                    lse: torch.Tensor, is_causal: bool, scale: Optional[float],
-                   mask_grad: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                   dropout_p: float, seed: int, mask_grad: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                              torch.Tensor]:
     """(d query, d key, d value in their dtypes, d attn_mask: its shape and dtype when
     mask_grad, else an empty tensor)."""
@@ -126,7 +128,7 @@ def _sdpa_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tenso
         _as_4d(query), _as_4d(key), _as_4d(value), _as_4d(as32(out)), lse,
         _as_4d(as32(grad_out)).contiguous(), layout="bhsd", causal=is_causal, align="top_left",
         mask=mask, bias=bias, scale=scale, num_threads=torch.get_num_threads(),
-        return_dbias=mask_grad)
+        dropout_p=dropout_p, seed=seed, return_dbias=mask_grad)
     dq, dk, dv = (g.reshape(t.shape).to(t.dtype) for g, t in zip(grads[:3], (query, key, value)))
     dmask = query.new_empty((0,))
     if mask_grad:
@@ -140,18 +142,20 @@ def _sdpa_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tenso
 
 @_sdpa_backward.register_fake
 def _sdpa_backward_fake(grad_out, query, key, value, attn_mask, out, lse, is_causal, scale,
-                        mask_grad):
+                        dropout_p, seed, mask_grad):
     dmask = attn_mask.new_empty(attn_mask.shape) if mask_grad else query.new_empty((0,))
     return (query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape),
             dmask)
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, _, is_causal, scale, _ = inputs
+    query, key, value, attn_mask, dropout_p, is_causal, scale, _, seed = inputs
     out, lse = output
     ctx.save_for_backward(query, key, value, attn_mask, out, lse)
     ctx.is_causal = is_causal
     ctx.scale = scale
+    ctx.dropout_p = dropout_p
+    ctx.seed = seed
     ctx.mask_grad = (attn_mask is not None and attn_mask.is_floating_point()
                      and attn_mask.requires_grad)
 
@@ -159,8 +163,9 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out, grad_lse):
     query, key, value, attn_mask, out, lse = ctx.saved_tensors
     dq, dk, dv, dmask = torch.ops.qkv.sdpa_backward(grad_out, query, key, value, attn_mask, out,
-                                                    lse, ctx.is_causal, ctx.scale, ctx.mask_grad)
-    return dq, dk, dv, (dmask if ctx.mask_grad else None), None, None, None, None
+                                                    lse, ctx.is_causal, ctx.scale, ctx.dropout_p,
+                                                    ctx.seed, ctx.mask_grad)
+    return dq, dk, dv, (dmask if ctx.mask_grad else None), None, None, None, None, None
 
 
 _sdpa_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -174,5 +179,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     """torch.nn.functional.scaled_dot_product_attention with PyTorch's semantics, computed by
     qkv (see the module docstring). query (N, ..., Hq, L, E), key (N, ..., Hkv, S, E), value
     (N, ..., Hkv, S, Ev) -> (N, ..., Hq, L, Ev), query's dtype."""
+    seed = 0
+    if dropout_p > 0.0:  # a fresh mask per call, from torch's default generator
+        seed = int(torch.randint(0, 2**62, (1,)).item())
     return _sdpa_forward(query, key, value, attn_mask, float(dropout_p), bool(is_causal),
-                         None if scale is None else float(scale), bool(enable_gqa))[0]
+                         None if scale is None else float(scale), bool(enable_gqa), seed)[0]

@@ -62,6 +62,13 @@ struct AttentionKernelParams {
 
   SparseKernelParams sparse;  // kind kNone: dense
 
+  // Dropout (kernels/dropout_mask.h): on when dropout_p > 0; kept probabilities are scaled by
+  // dropout_scale = 1 / (1 - dropout_p).
+  float dropout_p;
+  std::uint32_t dropout_threshold;
+  float dropout_scale;
+  std::uint64_t dropout_seed, dropout_offset;
+
   int num_threads;  // resolved, >= 1
   std::int64_t chunk_size;
 };

@@ -13,7 +13,7 @@
 namespace qkv {
 
 const char* resolved_kernel_name(const AttentionParams& params, const AttentionOutputs& outputs) {
-  switch (ops::resolve_kernel(params.kernel, !outputs.probs.empty())) {
+  switch (ops::resolve_kernel(params.kernel, !outputs.probs.empty(), params.dropout_p > 0.0f)) {
     case Kernel::kReference:
       return "reference";
     case Kernel::kChunked:

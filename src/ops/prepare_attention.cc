@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/parallel.h"
+#include "kernels/dropout_mask.h"
 #include "ops/validate.h"
 #include "qkv/error.h"
 
@@ -53,11 +54,12 @@ void validate_block(const BlockPositions& b, std::int64_t seq_q, std::int64_t se
   };
   in_range("q_offset", b.q_offset, "seq_q", b.seq_q, seq_q);
   in_range("k_offset", b.k_offset, "seq_kv", b.seq_kv, seq_kv);
-  const char* unsupported = !params.mask.empty()   ? "mask"
-                            : !params.bias.empty() ? "bias"
-                            : params.sparsity      ? "sparsity"
-                            : !outputs.probs.empty() ? "probs"
-                                                   : nullptr;
+  const char* unsupported = !params.mask.empty()       ? "mask"
+                            : !params.bias.empty()     ? "bias"
+                            : params.sparsity          ? "sparsity"
+                            : !outputs.probs.empty()   ? "probs"
+                            : params.dropout_p != 0.0f ? "dropout_p"
+                                                       : nullptr;
   if (unsupported != nullptr) {
     throw Error(std::string(unsupported) +
                 ": not available for a block (attention_block takes what positions define: "
@@ -86,7 +88,15 @@ void prepare_attention(const TensorView& q, const TensorView& k, const TensorVie
     require_writable_strides("lse", lse);
   }
   const TensorView& probs = outputs.probs;
-  const Kernel kernel = resolve_kernel(params.kernel, !probs.empty());
+  if (!(params.dropout_p >= 0.0f && params.dropout_p < 1.0f)) {
+    throw Error("dropout_p: must be in [0, 1), got " + std::to_string(params.dropout_p));
+  }
+  const bool dropout = params.dropout_p > 0.0f;
+  const Kernel kernel = resolve_kernel(params.kernel, !probs.empty(), dropout);
+  if (dropout && kernel == Kernel::kChunked) {
+    throw Error("dropout_p: not available from the chunked kernel; use kernel auto, flash or "
+                "reference");
+  }
   prepared.kernel = kernel;
   if (!probs.empty()) {
     require_dtype("probs", probs, DType::kF32, "expected f32");
@@ -176,13 +186,21 @@ void prepare_attention(const TensorView& q, const TensorView& k, const TensorVie
                      prepared.sparsity);
     p.sparse = prepared.sparsity.params;
   }
+  if (dropout) {
+    p.dropout_p = params.dropout_p;
+    p.dropout_threshold = dropout_threshold(params.dropout_p);
+    p.dropout_scale = 1.0f / (1.0f - params.dropout_p);
+    p.dropout_seed = params.seed;
+    p.dropout_offset = params.offset;
+  }
   p.num_threads = resolve_num_threads(params.num_threads);
   p.chunk_size = params.chunk_size;
 }
 
-Kernel resolve_kernel(Kernel requested, bool wants_probs) {
+Kernel resolve_kernel(Kernel requested, bool wants_probs, bool dropout) {
   if (requested != Kernel::kAuto) return requested;
-  return wants_probs ? Kernel::kChunked : Kernel::kFlash;
+  if (!wants_probs) return Kernel::kFlash;
+  return dropout ? Kernel::kReference : Kernel::kChunked;
 }
 
 }  // namespace qkv::ops

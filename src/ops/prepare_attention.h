@@ -31,7 +31,8 @@ void prepare_attention(const TensorView& q, const TensorView& k, const TensorVie
                        const AttentionOutputs& outputs, const AttentionParams& params,
                        const BlockPositions* block, PreparedAttention& prepared);
 
-// kAuto: flash, unless probabilities are requested (then chunked).
-Kernel resolve_kernel(Kernel requested, bool wants_probs);
+// kAuto: flash, unless probabilities are requested (then chunked; with dropout the
+// reference, as the chunked kernel has none).
+Kernel resolve_kernel(Kernel requested, bool wants_probs, bool dropout);
 
 }  // namespace qkv::ops

@@ -242,7 +242,7 @@ void attention_params(nb::handle mask, nb::handle bias, nb::handle key_lengths,
                       const PySparsity* sparsity, std::optional<float> scale, float softcap,
                       bool causal, const std::string& align, std::int64_t window_left,
                       std::int64_t window_right, const std::string& kernel, int num_threads,
-                      PyParams& out) {
+                      float dropout_p, std::uint64_t seed, std::uint64_t offset, PyParams& out) {
   // mask, bias: broadcastable to [B, Hq, Lq, Lk] (numpy's rule: missing leading dims are 1)
   out.lengths = key_lengths_of(key_lengths);
   out.params = {.scale = scale,
@@ -257,7 +257,10 @@ void attention_params(nb::handle mask, nb::handle bias, nb::handle key_lengths,
                                                 {"reference", Kernel::kReference},
                                                 {"chunked", Kernel::kChunked},
                                                 {"flash", Kernel::kFlash}}),
-                .num_threads = num_threads};
+                .num_threads = num_threads,
+                .dropout_p = dropout_p,
+                .seed = seed,
+                .offset = offset};
   if (!mask.is_none()) {
     out.mask = input_view("mask", mask,
                           {0,
@@ -288,13 +291,14 @@ void attention_binding(nb::handle q, nb::handle k, nb::handle v, nb::handle out,
                        const PySparsity* sparsity, std::optional<float> scale, float softcap,
                        bool causal, const std::string& align, std::int64_t window_left,
                        std::int64_t window_right, const std::string& kernel, int num_threads,
+                       float dropout_p, std::uint64_t seed, std::uint64_t offset,
                        const std::string& layout, int bf16_bits) {
   // q: [B, Lq, Hq, D]  k: [B, Lk, Hkv, D]  v: [B, Lk, Hkv, Dv]  out: [B, Lq, Hq, Dv]
   // (each [B, H, L, D] with layout "bhsd");  lse: [B, Hq, Lq]  weights: [B, Hq, Lq, Lk]
   const Operands o = operands(q, k, v, out, layout, bf16_bits);
   PyParams py;
   attention_params(mask, bias, key_lengths, sparsity, scale, softcap, causal, align, window_left,
-                   window_right, kernel, num_threads, py);
+                   window_right, kernel, num_threads, dropout_p, seed, offset, py);
   AttentionOutputs outputs{.out = o.out.view};
   std::optional<Held<OutArray>> lse_held, weights_held;
   if (!lse.is_none()) {
@@ -318,11 +322,12 @@ void attention_backward_binding(nb::handle q, nb::handle k, nb::handle v, nb::ha
                                 std::optional<float> scale, float softcap, bool causal,
                                 const std::string& align, std::int64_t window_left,
                                 std::int64_t window_right, const std::string& kernel,
-                                int num_threads, const std::string& layout, int bf16_bits) {
+                                int num_threads, float dropout_p, std::uint64_t seed,
+                                std::uint64_t offset, const std::string& layout, int bf16_bits) {
   const Operands o = operands(q, k, v, out, layout, bf16_bits);
   PyParams py;
   attention_params(mask, bias, key_lengths, sparsity, scale, softcap, causal, align, window_left,
-                   window_right, kernel, num_threads, py);
+                   window_right, kernel, num_threads, dropout_p, seed, offset, py);
   const bool bhsd = o.bhsd;
   auto bshd = [&](TensorView view) { return bhsd ? view.permuted({0, 2, 1, 3}) : view; };
   const Held<InArray> lse_held =
@@ -481,14 +486,14 @@ void define_module(nb::module_& m) {
   m.def("attention", &attention_binding, "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(),
         "lse"_a.none(), "weights"_a.none(), "mask"_a.none(), "bias"_a.none(),
         "key_lengths"_a.none(), "sparsity"_a.none(), "scale"_a.none(), "softcap"_a, "causal"_a,
-        "align"_a, "window_left"_a, "window_right"_a, "kernel"_a, "num_threads"_a, "layout"_a,
-        "bf16_bits"_a);
+        "align"_a, "window_left"_a, "window_right"_a, "kernel"_a, "num_threads"_a, "dropout_p"_a,
+        "seed"_a, "offset"_a, "layout"_a, "bf16_bits"_a);
   m.def("attention_backward", &attention_backward_binding, "q"_a.none(), "k"_a.none(),
         "v"_a.none(), "out"_a.none(), "lse"_a.none(), "dout"_a.none(), "dq"_a.none(),
         "dk"_a.none(), "dv"_a.none(), "dbias"_a.none(), "mask"_a.none(), "bias"_a.none(),
         "key_lengths"_a.none(), "sparsity"_a.none(), "scale"_a.none(), "softcap"_a, "causal"_a,
-        "align"_a, "window_left"_a, "window_right"_a, "kernel"_a, "num_threads"_a, "layout"_a,
-        "bf16_bits"_a);
+        "align"_a, "window_left"_a, "window_right"_a, "kernel"_a, "num_threads"_a, "dropout_p"_a,
+        "seed"_a, "offset"_a, "layout"_a, "bf16_bits"_a);
   m.def("linear_attention", &linear_attention_binding, "q"_a.none(), "k"_a.none(), "v"_a.none(),
         "out"_a.none(), "key_lengths"_a.none(), "feature_map"_a, "nb_features"_a, "seed"_a,
         "scale"_a.none(), "causal"_a, "align"_a, "kernel"_a, "num_threads"_a, "chunk_size"_a,

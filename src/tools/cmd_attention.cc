@@ -70,6 +70,12 @@ masks (a pair is allowed only if every given mask allows it):
   --mask M.npy         bool/uint8, broadcastable to (B, Hq, Lq, Lk); TRUE MEANS "MAY ATTEND"
                        (the opposite of torch.nn.MultiheadAttention's key_padding_mask)
 
+dropout (training; docs/training.md):
+  --dropout P          drop each probability with chance P in [0, 1) before it weights v (kept
+                       ones times 1/(1-P)); --lse and --weights stay those of the softmax
+  --seed S, --offset N the mask's key (integers >= 0, default 0): the same (S, N) gives the same
+                       mask in every kernel, in attention-backward and on any thread count
+
 execution:
   --kernel K           auto (default: flash, or chunked when --weights is given),
                        reference, chunked or flash
@@ -119,6 +125,8 @@ struct Options {
   Kernel kernel = Kernel::kAuto;
   DType dtype = DType::kF32;
   int num_threads = 0;
+  float dropout_p = 0.0f;                       // --dropout
+  std::uint64_t seed = 0, offset = 0;           // --seed, --offset
   std::optional<LinearAttentionParams> linear;  // --linear SPEC (cli_linear.h)
   std::string favor_features_path;              // --favor-features-out
   bool ring = false;                            // --ring (cli_ring.h)
@@ -215,6 +223,12 @@ Options parse_options(std::vector<std::string> argv, bool backward) {
       }
       o.window_left = sides[0];
       o.window_right = sides[1];
+    } else if (name == "--dropout") {
+      o.dropout_p = parse_float(name, args.value(name));
+    } else if (name == "--seed" || name == "--offset") {
+      const std::int64_t value = parse_int(name, args.value(name));
+      if (value < 0) throw UsageError(name + ": expected an integer >= 0, got " + std::to_string(value));
+      (name == "--seed" ? o.seed : o.offset) = static_cast<std::uint64_t>(value);
     } else if (name == "--ring") {
 #if QKV_WITH_MPI
       o.ring = true;
@@ -301,6 +315,10 @@ Options parse_options(std::vector<std::string> argv, bool backward) {
     throw UsageError("--favor-features-out: needs --linear favor[:...]");
   }
   check_sparse_options(o.sparse);
+  if (o.linear && (seen.count("--dropout") || seen.count("--seed") || seen.count("--offset"))) {
+    throw UsageError(std::string(seen.count("--dropout") ? "--dropout" : "--seed/--offset") +
+                     ": cannot be combined with --linear (dropout is on softmax attention)");
+  }
   if (o.sparse.given() && o.linear) {
     throw UsageError(sparse_option_text(o.sparse) + ": cannot be combined with --linear");
   }
@@ -310,6 +328,7 @@ Options parse_options(std::vector<std::string> argv, bool backward) {
                               : o.sparse.given()      ? "--sparse"
                               : o.linear              ? "--linear"
                               : !o.weights_path.empty() ? "--weights"
+                              : seen.count("--dropout") ? "--dropout"
                                                       : nullptr;
     if (unsupported != nullptr) {
       throw UsageError(std::string(unsupported) +
@@ -445,7 +464,8 @@ std::string cli_message(const std::string& message, const Options& o) {
       {"dk:", where("--dk", o.dk_path) + ":"},
       {"dv:", where("--dv", o.dv_path) + ":"},
       {"dbias:", where("--dbias", o.dbias_path) + ":"},
-      {"kernel:", "--kernel:"}};
+      {"kernel:", "--kernel:"},
+      {"dropout_p:", "--dropout:"}};
   std::string text;
   std::size_t pos = 0;
   while (pos < message.size()) {
@@ -536,6 +556,9 @@ int run(std::vector<std::string> args, bool backward) {
   params.window_right = o.window_right;
   params.kernel = o.kernel;
   params.num_threads = o.num_threads;
+  params.dropout_p = o.dropout_p;
+  params.seed = o.seed;
+  params.offset = o.offset;
   io::NpyArray sparse_layout;  // --sparse-layout's file, alive until the call returns
   SparseCliOptions sparse = o.sparse;
   params.sparsity = make_sparsity(sparse, sparse_layout, seq_q, seq_kv, num_heads_q, sources);

@@ -47,14 +47,51 @@ def allowed_pairs(batch, num_heads_q, seq_q, seq_kv, causal=False, align="bottom
     return np.ascontiguousarray(allowed)
 
 
+M64 = (1 << 64) - 1
+
+
+def _splitmix64_mix(z):
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def _fmix32(x):
+    x = np.asarray(x, dtype=np.uint64)
+    x ^= x >> np.uint64(16)
+    x = (x * np.uint64(0x85EBCA6B)) & np.uint64(0xFFFFFFFF)
+    x ^= x >> np.uint64(13)
+    x = (x * np.uint64(0xC2B2AE35)) & np.uint64(0xFFFFFFFF)
+    return x ^ (x >> np.uint64(16))
+
+
+def dropout_keep(seed, offset, batch, num_heads_q, seq_q, seq_kv, dropout_p):
+    """Boolean (B, Hq, Lq, Lk): the pairs qkv's dropout keeps (src/kernels/dropout_mask.h,
+    written out again here from its definition)."""
+    base = _splitmix64_mix((seed + offset * 0x9E3779B97F4A7C15) & M64)
+    threshold = min(2**32 - 1, round(dropout_p * 2**32))
+    j = np.arange(seq_kv, dtype=np.uint64)
+    keep = np.zeros((batch, num_heads_q, seq_q, seq_kv), dtype=bool)
+    for b in range(batch):
+        for h in range(num_heads_q):
+            for i in range(seq_q):
+                linear = (b * num_heads_q + h) * seq_q + i
+                row = _splitmix64_mix(base ^ ((linear * 0xD1B54A32D192ED03) & M64))
+                lo, hi = np.uint64(row & 0xFFFFFFFF), np.uint64(row >> 32)
+                keep[b, h, i] = _fmix32(lo ^ _fmix32(j ^ hi)) >= threshold
+    return keep
+
+
 def attention(q, k, v, scale=None, softcap=0.0, causal=False, align="bottom-right",
               window=(-1, -1), key_lengths=None, mask=None, bias=None, dtype=np.float64,
-              store=None):
+              store=None, dropout=None):
     """Returns (out (B, Lq, Hq, Dv), lse (B, Hq, Lq), weights (B, Hq, Lq, Lk)) in `dtype`.
 
     store: None, or a rounding function (round_bf16, round_f16) applied to the score matrix
     q.k and to the probabilities before they multiply v, as a plain implementation that
-    stores them in that type does (the tolerance yardstick for bf16/f16 inputs)."""
+    stores them in that type does (the tolerance yardstick for bf16/f16 inputs).
+    dropout: None, or (keep (B, Hq, Lq, Lk) bool, dropout_p): the probabilities that weight v
+    are weights * keep / (1 - dropout_p); lse and weights stay the softmax's."""
     keep = store if store is not None else (lambda x: x)
     batch, seq_q, num_heads_q, head_dim = q.shape
     _, seq_kv, num_heads_kv, _ = k.shape
@@ -95,7 +132,8 @@ def attention(q, k, v, scale=None, softcap=0.0, causal=False, align="bottom-righ
         e = np.exp(s - row_max)
         total = e.sum(axis=-1, keepdims=True)
         weights = np.where(total > 0, e / np.where(total > 0, total, 1), dtype(0))
-        out = keep(weights).astype(dtype) @ vh                     # (B, Hq, Lq, Dv)
+        used = weights if dropout is None else weights * dropout[0] / dtype(1 - dropout[1])
+        out = keep(used).astype(dtype) @ vh                        # (B, Hq, Lq, Dv)
         lse = np.where(total[..., 0] > 0, np.log(total[..., 0]) + row_max[..., 0],
                        dtype(-np.inf))
     return out.transpose(0, 2, 1, 3).astype(dtype), lse.astype(dtype), weights.astype(dtype)
@@ -103,17 +141,18 @@ def attention(q, k, v, scale=None, softcap=0.0, causal=False, align="bottom-righ
 
 def attention_backward(q, k, v, dout, scale=None, softcap=0.0, causal=False,
                        align="bottom-right", window=(-1, -1), key_lengths=None, mask=None,
-                       bias=None, dtype=np.float64, store=None):
+                       bias=None, dtype=np.float64, store=None, dropout=None):
     """The gradients of attention() for dL/d(out) = dout (B, Lq, Hq, Dv), in `dtype`:
     (dq, dk, dv, dbias) with dk, dv summed over the query heads of each kv head and dbias
     (None without a bias) summed down to the bias's own shape. With P the weights:
         dv = P^T dout   dP = dout v^T   D = rowsum(dout * out)   dS = P (dP - D)
         dU = dS (1 - tanh(u / softcap)^2) with softcap (u = scale q.k), else dS
         dq = scale dU k   dk = scale dU^T q   dbias = dS
+    (with dropout, z = keep / (1 - p): dv = (P z)^T dout, dS = P (z dP - D)).
     store: as for attention(): a plain low-precision implementation's rounding of the scores and
     probabilities (the forward's out and the P of the products then carry it)."""
     out, _, weights = attention(q, k, v, scale, softcap, causal, align, window, key_lengths,
-                                mask, bias, dtype, store)
+                                mask, bias, dtype, store, dropout)
     if store is not None:
         weights = store(weights).astype(dtype)
     batch, seq_q, num_heads_q, head_dim = q.shape
@@ -133,8 +172,9 @@ def attention_backward(q, k, v, dout, scale=None, softcap=0.0, causal=False,
     oh = out.transpose(0, 2, 1, 3)
     doh = dout.transpose(0, 2, 1, 3)
     p = weights
-    dvh = p.swapaxes(-1, -2) @ doh                                  # (B, Hq, Lk, Dv)
-    dp = doh @ vh.swapaxes(-1, -2)                                  # (B, Hq, Lq, Lk)
+    z = 1 if dropout is None else dropout[0] / dtype(1 - dropout[1])  # dropout's factor
+    dvh = (p * z).swapaxes(-1, -2) @ doh                            # (B, Hq, Lk, Dv)
+    dp = (doh @ vh.swapaxes(-1, -2)) * z                            # (B, Hq, Lq, Lk)
     delta = (doh * oh).sum(axis=-1, keepdims=True)
     ds = p * (dp - delta)
     du = ds

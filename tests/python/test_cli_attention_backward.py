@@ -189,3 +189,29 @@ def test_help(cli):
     text = cli.ok("attention-backward", "--help")
     for option in ("--dout", "--dq", "--dk", "--dv", "--dbias", "--causal", "--window"):
         assert option in text
+
+
+@pytest.mark.parametrize("case", ["plain", "causal_bottom_right", "combined", "gqa"])
+def test_dropout_matches_numpy(cli, rng, case):
+    """--dropout: the forward and the gradients of the mask reference.py derives from the same
+    definition (seed, offset, b, h, i, j), against float64."""
+    problem = CASES[case](rng)
+    b, lq, hq, _ = problem["q"].shape
+    lk = problem["k"].shape[1]
+    keep = ref.dropout_keep(11, 2, b, hq, lq, lk, 0.3)
+    dout = random_dout(rng, problem)
+    grads = grads_cli(cli, problem, dout,
+                      extra=("--dropout", "0.3", "--seed", "11", "--offset", "2", "--out", "o.npy"))
+    inputs = {name: problem[name] for name in ("q", "k", "v")}
+    options = {key: problem[key] for key in OPTIONS if key in problem}
+    out64 = ref.attention(**inputs, **options, dropout=(keep, 0.3))[0]
+    out32 = ref.attention(**inputs, **options, dtype=np.float32, dropout=(keep, 0.3))[0]
+    check_close(cli.load("o.npy"), out64, out32, "out")
+    g64 = ref.attention_backward(**inputs, dout=dout, **options, dropout=(keep, 0.3))
+    g32 = ref.attention_backward(**inputs, dout=dout, **options, dtype=np.float32,
+                                 dropout=(keep, 0.3))
+    for name, a, r64, r32 in zip(("dq", "dk", "dv", "dbias"), grads, g64, g32):
+        if r64 is not None:
+            check_close(a, r64, r32, name)
+    keep_rate = keep.mean()
+    assert abs(keep_rate - 0.7) < 0.1, keep_rate

@@ -30,6 +30,8 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 #include "kernels/cpu/attention_tiles-inl.h"
+#include "kernels/cpu/dropout-inl.h"
+#include "kernels/dropout_mask.h"
 #include "kernels/kernels.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -52,7 +54,7 @@ std::int64_t RoundUp(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * 
 // The sizes every task shares, and its scratch layout (floats).
 struct Plan {
   std::int64_t key_tiles, row_tiles, passes;  // passes: head_dim in kBlockQ-wide parts
-  std::int64_t kt, vt, kp, dkt, dvt, qs, s, dp, cap, dqt, floats;
+  std::int64_t kt, vt, kp, dkt, dvt, qs, s, dp, cap, pz, dqt, floats;
 };
 
 Plan MakePlan(const AttentionKernelParams& p) {
@@ -75,6 +77,7 @@ Plan MakePlan(const AttentionKernelParams& p) {
   plan.s = take(kRowsPerTile * kKeys);
   plan.dp = take(kRowsPerTile * kKeys);
   plan.cap = take(kRowsPerTile * kKeys);
+  plan.pz = take(kRowsPerTile * kKeys);
   plan.dqt = take(plan.passes * kRowsPerTile * kBlockQ);
   plan.floats = at;
   return plan;
@@ -180,6 +183,34 @@ void Probabilities(const AttentionKernelParams& p, const Plan& plan, std::int64_
   }
 }
 
+// The forward's dropout mask on the tile (kernels/dropout_mask.h): pz = p z and dp = z dp with
+// z = keep / (1 - dropout_p), keys along the lanes.
+void Dropout(const AttentionKernelParams& p, const Plan& plan, std::int64_t b, std::int64_t h,
+             std::int64_t i0, std::int64_t rows, std::int64_t j0, float* w) {
+  const DF df;
+  const hn::RebindToUnsigned<DF> du;
+  const float* s = w + plan.s;
+  float* dp = w + plan.dp;
+  float* pz = w + plan.pz;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::uint64_t row =
+        dropout_row(p.dropout_seed, p.dropout_offset, b, h, i0 + r, p.num_heads_q, p.seq_q);
+    const auto lo = hn::Set(du, static_cast<std::uint32_t>(row));
+    const auto hi = hn::Set(du, static_cast<std::uint32_t>(row >> 32));
+    for (std::int64_t x = 0; x < kKeys; x += kLanes) {
+      const auto key = hn::Iota(du, static_cast<std::uint32_t>(j0 + x));
+      const auto bits = dropout::Bits(du, lo, hi, key);
+      const std::int64_t at = r * kKeys + x;
+      hn::Store(dropout::Apply(df, du, hn::Load(df, s + at), bits, p.dropout_threshold,
+                               p.dropout_scale),
+                df, pz + at);
+      hn::Store(dropout::Apply(df, du, hn::Load(df, dp + at), bits, p.dropout_threshold,
+                               p.dropout_scale),
+                df, dp + at);
+    }
+  }
+}
+
 template <typename T>
 void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, const float* delta,
                   std::atomic<std::int64_t>* turns, std::int64_t task, float* w) {
@@ -218,6 +249,12 @@ void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, cons
       const float* dout = g.dout + b * g.dout_stride[0] + i0 * g.dout_stride[1] + h * g.dout_stride[2];
       tiles::OuterProduct(w + plan.vt, dout, rows, g.dout_stride[1], g.dout_stride[3],
                           p.head_dim_v, dp, nullptr, false);
+      // Dropout: pz = p z feeds dv, and dp becomes z dp (z = keep / (1 - p), the forward's).
+      const float* p_for_dv = s;
+      if (p.dropout_p > 0.0f) {
+        Dropout(p, plan, b, h, i0, rows, j0, w);
+        p_for_dv = w + plan.pz;
+      }
       for (std::int64_t r = 0; r < rows; ++r) {
         const VF d_r = hn::Set(df, delta[(b * p.num_heads_q + h) * p.seq_q + i0 + r]);
         for (std::int64_t x = r * kKeys; x < (r + 1) * kKeys; x += kLanes) {
@@ -227,8 +264,8 @@ void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, cons
         }
       }
       // dv^T[e][l] += sum_r dout[r][e] p[r][l];  dk^T[d][l] += sum_r qs[r][d] du[r][l].
-      tiles::OuterProduct(s, dout, p.head_dim_v, g.dout_stride[3], g.dout_stride[1], rows, dvt,
-                          nullptr, true);
+      tiles::OuterProduct(p_for_dv, dout, p.head_dim_v, g.dout_stride[3], g.dout_stride[1], rows,
+                          dvt, nullptr, true);
       tiles::OuterProduct(dp, qs, p.head_dim, 1, p.head_dim, rows, dkt, nullptr, true);
       // dq tile: dqt[pass][r][x] = sum_l du[r][l] k[l][pass kBlockQ + x].
       for (std::int64_t pass = 0; pass < plan.passes; ++pass) {

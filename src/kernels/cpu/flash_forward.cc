@@ -23,6 +23,8 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 #include "kernels/cpu/attention_tiles-inl.h"
+#include "kernels/cpu/dropout-inl.h"
+#include "kernels/dropout_mask.h"
 #include "kernels/kernels.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -644,6 +646,33 @@ void MergeSplits(const AttentionKernelParams& p, const SplitPartials& partials, 
 
 }  // namespace
 
+// Dropout (kernels/dropout_mask.h) on a tile after OnlineSoftmaxTile: st holds exp(s - max)
+// with the row sums already taken; the values see each kept entry times 1 / (1 - p) and the
+// dropped ones as 0. Lanes past num_q hold zeros and stay zero.
+void DropoutTile(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
+                 std::int64_t num_k, float* HWY_RESTRICT st) {
+  const DF df;
+  const hn::RebindToUnsigned<DF> du;
+  HWY_ALIGN std::uint32_t lo[kBlockQ], hi[kBlockQ];
+  for (std::int64_t l = 0; l < kBlockQ; ++l) {
+    const std::uint64_t row =
+        l < qb.num_q ? dropout_row(p.dropout_seed, p.dropout_offset, qb.b, qb.head[l], qb.query[l],
+                                   p.num_heads_q, p.seq_q)
+                     : 0;
+    lo[l] = static_cast<std::uint32_t>(row);
+    hi[l] = static_cast<std::uint32_t>(row >> 32);
+  }
+  for (std::int64_t j = 0; j < num_k; ++j) {
+    const auto key = hn::Set(du, static_cast<std::uint32_t>(j0 + j));
+    for (std::int64_t x = 0; x < kBlockQ; x += kLanes) {
+      const auto bits = dropout::Bits(du, hn::Load(du, lo + x), hn::Load(du, hi + x), key);
+      float* e = st + j * kBlockQ + x;
+      hn::Store(dropout::Apply(df, du, hn::Load(df, e), bits, p.dropout_threshold, p.dropout_scale),
+                df, e);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 
 void FlashForward(const AttentionKernelParams& p) {
@@ -655,7 +684,10 @@ void FlashForward(const AttentionKernelParams& p) {
   const int num_threads = static_cast<int>(std::min<std::int64_t>(p.num_threads, num_tasks));
   // Narrow blocks: rows the last block of a kv head holds (all others hold kBlockQ).
   const std::int64_t last_rows = (p.num_heads_q / p.num_heads_kv * p.seq_q - 1) % kBlockQ + 1;
-  const bool narrow_ok = p.k_stride[3] == 1 && p.v_stride[3] == 1 && last_rows <= kNarrowRows;
+  // (Dropout takes the wide path only: DropoutTile works on kBlockQ lanes.)
+  const bool dropout = p.dropout_p > 0.0f;
+  const bool narrow_ok =
+      p.k_stride[3] == 1 && p.v_stride[3] == 1 && last_rows <= kNarrowRows && !dropout;
 
   // Per-thread scratch, sized once: per_task QueryBlock states (each followed by its narrow
   // scratch when blocks can be narrow), then one score tile st [kBlockK][kBlockQ], then the
@@ -758,10 +790,12 @@ void FlashForward(const AttentionKernelParams& p) {
         if (bf16_dot) {
           ScoreTileBf16(p, qb, t.lo, num_k, st, t.predicate, staging, vec_end);
           OnlineSoftmaxTile(qb, num_k, st, kQueryVecs, vec_end);
+          if (dropout) DropoutTile(p, qb, t.lo, num_k, st);
           AccumulateValuesBf16(p, qb, t.lo, num_k, st, qb.alpha, staging, vec_end);
         } else {
           ScoreTile(p, qb, t.lo, num_k, st, t.predicate, staging, vec_end);
           OnlineSoftmaxTile(qb, num_k, st, kQueryVecs, vec_end);
+          if (dropout) DropoutTile(p, qb, t.lo, num_k, st);
           AccumulateValues(p, qb, t.lo, num_k, st, qb.alpha, staging, vec_end);
         }
       }

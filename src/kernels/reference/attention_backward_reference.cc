@@ -15,6 +15,7 @@
 
 #include "core/aligned_buffer.h"
 #include "core/parallel.h"
+#include "kernels/dropout_mask.h"
 #include "kernels/kernels.h"
 #include "kernels/reference/reference_scores.h"
 
@@ -23,10 +24,10 @@ namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
-// Scratch of one task, f64: the row's scores, their tanh, probabilities; the row's out, dq;
-// the group's dk and dv.
+// Scratch of one task, f64: the row's scores (then probabilities), their tanh, the dropout
+// factors; the row's out, dq; the group's dk and dv.
 struct Scratch {
-  std::vector<double> s, capped, out, dq, dk, dv;
+  std::vector<double> s, capped, z, out, dq, dk, dv;
 };
 
 void backward_one_group(const AttentionBackwardKernelParams& g, std::int64_t b,
@@ -67,11 +68,21 @@ void backward_one_group(const AttentionBackwardKernelParams& g, std::int64_t b,
       for (std::int64_t j = 0; j < lk; ++j) w.s[j] /= sum;
       const float* dout = g.dout + b * g.dout_stride[0] + i * g.dout_stride[1] + h * g.dout_stride[2];
       auto dout_at = [&](std::int64_t e) { return static_cast<double>(dout[e * g.dout_stride[3]]); };
-      // out_i and D_i = dout_i . out_i.
+      // The dropout factor z_j: keep / (1 - p), or 1 without dropout.
+      const std::uint64_t drop_row =
+          p.dropout_p > 0.0f
+              ? dropout_row(p.dropout_seed, p.dropout_offset, b, h, i, p.num_heads_q, p.seq_q)
+              : 0;
+      for (std::int64_t j = 0; j < lk; ++j) {
+        w.z[j] = p.dropout_p == 0.0f                                       ? 1.0
+                 : dropout_bits(drop_row, j) < p.dropout_threshold ? 0.0
+                                                                   : static_cast<double>(p.dropout_scale);
+      }
+      // out_i (with dropout) and D_i = dout_i . out_i.
       std::fill(w.out.begin(), w.out.end(), 0.0);
       for (std::int64_t j = 0; j < lk; ++j) {
-        if (w.s[j] == 0.0) continue;  // masked (or underflowed): v_j may be garbage
-        for (std::int64_t e = 0; e < dim_v; ++e) w.out[e] += w.s[j] * v_at(j, e);
+        if (w.s[j] == 0.0 || w.z[j] == 0.0) continue;  // masked: v_j may be garbage
+        for (std::int64_t e = 0; e < dim_v; ++e) w.out[e] += w.s[j] * w.z[j] * v_at(j, e);
       }
       double delta = 0.0;
       for (std::int64_t e = 0; e < dim_v; ++e) delta += dout_at(e) * w.out[e];
@@ -80,12 +91,13 @@ void backward_one_group(const AttentionBackwardKernelParams& g, std::int64_t b,
       for (std::int64_t j = 0; j < lk; ++j) {
         const double prob = w.s[j];
         if (prob == 0.0) continue;
+        // dv_j += P z dout_i; dS = P (z dP - D_i).
         double dp = 0.0;
         for (std::int64_t e = 0; e < dim_v; ++e) {
-          w.dv[j * dim_v + e] += prob * dout_at(e);
+          w.dv[j * dim_v + e] += prob * w.z[j] * dout_at(e);
           dp += dout_at(e) * v_at(j, e);
         }
-        const double ds = prob * (dp - delta);
+        const double ds = prob * (w.z[j] * dp - delta);
         if (dbias_acc != nullptr) {
           const std::int64_t at[4] = {b, h, i, j};
           std::int64_t index = 0;
@@ -129,6 +141,7 @@ void attention_backward_reference(const AttentionBackwardKernelParams& g) {
   for (Scratch& w : scratch) {
     w.s.resize(p.seq_kv);
     w.capped.resize(p.seq_kv);
+    w.z.resize(p.seq_kv);
     w.out.resize(p.head_dim_v);
     w.dq.resize(p.head_dim);
     w.dk.resize(p.seq_kv * p.head_dim);

@@ -9,6 +9,7 @@
 
 #include "core/aligned_buffer.h"
 #include "core/parallel.h"
+#include "kernels/dropout_mask.h"
 #include "kernels/kernels.h"
 #include "kernels/reference/reference_scores.h"
 
@@ -45,13 +46,23 @@ void reference_one_head(const AttentionKernelParams& p, std::int64_t b, std::int
     }
     // A row with no allowed key: out = 0, lse = -inf (sum stays 0, so every p below is 0).
     const double inv_sum = sum > 0.0 ? 1.0 / sum : 0.0;
+    // Dropout scales the kept probabilities for the values only (lse and probs are P's).
+    const std::uint64_t drop_row =
+        p.dropout_p > 0.0f
+            ? dropout_row(p.dropout_seed, p.dropout_offset, b, h, i, p.num_heads_q, p.seq_q)
+            : 0;
     float* out = p.out + b * p.out_stride[0] + i * p.out_stride[1] + h * p.out_stride[2];
     for (std::int64_t e = 0; e < p.head_dim_v; ++e) {
       double acc = 0.0;
       for (std::int64_t j = 0; j < lk; ++j) {
         if (max == kNegInf || row[j] == 0.0) continue;  // masked: v_j may be garbage
+        double weight = row[j];
+        if (p.dropout_p > 0.0f) {
+          if (dropout_bits(drop_row, j) < p.dropout_threshold) continue;
+          weight *= static_cast<double>(p.dropout_scale);
+        }
         const std::int64_t v_row = b * p.v_stride[0] + j * p.v_stride[1] + kv_head * p.v_stride[2];
-        acc += row[j] * static_cast<double>(load_element(p.v, p.dtype, v_row + e * p.v_stride[3]));
+        acc += weight * static_cast<double>(load_element(p.v, p.dtype, v_row + e * p.v_stride[3]));
       }
       out[e * p.out_stride[3]] = static_cast<float>(acc * inv_sum);
     }

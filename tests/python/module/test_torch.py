@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import qkv
 import qkv.torch as qt
 
 
@@ -122,7 +123,7 @@ def test_non_contiguous_inputs_are_read_in_place():
 
 
 @pytest.mark.parametrize("kwargs,error,fragment", [
-    ({"dropout_p": 0.1}, ValueError, "dropout_p"),
+    ({"dropout_p": 1.0}, ValueError, "dropout_p: must be in [0, 1)"),
     ({"is_causal": True, "attn_mask": torch.ones(37, 53, dtype=torch.bool)}, RuntimeError,
      "attn_mask should not be set when is_causal=True"),
     ({"attn_mask": torch.ones(37, 53, dtype=torch.int32)}, TypeError, "attn_mask: dtype"),
@@ -152,11 +153,12 @@ def test_bad_tensors():
 def test_is_a_torch_library_op_that_compiles():
     q, k, v = tensors(15)
     op = torch.ops.qkv.sdpa_forward.default
-    torch.library.opcheck(op, (q, k, v, None, 0.0, True, None, False))
+    torch.library.opcheck(op, (q, k, v, None, 0.0, True, None, False, 0))
     # With inputs that require grad, opcheck also checks the autograd registration.
     leaves = [x.requires_grad_() for x in tensors(15)]
     bias = torch.randn(37, 53, requires_grad=True)
-    torch.library.opcheck(op, (*leaves, bias, 0.0, False, None, False))
+    torch.library.opcheck(op, (*leaves, bias, 0.0, False, None, False, 0))
+    torch.library.opcheck(op, (*leaves, None, 0.25, True, None, False, 12345))
 
     def f(q, k, v):
         return qt.scaled_dot_product_attention(q, k, v, is_causal=True) * 2
@@ -280,3 +282,31 @@ def test_backward_compiles():
     f(*leaves).backward()
     for a, b in zip(compiled_grads, (x.grad for x in leaves)):
         assert torch.equal(a, b)
+
+
+def test_dropout_gradients_are_those_of_its_mask():
+    """With dropout, the same seed gives the same mask: the forward equals qkv.attention with
+    that seed, and the gradients equal float64 finite-difference-free ones computed through
+    qkv.attention_backward with the seed the op drew."""
+    q, k, v = tensors(27, seq_q=33, seq_kv=41)
+    torch.manual_seed(0)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = qt.scaled_dot_product_attention(*leaves, dropout_p=0.3, is_causal=True)
+    torch.manual_seed(0)
+    seed = int(torch.randint(0, 2**62, (1,)).item())  # what the op drew
+    ref_out, lse = qkv.attention(q, k, v, layout="bhsd", causal=True, align="top_left",
+                                 dropout_p=0.3, seed=seed, return_lse=True)
+    assert torch.equal(out.detach(), ref_out)
+    plain = qt.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert (out.detach() - plain).abs().max() > 1e-2  # dropout did something
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    (out * w).sum().backward()
+    dq, dk, dv = qkv.attention_backward(q, k, v, ref_out, lse, w, layout="bhsd", causal=True,
+                                        align="top_left", dropout_p=0.3, seed=seed)
+    for a, b in zip((x.grad for x in leaves), (dq, dk, dv)):
+        assert torch.equal(a, b)
+    # And those gradients are right: the reference kernel in float64 agrees.
+    ref = qkv.attention_backward(q, k, v, ref_out, lse, w, layout="bhsd", causal=True,
+                                 align="top_left", dropout_p=0.3, seed=seed, kernel="reference")
+    for a, b in zip((dq, dk, dv), ref):
+        assert (a - b).abs().max() <= 2e-5 * max(1.0, b.abs().max().item())
