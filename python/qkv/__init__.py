@@ -121,6 +121,28 @@ def _lengths(key_lengths: Any) -> Any:
     return array.astype(np.int64)
 
 
+def _shared(q: Any, k: Any, v: Any, mask: Any, bias: Any, sparsity: Any,
+            window: Any) -> Tuple[Any, Any, Any, int, Any, Any, int, int]:
+    """The arguments attention() and attention_backward() share, as _qkv takes them: q, k, v,
+    their bf16-as-uint16 bits, mask, bias, and the window's two sides (sparsity checked)."""
+    q, q_bits = _input("q", q)
+    k, k_bits = _input("k", k)
+    v, v_bits = _input("v", v)
+    if mask is not None:
+        mask = _input("mask", mask)[0]
+    if bias is not None:
+        bias = _input("bias", bias)[0]
+    if sparsity is not None and not isinstance(sparsity, Sparsity):
+        raise TypeError(f"sparsity: expected qkv.longformer(...), qkv.bigbird(...) or "
+                        f"qkv.block_layout(...), got {type(sparsity).__name__}")
+    try:
+        window_left, window_right = window
+    except (TypeError, ValueError):
+        raise TypeError(f"window: expected (left, right), got {window!r}") from None
+    return (q, k, v, q_bits | (k_bits << 1) | (v_bits << 2), mask, bias,
+            _int("window", window_left), _int("window", window_right))
+
+
 def attention(q: Array, k: Array, v: Array, *, layout: str = "bshd", causal: bool = False,
               align: str = "bottom_right", window: Tuple[int, int] = (-1, -1),
               key_lengths: Optional[Union[Array, Sequence[int]]] = None,
@@ -178,27 +200,13 @@ def attention(q: Array, k: Array, v: Array, *, layout: str = "bshd", causal: boo
     if return_weights:
         k_shape = _shape("k", k, "(B, Hkv, Lk, D)" if bhsd else "(B, Lk, Hkv, D)")
         weights = _empty(framework, (batch, heads_q, seq_q, k_shape[2] if bhsd else k_shape[1]))
-    q, q_bits = _input("q", q)
-    k, k_bits = _input("k", k)
-    v, v_bits = _input("v", v)
-    if mask is not None:
-        mask = _input("mask", mask)[0]
-    if bias is not None:
-        bias = _input("bias", bias)[0]
-    if sparsity is not None and not isinstance(sparsity, Sparsity):
-        raise TypeError(f"sparsity: expected qkv.longformer(...), qkv.bigbird(...) or "
-                        f"qkv.block_layout(...), got {type(sparsity).__name__}")
-    try:
-        window_left, window_right = window
-    except (TypeError, ValueError):
-        raise TypeError(f"window: expected (left, right), got {window!r}") from None
+    q, k, v, bits, mask, bias, left, right = _shared(q, k, v, mask, bias, sparsity, window)
     _qkv.attention(q, k, v, _input("out", out)[0], None if lse is None else _input("lse", lse)[0],
                    None if weights is None else _input("weights", weights)[0], mask, bias,
                    _lengths(key_lengths), sparsity,
                    None if scale is None else float(scale), float(softcap), bool(causal), align,
-                   _int("window", window_left), _int("window", window_right), kernel,
-                   _int("num_threads", num_threads), float(dropout_p), _seed("seed", seed),
-                   _seed("offset", offset), layout, q_bits | (k_bits << 1) | (v_bits << 2))
+                   left, right, kernel, _int("num_threads", num_threads), float(dropout_p),
+                   _seed("seed", seed), _seed("offset", offset), layout, bits)
     if not (return_lse or return_weights):
         return _result(framework, out)
     results = [out] + ([lse] if return_lse else []) + ([weights] if return_weights else [])
@@ -233,25 +241,14 @@ def attention_backward(q: Array, k: Array, v: Array, out: Array, lse: Array, dou
         if bias is None:
             raise ValueError("return_dbias: needs a bias")
         dbias = _empty(framework, tuple(bias.shape))
-    q, q_bits = _input("q", q)
-    k, k_bits = _input("k", k)
-    v, v_bits = _input("v", v)
-    if mask is not None:
-        mask = _input("mask", mask)[0]
-    if bias is not None:
-        bias = _input("bias", bias)[0]
-    try:
-        window_left, window_right = window
-    except (TypeError, ValueError):
-        raise TypeError(f"window: expected (left, right), got {window!r}") from None
+    q, k, v, bits, mask, bias, left, right = _shared(q, k, v, mask, bias, sparsity, window)
     _qkv.attention_backward(
         q, k, v, _input("out", out)[0], _input("lse", lse)[0], _input("dout", dout)[0],
         _input("dq", dq)[0], _input("dk", dk)[0], _input("dv", dv)[0],
         None if dbias is None else _input("dbias", dbias)[0], mask, bias, _lengths(key_lengths),
         sparsity, None if scale is None else float(scale), float(softcap), bool(causal), align,
-        _int("window", window_left), _int("window", window_right), kernel,
-        _int("num_threads", num_threads), float(dropout_p), _seed("seed", seed),
-        _seed("offset", offset), layout, q_bits | (k_bits << 1) | (v_bits << 2))
+        left, right, kernel, _int("num_threads", num_threads), float(dropout_p),
+        _seed("seed", seed), _seed("offset", offset), layout, bits)
     results = (dq, dk, dv) + ((dbias,) if return_dbias else ())
     return tuple(_result(framework, x) for x in results)
 

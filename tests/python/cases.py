@@ -35,6 +35,26 @@ def references(problem, round_fn=None):
             ref.attention(**inputs, **options, dtype=np.float32, store=round_fn))
 
 
+def cli_options(problem, save):
+    """The `qkv attention` options (scores and masks) for `problem`; save(name, array) stores an
+    array as a .npy file and returns its path."""
+    args = []
+    if problem.get("scale") is not None:
+        args += ["--scale", repr(problem["scale"])]
+    if problem.get("softcap"):
+        args += ["--softcap", repr(problem["softcap"])]
+    if problem.get("causal"):
+        args += ["--causal"]
+    if problem.get("align"):
+        args += ["--align", problem["align"]]
+    if problem.get("window"):
+        args += ["--window", "%d,%d" % problem["window"]]
+    for key, option in (("key_lengths", "--key-lengths"), ("mask", "--mask"), ("bias", "--bias")):
+        if problem.get(key) is not None:
+            args += [option, save(f"{key}.npy", problem[key])]
+    return args
+
+
 def check_close(actual, ref64, ref32, what):
     assert actual.dtype == np.float32, what
     assert actual.shape == ref64.shape, f"{what}: shape {actual.shape} != {ref64.shape}"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import reference as ref
-from cases import CASES, random_mask, check_close, make_problem, references
+from cases import CASES, random_mask, check_close, cli_options, make_problem, references
 
 KERNELS = ["reference", "chunked", "flash", "auto"]
 
@@ -43,19 +43,7 @@ def run_cli(cli, problem, kernel="auto", layout="bshd", lse=True, weights=None, 
     for name in ("q", "k", "v"):
         cli.save(f"{name}.npy", to_file_layout(problem[name], layout))
         args += [f"--{name}", f"{name}.npy"]
-    if problem.get("scale") is not None:
-        args += ["--scale", repr(problem["scale"])]
-    if problem.get("softcap"):
-        args += ["--softcap", repr(problem["softcap"])]
-    if problem.get("causal"):
-        args += ["--causal"]
-    if problem.get("align"):
-        args += ["--align", problem["align"]]
-    if problem.get("window"):
-        args += ["--window", "%d,%d" % problem["window"]]
-    for key, option in (("key_lengths", "--key-lengths"), ("mask", "--mask"), ("bias", "--bias")):
-        if problem.get(key) is not None:
-            args += [option, cli.save(f"{key}.npy", problem[key])]
+    args += cli_options(problem, cli.save)
     if lse:
         args += ["--lse", "lse.npy"]
     if weights:

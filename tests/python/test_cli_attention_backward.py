@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import reference as ref
-from cases import CASES, check_close, make_problem
+from cases import CASES, check_close, cli_options, make_problem
 
 OPTIONS = ("scale", "softcap", "causal", "align", "window", "key_lengths", "mask", "bias")
 
@@ -26,19 +26,7 @@ def grads_cli(cli, problem, dout, layout="bshd", dtype=None, threads=None, extra
             "--dv", "dv.npy", "--dout", cli.save("dout.npy", to_file_layout(dout, layout))]
     for name in ("q", "k", "v"):
         args += [f"--{name}", cli.save(f"{name}.npy", to_file_layout(problem[name], layout))]
-    if problem.get("scale") is not None:
-        args += ["--scale", repr(problem["scale"])]
-    if problem.get("softcap"):
-        args += ["--softcap", repr(problem["softcap"])]
-    if problem.get("causal"):
-        args += ["--causal"]
-    if problem.get("align"):
-        args += ["--align", problem["align"]]
-    if problem.get("window"):
-        args += ["--window", "%d,%d" % problem["window"]]
-    for key, option in (("key_lengths", "--key-lengths"), ("mask", "--mask"), ("bias", "--bias")):
-        if problem.get(key) is not None:
-            args += [option, cli.save(f"{key}.npy", problem[key])]
+    args += cli_options(problem, cli.save)
     if problem.get("bias") is not None:
         args += ["--dbias", "dbias.npy"]
     if dtype:
