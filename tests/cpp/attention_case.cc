@@ -204,7 +204,9 @@ Result Problem::run_with(const AttentionParams& params, bool with_probs) const {
 }
 
 bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  // (Empty vectors may hold null data, which memcmp must not be given, even for 0 bytes.)
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 Result Problem::plain() const {
