@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "core/float16.h"
+#include "qkv/attention_backward.h"
 
 namespace qkv::testing {
 namespace {
@@ -201,6 +202,51 @@ Result Problem::run_with(const AttentionParams& params, bool with_probs) const {
   }
   attention(qv, kv, vv, outputs, params);
   return r;
+}
+
+Grads run_backward(Problem& pr, const AttentionParams& params, std::vector<float>& dout,
+                   bool with_dbias, int num_threads, Kernel kernel) {
+  const Case& c = pr.spec();
+  const std::int64_t dv = pr.head_dim_v();
+  AttentionParams p = params;
+  p.kernel = Kernel::kReference;
+  p.num_threads = num_threads;
+  Result f = pr.run_with(p, false);
+  p.kernel = kernel;
+  Grads g;
+  g.dq.assign(pr.q.size(), 7.0f);
+  g.dk.assign(pr.k.size(), 7.0f);
+  g.dv.assign(pr.v.size(), 7.0f);
+  AttentionGrads grads{.dq = pr.view(g.dq, c.seq_q, c.num_heads_q, c.head_dim),
+                       .dk = pr.view(g.dk, c.seq_kv, c.num_heads_kv, c.head_dim),
+                       .dv = pr.view(g.dv, c.seq_kv, c.num_heads_kv, dv)};
+  if (with_dbias) {
+    g.dbias.assign(pr.bias.size(), 7.0f);
+    grads.dbias = params.bias;
+    grads.dbias.data = g.dbias.data();
+  }
+  TensorView q = pr.view(pr.q, c.seq_q, c.num_heads_q, c.head_dim);
+  TensorView k = pr.view(pr.k, c.seq_kv, c.num_heads_kv, c.head_dim);
+  TensorView v = pr.view(pr.v, c.seq_kv, c.num_heads_kv, dv);
+  if (c.dtype != DType::kF32) {
+    for (auto [view, bits] : {std::pair{&q, &pr.q16}, {&k, &pr.k16}, {&v, &pr.v16}}) {
+      view->data = bits->data();
+      view->dtype = c.dtype;
+    }
+  }
+  attention_backward(q, k, v, pr.view(f.out, c.seq_q, c.num_heads_q, dv),
+                     TensorView::contiguous(f.lse.data(), DType::kF32,
+                                            {c.batch, c.num_heads_q, c.seq_q, 1}),
+                     pr.view(dout, c.seq_q, c.num_heads_q, dv), grads, p);
+  return g;
+}
+
+std::vector<float> normal_values(std::size_t n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(n);
+  for (float& e : x) e = normal(rng);
+  return x;
 }
 
 bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) {

@@ -83,6 +83,19 @@ bool bit_equal(const std::vector<float>& a, const std::vector<float>& b);
 // DESIGN.md section 5: max(2e-5 * max(1, max|ref|), 4 * error of the plain f32 implementation).
 double tolerance(const std::vector<float>& reference, const std::vector<float>& plain);
 
+// qkv::attention_backward of the problem at its inputs for dL/d(out) = dout (out's shape),
+// with `params` on `kernel` and `num_threads`; the forward's out and lse come from the
+// reference kernel. Gradients start as 7.0f (an untouched element shows). with_dbias: also
+// dbias, in the shape of params.bias.
+struct Grads {
+  std::vector<float> dq, dk, dv, dbias;
+};
+Grads run_backward(Problem& pr, const AttentionParams& params, std::vector<float>& dout,
+                   bool with_dbias, int num_threads = 0, Kernel kernel = Kernel::kReference);
+
+// n values ~ N(0, 1), the same for the same seed.
+std::vector<float> normal_values(std::size_t n, std::uint64_t seed);
+
 // Runs `params` (kernel and everything else set) on 1 thread, then on 2, 3 and 5: out and lse
 // must keep the same bits.
 void expect_same_bits_on_any_thread_count(const Problem& problem, AttentionParams params);

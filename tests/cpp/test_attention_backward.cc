@@ -7,7 +7,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <random>
 #include <tuple>
 #include <string>
 #include <vector>
@@ -21,10 +20,6 @@
 namespace qkv::testing {
 namespace {
 
-struct Grads {
-  std::vector<float> dq, dk, dv, dbias;
-};
-
 // The loss sum(dout * out) of the f64 forward oracle, in f64.
 double loss(const Problem& pr, const AttentionParams& params, const std::vector<float>& dout) {
   AttentionParams p = params;
@@ -33,53 +28,6 @@ double loss(const Problem& pr, const AttentionParams& params, const std::vector<
   double sum = 0.0;
   for (std::size_t i = 0; i < dout.size(); ++i) sum += static_cast<double>(dout[i]) * r.out[i];
   return sum;
-}
-
-// The backward of `pr` at its inputs with `kernel`; the forward's out and lse come from the
-// oracle.
-Grads backward(Problem& pr, const AttentionParams& params, std::vector<float>& dout,
-               bool with_dbias, int num_threads = 0, Kernel kernel = Kernel::kReference) {
-  const Case& c = pr.spec();
-  const std::int64_t dv = pr.head_dim_v();
-  AttentionParams p = params;
-  p.kernel = Kernel::kReference;
-  p.num_threads = num_threads;
-  Result f = pr.run_with(p, false);
-  p.kernel = kernel;
-  Grads g;
-  g.dq.assign(pr.q.size(), 7.0f);
-  g.dk.assign(pr.k.size(), 7.0f);
-  g.dv.assign(pr.v.size(), 7.0f);
-  AttentionGrads grads{.dq = pr.view(g.dq, c.seq_q, c.num_heads_q, c.head_dim),
-                       .dk = pr.view(g.dk, c.seq_kv, c.num_heads_kv, c.head_dim),
-                       .dv = pr.view(g.dv, c.seq_kv, c.num_heads_kv, dv)};
-  if (with_dbias) {
-    g.dbias.assign(pr.bias.size(), 7.0f);
-    grads.dbias = params.bias;
-    grads.dbias.data = g.dbias.data();
-  }
-  TensorView q = pr.view(pr.q, c.seq_q, c.num_heads_q, c.head_dim);
-  TensorView k = pr.view(pr.k, c.seq_kv, c.num_heads_kv, c.head_dim);
-  TensorView v = pr.view(pr.v, c.seq_kv, c.num_heads_kv, dv);
-  if (c.dtype != DType::kF32) {
-    for (auto [view, bits] : {std::pair{&q, &pr.q16}, {&k, &pr.k16}, {&v, &pr.v16}}) {
-      view->data = bits->data();
-      view->dtype = c.dtype;
-    }
-  }
-  attention_backward(q, k, v, pr.view(f.out, c.seq_q, c.num_heads_q, dv),
-                     TensorView::contiguous(f.lse.data(), DType::kF32,
-                                            {c.batch, c.num_heads_q, c.seq_q, 1}),
-                     pr.view(dout, c.seq_q, c.num_heads_q, dv), grads, p);
-  return g;
-}
-
-std::vector<float> random_like(const std::vector<float>& x, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal;
-  std::vector<float> r(x.size());
-  for (float& e : r) e = normal(rng);
-  return r;
 }
 
 double dot(const std::vector<float>& a, const std::vector<float>& b) {
@@ -94,7 +42,7 @@ double dot(const std::vector<float>& a, const std::vector<float>& b) {
 void expect_directional(Problem& pr, const AttentionParams& params, const std::vector<float>& dout,
                         std::vector<float>& x, const std::vector<float>& grad, const char* name,
                         std::uint64_t seed) {
-  const std::vector<float> r = random_like(x, seed);
+  const std::vector<float> r = normal_values(x.size(), seed);
   const std::vector<float> saved = x;
   const double eps = 1e-3;
   auto at = [&](double t) {
@@ -147,10 +95,10 @@ TEST_P(AttentionBackward, MatchesFiniteDifferences) {
   Problem pr(GetParam());
   const AttentionParams params = pr.params();
   const Case& c = pr.spec();
-  std::vector<float> dout(static_cast<std::size_t>(c.batch * c.seq_q * c.num_heads_q * pr.head_dim_v()));
-  dout = random_like(dout, 99);
+  std::vector<float> dout = normal_values(
+      static_cast<std::size_t>(c.batch * c.seq_q * c.num_heads_q * pr.head_dim_v()), 99);
   const bool with_dbias = !pr.bias.empty();
-  const Grads g = backward(pr, params, dout, with_dbias);
+  const Grads g = run_backward(pr, params, dout, with_dbias);
   for (const std::vector<float>* grad : {&g.dq, &g.dk, &g.dv, &g.dbias}) {
     for (float x : *grad) ASSERT_TRUE(std::isfinite(x));
   }
@@ -168,12 +116,11 @@ TEST_P(AttentionBackward, MatchesFiniteDifferences) {
 TEST_P(AttentionBackward, SameBitsOnAnyThreadCount) {
   Problem pr(GetParam());
   const AttentionParams params = pr.params();
-  std::vector<float> dout = random_like(std::vector<float>(pr.q.size() / pr.spec().head_dim *
-                                                           pr.head_dim_v()),
-                                        5);
-  const Grads one = backward(pr, params, dout, !pr.bias.empty(), 1);
+  std::vector<float> dout =
+      normal_values(pr.q.size() / pr.spec().head_dim * pr.head_dim_v(), 5);
+  const Grads one = run_backward(pr, params, dout, !pr.bias.empty(), 1);
   for (int threads : {2, 3}) {
-    const Grads many = backward(pr, params, dout, !pr.bias.empty(), threads);
+    const Grads many = run_backward(pr, params, dout, !pr.bias.empty(), threads);
     EXPECT_TRUE(bit_equal(one.dq, many.dq) && bit_equal(one.dk, many.dk) &&
                 bit_equal(one.dv, many.dv) && bit_equal(one.dbias, many.dbias))
         << threads << " threads";
@@ -213,11 +160,9 @@ void expect_flash_matches_reference(const Case& c) {
   SCOPED_TRACE(c.name());
   Problem pr(c);
   const AttentionParams params = pr.params();
-  std::vector<float> dout = random_like(std::vector<float>(pr.q.size() / c.head_dim *
-                                                           pr.head_dim_v()),
-                                        8);
-  const Grads ref = backward(pr, params, dout, false, 0, Kernel::kReference);
-  const Grads flash = backward(pr, params, dout, false, 0, Kernel::kFlash);
+  std::vector<float> dout = normal_values(pr.q.size() / c.head_dim * pr.head_dim_v(), 8);
+  const Grads ref = run_backward(pr, params, dout, false, 0, Kernel::kReference);
+  const Grads flash = run_backward(pr, params, dout, false, 0, Kernel::kFlash);
   for (auto [name, a, b] : {std::tuple{"dq", &flash.dq, &ref.dq}, {"dk", &flash.dk, &ref.dk},
                             {"dv", &flash.dv, &ref.dv}}) {
     // f32 accumulation over up to Lq (dk, dv) or Lk (dq) terms against f64.
@@ -242,12 +187,10 @@ TEST(AttentionBackwardFlash, SameBitsOnAnyThreadCount) {
     SCOPED_TRACE(c.name());
     Problem pr(c);
     const AttentionParams params = pr.params();
-    std::vector<float> dout = random_like(std::vector<float>(pr.q.size() / c.head_dim *
-                                                             pr.head_dim_v()),
-                                          9);
-    const Grads one = backward(pr, params, dout, false, 1, Kernel::kFlash);
+    std::vector<float> dout = normal_values(pr.q.size() / c.head_dim * pr.head_dim_v(), 9);
+    const Grads one = run_backward(pr, params, dout, false, 1, Kernel::kFlash);
     for (int threads : {2, 3, 5}) {
-      const Grads many = backward(pr, params, dout, false, threads, Kernel::kFlash);
+      const Grads many = run_backward(pr, params, dout, false, threads, Kernel::kFlash);
       EXPECT_TRUE(bit_equal(one.dq, many.dq) && bit_equal(one.dk, many.dk) &&
                   bit_equal(one.dv, many.dv))
           << threads << " threads";
@@ -264,9 +207,9 @@ TEST(AttentionBackwardFlash, SparsityMatchesReference) {
         Sparsity{BigBirdSparsity{.block = 16, .num_random_blocks = 2, .num_global_blocks = 1}}}) {
     AttentionParams params = pr.params();
     params.sparsity = sparsity;
-    std::vector<float> dout = random_like(pr.q, 10);
-    const Grads ref = backward(pr, params, dout, false, 0, Kernel::kReference);
-    const Grads flash = backward(pr, params, dout, false, 0, Kernel::kFlash);
+    std::vector<float> dout = normal_values(pr.q.size(), 10);
+    const Grads ref = run_backward(pr, params, dout, false, 0, Kernel::kReference);
+    const Grads flash = run_backward(pr, params, dout, false, 0, Kernel::kFlash);
     EXPECT_LE(max_abs_diff(flash.dq, ref.dq), 2e-5 * std::max(1.0, max_abs(ref.dq)));
     EXPECT_LE(max_abs_diff(flash.dk, ref.dk), 2e-5 * std::max(1.0, max_abs(ref.dk)));
     EXPECT_LE(max_abs_diff(flash.dv, ref.dv), 2e-5 * std::max(1.0, max_abs(ref.dv)));
@@ -279,8 +222,8 @@ TEST(AttentionBackwardSparse, LongformerMatchesFiniteDifferences) {
   const std::vector<std::int64_t> global = {5};
   AttentionParams params = pr.params();
   params.sparsity = LongformerSparsity{.window = 2, .dilation = 1, .global = global};
-  std::vector<float> dout = random_like(pr.q, 3);
-  const Grads g = backward(pr, params, dout, false);
+  std::vector<float> dout = normal_values(pr.q.size(), 3);
+  const Grads g = run_backward(pr, params, dout, false);
   expect_directional(pr, params, dout, pr.q, g.dq, "dq", 1);
   expect_directional(pr, params, dout, pr.k, g.dk, "dk", 2);
   expect_directional(pr, params, dout, pr.v, g.dv, "dv", 3);
@@ -290,8 +233,8 @@ TEST(AttentionBackwardRows, NoAllowedKeyGivesZeroGradients) {
   // Key lengths 0 for one batch entry: its rows have no key; its dk/dv rows are never read.
   Problem pr({.batch = 3, .seq_q = 4, .seq_kv = 6, .num_heads_q = 2, .num_heads_kv = 1,
               .head_dim = 4, .key_lengths = true, .nan_padding = true});
-  std::vector<float> dout = random_like(pr.q, 4);
-  const Grads g = backward(pr, pr.params(), dout, false);
+  std::vector<float> dout = normal_values(pr.q.size(), 4);
+  const Grads g = run_backward(pr, pr.params(), dout, false);
   const Case& c = pr.spec();
   for (std::int64_t b = 0; b < c.batch; ++b) {
     const std::int64_t length = pr.key_lengths[b];
@@ -322,9 +265,9 @@ TEST(AttentionBackwardDtype, Bf16StorageEqualsF32OfTheSameValues) {
   as_f32.q = half.q;  // the bf16 values, widened exactly
   as_f32.k = half.k;
   as_f32.v = half.v;
-  std::vector<float> dout = random_like(half.q, 6);
-  const Grads a = backward(half, half.params(), dout, false);
-  const Grads b = backward(as_f32, as_f32.params(), dout, false);
+  std::vector<float> dout = normal_values(half.q.size(), 6);
+  const Grads a = run_backward(half, half.params(), dout, false);
+  const Grads b = run_backward(as_f32, as_f32.params(), dout, false);
   EXPECT_LE(max_abs_diff(a.dq, b.dq), 1e-6);
   EXPECT_LE(max_abs_diff(a.dk, b.dk), 1e-6);
   EXPECT_LE(max_abs_diff(a.dv, b.dv), 1e-6);
@@ -364,7 +307,8 @@ TEST(AttentionBackwardErrors, NamesTheArgumentAndWritesNothing) {
          "dk: shape (2, 6, 2, 2)");
   expect(error([&] {
            attention_backward(q, k, v, out, lse,
-                              TensorView::contiguous(small.data(), DType::kF32, {1, 1, 1, 4}), good, {});
+                              TensorView::contiguous(small.data(), DType::kF32, {1, 1, 1, 4}),
+                              good, {});
          }),
          "dout: shape (1, 1, 1, 4)");
   bad = good;
@@ -375,7 +319,8 @@ TEST(AttentionBackwardErrors, NamesTheArgumentAndWritesNothing) {
   bad.dv = good.dq;  // two gradients in one buffer
   bad.dv.sizes = {c.batch, c.seq_kv, c.num_heads_kv, c.head_dim};
   expect(error([&] { attention_backward(q, k, v, out, lse, dout_view, bad, {}); }), "overlaps");
-  expect(error([&] { attention_backward(q, k, v, out, {}, dout_view, good, {}); }), "lse: required");
+  expect(error([&] { attention_backward(q, k, v, out, {}, dout_view, good, {}); }),
+         "lse: required");
   expect(error([&] {
            attention_backward(q, k, v, out, lse, dout_view, good, {.kernel = Kernel::kChunked});
          }),

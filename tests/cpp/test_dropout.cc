@@ -7,7 +7,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -87,7 +86,8 @@ TEST(Dropout, ReferenceIsTheDefinition) {
 
 std::vector<Case> dropout_cases() {
   return {
-      {.batch = 2, .seq_q = 150, .seq_kv = 203, .num_heads_q = 4, .num_heads_kv = 2, .head_dim = 40},
+      {.batch = 2, .seq_q = 150, .seq_kv = 203, .num_heads_q = 4, .num_heads_kv = 2,
+       .head_dim = 40},
       {.batch = 1, .seq_q = 200, .seq_kv = 200, .num_heads_q = 2, .num_heads_kv = 1, .head_dim = 64,
        .causal = true, .softcap = 3.0f},
       {.batch = 1, .seq_q = 70, .seq_kv = 300, .num_heads_q = 2, .num_heads_kv = 2, .head_dim = 16,
@@ -137,51 +137,13 @@ TEST(Dropout, ZeroIsOff) {
   EXPECT_TRUE(bit_equal(pr.run_with(params, false).out, pr.run(Kernel::kFlash, false).out));
 }
 
-// The backward with dropout: the reference against central differences of the reference
-// forward with the same mask, flash against the reference.
-struct Grads {
-  std::vector<float> dq, dk, dv;
-};
-
-Grads backward(Problem& pr, const AttentionParams& params, std::vector<float>& dout, Kernel kernel,
-               int threads = 0) {
-  const Case& c = pr.spec();
-  AttentionParams p = params;
-  p.kernel = Kernel::kReference;
-  Result f = pr.run_with(p, false);
-  Grads g{std::vector<float>(pr.q.size()), std::vector<float>(pr.k.size()),
-          std::vector<float>(pr.v.size())};
-  TensorView q = pr.view(pr.q, c.seq_q, c.num_heads_q, c.head_dim);
-  TensorView k = pr.view(pr.k, c.seq_kv, c.num_heads_kv, c.head_dim);
-  TensorView v = pr.view(pr.v, c.seq_kv, c.num_heads_kv, pr.head_dim_v());
-  p.kernel = kernel;
-  p.num_threads = threads;
-  attention_backward(q, k, v, pr.view(f.out, c.seq_q, c.num_heads_q, pr.head_dim_v()),
-                     TensorView::contiguous(f.lse.data(), DType::kF32,
-                                            {c.batch, c.num_heads_q, c.seq_q, 1}),
-                     pr.view(dout, c.seq_q, c.num_heads_q, pr.head_dim_v()),
-                     {.dq = pr.view(g.dq, c.seq_q, c.num_heads_q, c.head_dim),
-                      .dk = pr.view(g.dk, c.seq_kv, c.num_heads_kv, c.head_dim),
-                      .dv = pr.view(g.dv, c.seq_kv, c.num_heads_kv, pr.head_dim_v())},
-                     p);
-  return g;
-}
-
-std::vector<float> normal(std::size_t n, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> dist;
-  std::vector<float> x(n);
-  for (float& e : x) e = dist(rng);
-  return x;
-}
-
 TEST(Dropout, BackwardMatchesFiniteDifferences) {
   const Case c{.batch = 1, .seq_q = 7, .seq_kv = 9, .num_heads_q = 2, .num_heads_kv = 1,
                .head_dim = 4, .causal = true, .align = Align::kTopLeft};
   Problem pr(c);
   const AttentionParams params = with_dropout(pr.params(), 0.3f);
-  std::vector<float> dout = normal(pr.q.size(), 5);
-  const Grads g = backward(pr, params, dout, Kernel::kReference);
+  std::vector<float> dout = normal_values(pr.q.size(), 5);
+  const Grads g = run_backward(pr, params, dout, false, 0, Kernel::kReference);
   auto loss = [&] {
     AttentionParams p = params;
     p.kernel = Kernel::kReference;
@@ -191,7 +153,7 @@ TEST(Dropout, BackwardMatchesFiniteDifferences) {
     return sum;
   };
   for (auto [x, grad] : {std::pair{&pr.q, &g.dq}, {&pr.k, &g.dk}, {&pr.v, &g.dv}}) {
-    const std::vector<float> r = normal(x->size(), 9), saved = *x;
+    const std::vector<float> r = normal_values(x->size(), 9), saved = *x;
     const double eps = 1e-3;
     for (std::size_t i = 0; i < x->size(); ++i) (*x)[i] = saved[i] + eps * r[i];
     const double up = loss();
@@ -213,9 +175,9 @@ TEST(Dropout, FlashBackwardEqualsReferenceAndKeepsItsBits) {
       SCOPED_TRACE(c.name());
       Problem pr(c);
       const AttentionParams params = with_dropout(pr.params(), 0.2f);
-      std::vector<float> dout = normal(pr.q.size() / c.head_dim * pr.head_dim_v(), 6);
-      const Grads ref = backward(pr, params, dout, Kernel::kReference);
-      const Grads flash = backward(pr, params, dout, Kernel::kFlash);
+      std::vector<float> dout = normal_values(pr.q.size() / c.head_dim * pr.head_dim_v(), 6);
+      const Grads ref = run_backward(pr, params, dout, false, 0, Kernel::kReference);
+      const Grads flash = run_backward(pr, params, dout, false, 0, Kernel::kFlash);
       EXPECT_LE(max_abs_diff(flash.dq, ref.dq), 2e-5 * std::max(1.0, max_abs(ref.dq)));
       EXPECT_LE(max_abs_diff(flash.dk, ref.dk), 2e-5 * std::max(1.0, max_abs(ref.dk)));
       EXPECT_LE(max_abs_diff(flash.dv, ref.dv), 2e-5 * std::max(1.0, max_abs(ref.dv)));
@@ -223,9 +185,9 @@ TEST(Dropout, FlashBackwardEqualsReferenceAndKeepsItsBits) {
   });
   Problem pr(dropout_cases()[1]);
   const AttentionParams params = with_dropout(pr.params(), 0.2f);
-  std::vector<float> dout = normal(pr.q.size(), 6);
-  const Grads one = backward(pr, params, dout, Kernel::kFlash, 1);
-  const Grads three = backward(pr, params, dout, Kernel::kFlash, 3);
+  std::vector<float> dout = normal_values(pr.q.size(), 6);
+  const Grads one = run_backward(pr, params, dout, false, 1, Kernel::kFlash);
+  const Grads three = run_backward(pr, params, dout, false, 3, Kernel::kFlash);
   EXPECT_TRUE(bit_equal(one.dq, three.dq) && bit_equal(one.dk, three.dk) &&
               bit_equal(one.dv, three.dv));
 }
