@@ -241,6 +241,16 @@ Grads run_backward(Problem& pr, const AttentionParams& params, std::vector<float
   return g;
 }
 
+double reference_loss(const Problem& pr, const AttentionParams& params,
+                      const std::vector<float>& dout) {
+  AttentionParams p = params;
+  p.kernel = Kernel::kReference;
+  const Result r = pr.run_with(p, false);
+  double sum = 0.0;
+  for (std::size_t i = 0; i < dout.size(); ++i) sum += static_cast<double>(dout[i]) * r.out[i];
+  return sum;
+}
+
 std::vector<float> normal_values(std::size_t n, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal;

@@ -93,6 +93,10 @@ struct Grads {
 Grads run_backward(Problem& pr, const AttentionParams& params, std::vector<float>& dout,
                    bool with_dbias, int num_threads = 0, Kernel kernel = Kernel::kReference);
 
+// The loss sum(dout * out) of the reference forward with `params`, in f64.
+double reference_loss(const Problem& pr, const AttentionParams& params,
+                      const std::vector<float>& dout);
+
 // n values ~ N(0, 1), the same for the same seed.
 std::vector<float> normal_values(std::size_t n, std::uint64_t seed);
 

@@ -20,16 +20,6 @@
 namespace qkv::testing {
 namespace {
 
-// The loss sum(dout * out) of the f64 forward oracle, in f64.
-double loss(const Problem& pr, const AttentionParams& params, const std::vector<float>& dout) {
-  AttentionParams p = params;
-  p.kernel = Kernel::kReference;
-  const Result r = pr.run_with(p, false);
-  double sum = 0.0;
-  for (std::size_t i = 0; i < dout.size(); ++i) sum += static_cast<double>(dout[i]) * r.out[i];
-  return sum;
-}
-
 double dot(const std::vector<float>& a, const std::vector<float>& b) {
   double sum = 0.0;
   for (std::size_t i = 0; i < a.size(); ++i) {
@@ -50,7 +40,7 @@ void expect_directional(Problem& pr, const AttentionParams& params, const std::v
       // -inf bias entries and NaN padding stay what they are.
       x[i] = std::isfinite(saved[i]) ? static_cast<float>(saved[i] + t * r[i]) : saved[i];
     }
-    return loss(pr, params, dout);
+    return reference_loss(pr, params, dout);
   };
   const double numeric = (at(eps) - at(-eps)) / (2 * eps);
   x = saved;

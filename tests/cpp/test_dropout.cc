@@ -144,14 +144,7 @@ TEST(Dropout, BackwardMatchesFiniteDifferences) {
   const AttentionParams params = with_dropout(pr.params(), 0.3f);
   std::vector<float> dout = normal_values(pr.q.size(), 5);
   const Grads g = run_backward(pr, params, dout, false, 0, Kernel::kReference);
-  auto loss = [&] {
-    AttentionParams p = params;
-    p.kernel = Kernel::kReference;
-    const Result r = pr.run_with(p, false);
-    double sum = 0;
-    for (std::size_t i = 0; i < dout.size(); ++i) sum += static_cast<double>(dout[i]) * r.out[i];
-    return sum;
-  };
+  auto loss = [&] { return reference_loss(pr, params, dout); };
   for (auto [x, grad] : {std::pair{&pr.q, &g.dq}, {&pr.k, &g.dk}, {&pr.v, &g.dv}}) {
     const std::vector<float> r = normal_values(x->size(), 9), saved = *x;
     const double eps = 1e-3;
