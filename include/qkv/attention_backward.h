@@ -24,6 +24,7 @@
 #pragma once
 
 #include "qkv/attention.h"
+#include "qkv/block_attention.h"
 #include "qkv/tensor.h"
 
 namespace qkv {
@@ -42,5 +43,17 @@ struct AttentionGrads {
 void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
                         const TensorView& out, const TensorView& lse, const TensorView& dout,
                         const AttentionGrads& grads, const AttentionParams& params);
+
+// attention_backward of a block (qkv/block_attention.h): q and k at `positions` in longer
+// sequences, params what attention_block takes. out, lse and dout are the block's query rows of
+// the WHOLE attention's (lse over every key of the whole sequence, not only this block's), so
+// dq, dk and dv are this block pair's share of the whole's gradients: the whole's dq is the sum
+// over key blocks, its dk and dv the sums over query blocks (ring attention's backward,
+// qkv/ring_attention.h). The flash kernel only (kernel auto or flash: the reference recomputes
+// the softmax over the block alone). Validates and throws like attention_backward.
+void attention_block_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                              const TensorView& out, const TensorView& lse,
+                              const TensorView& dout, const AttentionGrads& grads,
+                              const AttentionParams& params, const BlockPositions& positions);
 
 }  // namespace qkv

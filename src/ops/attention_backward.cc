@@ -26,11 +26,11 @@ void require_gradient(const char* name, const TensorView& view,
   ops::require_writable_strides(name, view);
 }
 
-}  // namespace
-
-void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
-                        const TensorView& out, const TensorView& lse, const TensorView& dout,
-                        const AttentionGrads& grads, const AttentionParams& params) {
+// attention_backward, or attention_block_backward when `block` is not null.
+void backward(const TensorView& q, const TensorView& k, const TensorView& v,
+              const TensorView& out, const TensorView& lse, const TensorView& dout,
+              const AttentionGrads& grads, const AttentionParams& params,
+              const BlockPositions* block) {
   if (out.empty() || lse.empty()) {
     throw Error(std::string(out.empty() ? "out" : "lse") +
                 ": required (the forward's output for these inputs; f32)");
@@ -38,11 +38,16 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   if (params.kernel == Kernel::kChunked) {
     throw Error("kernel: the backward has no chunked kernel; use kernel auto, flash or reference");
   }
+  if (block != nullptr && params.kernel == Kernel::kReference) {
+    throw Error("kernel: a block's backward needs the flash kernel (the reference recomputes "
+                "the softmax over the block's keys alone, not from the whole's lse); use kernel "
+                "auto or flash");
+  }
   if (params.kernel == Kernel::kFlash && !grads.dbias.empty()) {
     throw Error("dbias: the flash backward does not compute it yet; use kernel auto or reference");
   }
   ops::PreparedAttention prepared;
-  ops::prepare_attention(q, k, v, {.out = out, .lse = lse}, params, nullptr, prepared);
+  ops::prepare_attention(q, k, v, {.out = out, .lse = lse}, params, block, prepared);
   const AttentionKernelParams& p = prepared.params;
   const std::int64_t batch = p.batch, seq_q = p.seq_q, seq_kv = p.seq_kv;
   const std::int64_t heads_q = p.num_heads_q, heads_kv = p.num_heads_kv;
@@ -88,6 +93,21 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   } else {
     attention_backward_flash_cpu(g);
   }
+}
+
+}  // namespace
+
+void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& out, const TensorView& lse, const TensorView& dout,
+                        const AttentionGrads& grads, const AttentionParams& params) {
+  backward(q, k, v, out, lse, dout, grads, params, nullptr);
+}
+
+void attention_block_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                              const TensorView& out, const TensorView& lse,
+                              const TensorView& dout, const AttentionGrads& grads,
+                              const AttentionParams& params, const BlockPositions& positions) {
+  backward(q, k, v, out, lse, dout, grads, params, &positions);
 }
 
 }  // namespace qkv
