@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "qkv/attention.h"
+#include "qkv/attention_backward.h"
 #include "qkv/tensor.h"
 
 namespace qkv {
@@ -73,6 +74,21 @@ std::vector<RingSegment> ring_shard(RingLayout layout, std::int64_t seq, int ran
 RingStats ring_attention(MPI_Comm comm, const TensorView& q, const TensorView& k,
                          const TensorView& v, const AttentionOutputs& outputs,
                          const RingParams& params);
+
+// The gradients of ring_attention, collective over `comm` like it: each rank passes its shards
+// of q, k, v, this rank's rows of the forward's out and lse (from ring_attention with the same
+// params) and of dout = dL/d(out) (f32, out's shape), and gets its shards of dq, dk, dv (f32,
+// the shapes of q, k, v with Dv for dv; written, not added to; dbias must be empty). K/V blocks
+// travel as in the forward; the gradients of each block's keys follow it one position behind,
+// each rank adding its share, and come home to the block's rank at the end of its way. dq stays
+// with its queries. Deterministic: the same bits on any thread count. Memory: the forward's
+// three K/V blocks and six f32 blocks of dk, dv. The flash kernel (kernel auto or flash).
+// Throws like ring_attention (on every rank, with the same message), naming the argument and
+// its shape; the gradients are written only after every rank's checks passed.
+RingStats ring_attention_backward(MPI_Comm comm, const TensorView& q, const TensorView& k,
+                                  const TensorView& v, const TensorView& out,
+                                  const TensorView& lse, const TensorView& dout,
+                                  const AttentionGrads& grads, const RingParams& params);
 
 // Rows of a whole sequence -> this rank's shard (dim 1 of BSHD views), and back: for callers
 // that hold the whole sequence on every rank or on one (the CLI scatters from rank 0).

@@ -6,6 +6,7 @@
 
 #include <mpi.h>
 
+#include "qkv/attention_backward.h"
 #include "qkv/ring_attention.h"
 
 namespace qkv::distributed {
@@ -15,5 +16,10 @@ enum class RingMode { kFull, kComputeOnly, kTransferOnly };
 RingStats ring_attention_mode(MPI_Comm comm, const TensorView& q, const TensorView& k,
                               const TensorView& v, const AttentionOutputs& outputs,
                               const RingParams& params, RingMode mode);
+RingStats ring_attention_backward_mode(MPI_Comm comm, const TensorView& q, const TensorView& k,
+                                       const TensorView& v, const TensorView& out,
+                                       const TensorView& lse, const TensorView& dout,
+                                       const AttentionGrads& grads, const RingParams& params,
+                                       RingMode mode);
 
 }  // namespace qkv::distributed

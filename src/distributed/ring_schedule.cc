@@ -95,4 +95,11 @@ bool RingSchedule::sends(int source, int block, int distance) const {
   return false;
 }
 
+int RingSchedule::reach(int source, int block) const {
+  for (int distance = ranks_ - 1; distance > 0; --distance) {
+    if (sends(source, block, distance - 1)) return distance;
+  }
+  return 0;
+}
+
 }  // namespace qkv::distributed

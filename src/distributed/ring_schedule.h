@@ -42,6 +42,9 @@ class RingSchedule {
   // Whether the rank `distance` steps along the ring from `source` (0: the source itself) must
   // pass block `block` of its shard on: a rank further along needs it.
   bool sends(int source, int block, int distance) const;
+  // The furthest distance along the ring that block `block` of `source`'s shard travels to
+  // (0: it never leaves its source).
+  int reach(int source, int block) const;
 
  private:
   int ranks_, blocks_ = 1;

@@ -3,7 +3,8 @@
 // its shards and compares its rows of out and lse with the whole's: non-causal, causal in both
 // alignments with the contiguous and the zigzag layout, windows narrower than a shard and wider
 // than several, key lengths ending inside a shard (a batch entry of 0: rows with no key at all),
-// GQA, Lq != Lk, lengths that do not divide by P, softcap, bf16; and the errors every rank must
+// GQA, Lq != Lk, lengths that do not divide by P, softcap, bf16; the backward's dq, dk, dv
+// against attention_backward on the whole for every such case; and the errors every rank must
 // get alike.
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -58,53 +59,81 @@ std::vector<T> shard_of(std::vector<T>& data, DType dtype, std::array<std::int64
   return shard;
 }
 
+// This rank's shards of a problem and the ring forward on them.
+struct RingRun {
+  RingRun(Problem& p, const RingCase& rc) : c(p.spec()), layout(rc.layout) {
+    dv = p.head_dim_v();
+    half = c.dtype != DType::kF32;
+    q = shard_of(p.q, DType::kF32, {c.batch, c.seq_q, c.num_heads_q, c.head_dim}, layout);
+    k = shard_of(p.k, DType::kF32, {c.batch, c.seq_kv, c.num_heads_kv, c.head_dim}, layout);
+    v = shard_of(p.v, DType::kF32, {c.batch, c.seq_kv, c.num_heads_kv, dv}, layout);
+    if (half) {
+      q16 = shard_of(p.q16, c.dtype, {c.batch, c.seq_q, c.num_heads_q, c.head_dim}, layout);
+      k16 = shard_of(p.k16, c.dtype, {c.batch, c.seq_kv, c.num_heads_kv, c.head_dim}, layout);
+      v16 = shard_of(p.v16, c.dtype, {c.batch, c.seq_kv, c.num_heads_kv, dv}, layout);
+    }
+    lq = static_cast<std::int64_t>(q.size()) / (c.batch * c.num_heads_q * c.head_dim);
+    lk = static_cast<std::int64_t>(k.size()) / (c.batch * c.num_heads_kv * c.head_dim);
+    out.assign(static_cast<std::size_t>(c.batch * lq * c.num_heads_q * dv), 7.0f);
+    lse.assign(static_cast<std::size_t>(c.batch * c.num_heads_q * lq), 7.0f);
+    params = {.attention = p.params(), .layout = layout, .seq_q = c.seq_q, .seq_kv = c.seq_kv,
+              .block_rows = rc.block_rows};
+    stats = ring_attention(MPI_COMM_WORLD, q_view(), k_view(), v_view(),
+                           {.out = f32(out, lq, c.num_heads_q, dv), .lse = lse_view()}, params);
+  }
+  TensorView f32(std::vector<float>& f, std::int64_t rows, std::int64_t heads, std::int64_t d) const {
+    return TensorView::contiguous(f.data(), DType::kF32, {c.batch, rows, heads, d});
+  }
+  TensorView input(std::vector<float>& f, std::vector<std::uint16_t>& h, std::int64_t rows,
+                   std::int64_t heads, std::int64_t d) const {
+    return half ? TensorView::contiguous(h.data(), c.dtype, {c.batch, rows, heads, d})
+                : f32(f, rows, heads, d);
+  }
+  TensorView q_view() { return input(q, q16, lq, c.num_heads_q, c.head_dim); }
+  TensorView k_view() { return input(k, k16, lk, c.num_heads_kv, c.head_dim); }
+  TensorView v_view() { return input(v, v16, lk, c.num_heads_kv, dv); }
+  TensorView lse_view() {
+    return TensorView::contiguous(lse.data(), DType::kF32, {c.batch, c.num_heads_q, lq, 1});
+  }
+  // This rank's rows of a whole [B, L, H, D] tensor.
+  std::vector<float> mine(const std::vector<float>& whole, std::int64_t seq, std::int64_t heads,
+                          std::int64_t d) const {
+    auto copy = whole;
+    return shard_of(copy, DType::kF32, {c.batch, seq, heads, d}, layout);
+  }
+
+  const Case& c;
+  RingLayout layout;
+  std::int64_t dv = 0, lq = 0, lk = 0;
+  bool half = false;
+  std::vector<float> q, k, v, out, lse;
+  std::vector<std::uint16_t> q16, k16, v16;
+  RingParams params;
+  RingStats stats;
+};
+
 void check_case(const RingCase& rc) {
   SCOPED_TRACE(name(rc) + " on " + std::to_string(world_size()) + " ranks, rank " +
                std::to_string(world_rank()));
   const Case& c = rc.c;
   Problem p(c);
   const Result whole = p.run(Kernel::kFlash, false);
-  const std::int64_t dv = p.head_dim_v();
-  const bool half = c.dtype != DType::kF32;
-  auto q = shard_of(p.q, DType::kF32, {c.batch, c.seq_q, c.num_heads_q, c.head_dim}, rc.layout);
-  auto k = shard_of(p.k, DType::kF32, {c.batch, c.seq_kv, c.num_heads_kv, c.head_dim}, rc.layout);
-  auto v = shard_of(p.v, DType::kF32, {c.batch, c.seq_kv, c.num_heads_kv, dv}, rc.layout);
-  std::vector<std::uint16_t> q16, k16, v16;
-  if (half) {
-    q16 = shard_of(p.q16, c.dtype, {c.batch, c.seq_q, c.num_heads_q, c.head_dim}, rc.layout);
-    k16 = shard_of(p.k16, c.dtype, {c.batch, c.seq_kv, c.num_heads_kv, c.head_dim}, rc.layout);
-    v16 = shard_of(p.v16, c.dtype, {c.batch, c.seq_kv, c.num_heads_kv, dv}, rc.layout);
-  }
-  const std::int64_t lq = static_cast<std::int64_t>(q.size()) / (c.batch * c.num_heads_q * c.head_dim);
-  const std::int64_t lk = static_cast<std::int64_t>(k.size()) / (c.batch * c.num_heads_kv * c.head_dim);
-  auto view = [&](std::vector<float>& f, std::vector<std::uint16_t>& h, std::int64_t rows,
-                  std::int64_t heads, std::int64_t d) {
-    return half ? TensorView::contiguous(h.data(), c.dtype, {c.batch, rows, heads, d})
-                : TensorView::contiguous(f.data(), DType::kF32, {c.batch, rows, heads, d});
-  };
-  std::vector<float> out(static_cast<std::size_t>(c.batch * lq * c.num_heads_q * dv), 7.0f);
-  std::vector<float> lse(static_cast<std::size_t>(c.batch * c.num_heads_q * lq), 7.0f);
-  RingParams params{.attention = p.params(), .layout = rc.layout, .seq_q = c.seq_q,
-                    .seq_kv = c.seq_kv, .block_rows = rc.block_rows};
-  const RingStats stats = ring_attention(
-      MPI_COMM_WORLD, view(q, q16, lq, c.num_heads_q, c.head_dim),
-      view(k, k16, lk, c.num_heads_kv, c.head_dim), view(v, v16, lk, c.num_heads_kv, dv),
-      {.out = TensorView::contiguous(out.data(), DType::kF32, {c.batch, lq, c.num_heads_q, dv}),
-       .lse = TensorView::contiguous(lse.data(), DType::kF32, {c.batch, c.num_heads_q, lq, 1})},
-      params);
+  RingRun ring(p, rc);
+  const std::int64_t dv = ring.dv, lq = ring.lq;
+  const bool half = ring.half;
+  const std::vector<float>& out = ring.out;
+  const std::vector<float>& lse = ring.lse;
+  const RingStats& stats = ring.stats;
 
   // The whole's rows of this rank.
-  auto whole_out = const_cast<std::vector<float>&>(whole.out);
-  const std::vector<float> expected_out =
-      shard_of(whole_out, DType::kF32, {c.batch, c.seq_q, c.num_heads_q, dv}, rc.layout);
+  const std::vector<float> expected_out = ring.mine(whole.out, c.seq_q, c.num_heads_q, dv);
   // lse is [B, Hq, Lq]: shard it as [B, Lq, Hq, 1] after a transpose.
   std::vector<float> lse_bshd(whole.lse.size()), mine(lse.size());
   for (std::int64_t b = 0; b < c.batch; ++b)
     for (std::int64_t h = 0; h < c.num_heads_q; ++h)
       for (std::int64_t i = 0; i < c.seq_q; ++i)
         lse_bshd[(b * c.seq_q + i) * c.num_heads_q + h] = whole.lse[(b * c.num_heads_q + h) * c.seq_q + i];
-  const std::vector<float> expected_lse =
-      shard_of(lse_bshd, DType::kF32, {c.batch, c.seq_q, c.num_heads_q, 1}, rc.layout);
+  const std::vector<float> expected_lse = ring.mine(lse_bshd, c.seq_q, c.num_heads_q, 1);
   for (std::int64_t b = 0; b < c.batch; ++b)
     for (std::int64_t h = 0; h < c.num_heads_q; ++h)
       for (std::int64_t i = 0; i < lq; ++i)
@@ -137,6 +166,56 @@ void check_case(const RingCase& rc) {
       EXPECT_GE(stats.sends_skipped, 1);
     }
   }
+}
+
+// The ring's backward on this rank's shards against attention_backward on the whole (flash),
+// for dL/d(out) = dout ~ N(0, 1); then again on one thread: the same bits.
+void check_backward(const RingCase& rc) {
+  SCOPED_TRACE("backward " + name(rc) + " on " + std::to_string(world_size()) +
+               " ranks, rank " + std::to_string(world_rank()));
+  const Case& c = rc.c;
+  Problem p(c);
+  RingRun ring(p, rc);
+  const std::int64_t dv = ring.dv, lq = ring.lq, lk = ring.lk;
+  std::vector<float> dout = normal_values(p.q.size() / c.head_dim * dv, 11);
+  const Grads whole = run_backward(p, p.params(), dout, false, 0, Kernel::kFlash);
+  std::vector<float> my_dout = ring.mine(dout, c.seq_q, c.num_heads_q, dv);
+  auto run = [&](int num_threads) {
+    Grads g;
+    g.dq.assign(ring.q.size(), 7.0f);
+    g.dk.assign(ring.k.size(), 7.0f);
+    g.dv.assign(ring.v.size(), 7.0f);
+    RingParams params = ring.params;
+    params.attention.num_threads = num_threads;
+    ring_attention_backward(
+        MPI_COMM_WORLD, ring.q_view(), ring.k_view(), ring.v_view(),
+        ring.f32(ring.out, lq, c.num_heads_q, dv), ring.lse_view(),
+        ring.f32(my_dout, lq, c.num_heads_q, dv),
+        {.dq = ring.f32(g.dq, lq, c.num_heads_q, c.head_dim),
+         .dk = ring.f32(g.dk, lk, c.num_heads_kv, c.head_dim),
+         .dv = ring.f32(g.dv, lk, c.num_heads_kv, dv)},
+        params);
+    return g;
+  };
+  const Grads mine = run(0);
+  const double scale = ring.half ? 2e-2 : 1e-4;
+  const struct {
+    const char* name;
+    const std::vector<float>& got;
+    std::vector<float> expected;
+  } grads[] = {
+      {"dq", mine.dq, ring.mine(whole.dq, c.seq_q, c.num_heads_q, c.head_dim)},
+      {"dk", mine.dk, ring.mine(whole.dk, c.seq_kv, c.num_heads_kv, c.head_dim)},
+      {"dv", mine.dv, ring.mine(whole.dv, c.seq_kv, c.num_heads_kv, dv)},
+  };
+  for (const auto& g : grads) {
+    EXPECT_LE(max_abs_diff(g.got, g.expected), scale * std::max(1.0, max_abs(g.expected)))
+        << g.name;
+  }
+  const Grads one_thread = run(1);
+  EXPECT_TRUE(bit_equal(one_thread.dq, mine.dq));
+  EXPECT_TRUE(bit_equal(one_thread.dk, mine.dk));
+  EXPECT_TRUE(bit_equal(one_thread.dv, mine.dv));
 }
 
 std::vector<RingCase> cases() {
@@ -185,6 +264,10 @@ TEST(Ring, EqualsTheWholeOnEveryRank) {
   for (const RingCase& rc : cases()) check_case(rc);
 }
 
+TEST(Ring, BackwardEqualsTheWholeOnEveryRank) {
+  for (const RingCase& rc : cases()) check_backward(rc);
+}
+
 // The message every rank must throw, or "" if none.
 template <typename F>
 std::string error_of(F&& f) {
@@ -222,8 +305,27 @@ TEST(Ring, RanksThatDisagreeAllGetTheSameError) {
   const std::string short_seq = error_of([&] { run(2, 1, RingLayout::kZigzag, 2 * ranks - 1); });
   EXPECT_NE(short_seq.find("ranks cannot share a sequence of " + std::to_string(2 * ranks - 1)),
             std::string::npos) << short_seq;
+  // The backward: rank 0's dq has a row too few, or every rank asks for the reference kernel.
+  auto backward = [&](std::int64_t dq_rows, Kernel kernel) {
+    std::vector<float> q(2 * rows * 8, 0.5f), k(rows * 8, 0.5f), out(2 * rows * 8, 0.0f),
+        lse(2 * rows, 0.0f), dq(2 * rows * 8), dk(rows * 8), dv(rows * 8);
+    auto view = [](std::vector<float>& f, std::int64_t n, std::int64_t heads) {
+      return TensorView::contiguous(f.data(), DType::kF32, {1, n, heads, 8});
+    };
+    ring_attention_backward(
+        MPI_COMM_WORLD, view(q, rows, 2), view(k, rows, 1), view(k, rows, 1), view(out, rows, 2),
+        TensorView::contiguous(lse.data(), DType::kF32, {1, 2, rows, 1}), view(out, rows, 2),
+        {.dq = view(dq, dq_rows, 2), .dk = view(dk, rows, 1), .dv = view(dv, rows, 1)},
+        {.attention = {.kernel = kernel}, .seq_q = L, .seq_kv = L});
+  };
+  const std::string dq_rows =
+      error_of([&] { backward(rows - (rank == 0), Kernel::kAuto); });
+  EXPECT_NE(dq_rows.find("ring_attention_backward: rank 0: dq:"), std::string::npos) << dq_rows;
+  const std::string reference = error_of([&] { backward(rows, Kernel::kReference); });
+  EXPECT_NE(reference.find("kernel: the ring's backward runs the flash kernel"), std::string::npos)
+      << reference;
   // Every rank saw the same messages (the ring still works afterwards: the next test runs).
-  for (const std::string* message : {&heads, &shard, &short_seq}) {
+  for (const std::string* message : {&heads, &shard, &short_seq, &dq_rows, &reference}) {
     std::vector<char> text(512, 0), first(512, 0);
     std::copy_n(message->begin(), std::min<std::size_t>(message->size(), 511), text.begin());
     if (rank == 0) first = text;
