@@ -2,15 +2,17 @@
 // (distributed/kv_ring.h), with the gradients of each block's keys following their block.
 //
 // Block c of source s is computed by the rank `distance` j steps along the ring at position
-// t_j = c (P - 1) + j, for j = 0 .. reach (the furthest rank the block travels to). That rank
-// adds its share of the block's dk and dv (attention_block_backward over its queries) to the
-// sum that arrived from the rank before it (sent at t_j: one position behind the K/V), and at
-// t_j + 1 sends the sum on: to the next rank, or, from the furthest rank, home to s (a direct
-// message; the ring's neighbour when reach = P - 1). A rank the K/V only passes through adds
-// nothing and passes the sum on. So a block's dk, dv are summed in ring order, starting at s:
-// the same bits on any thread count. dq stays with its queries, summed position by position.
-// out and lse are the whole's (the forward's), so D_i = dout_i . out_i and the probabilities
-// recomputed from lse make each block pair's share exact on its own.
+// t_j = c (P - 1) + j, for j = 0 .. reach (the furthest rank the block travels to). Rank s
+// writes its own share of the block's dk and dv (attention_block_backward over its queries)
+// into its dk, dv at once. The rank at j = 1 sends its share on at t_1 + 1; the rank at j >= 2
+// adds its share to the sum that arrived from the rank before it (sent at t_j: one position
+// behind the K/V) and sends that on at t_j + 1: to the next rank, or, from the furthest rank,
+// home to s (a direct message; the ring's neighbour when reach = P - 1), which adds it to its
+// own share. A rank the K/V only passes through adds nothing and passes the sum on. So a
+// block's dk, dv are summed in one fixed order: the same bits on any thread count. dq stays
+// with its queries, summed position by position. out and lse are the whole's (the forward's),
+// so D_i = dout_i . out_i and the probabilities recomputed from lse make each block pair's
+// share exact on its own.
 #include <mpi.h>
 
 #include <algorithm>
@@ -144,12 +146,13 @@ RingStats ring_attention_backward_mode(MPI_Comm comm, const TensorView& q, const
                      TensorView::contiguous(base + batch * rows * heads_kv * dim, DType::kF32,
                                             {batch, rows, heads_kv, dim_v})};
   };
-  // Home: block `block` of this rank's own dk, dv <- a gradient sum.
-  const auto store_home = [&](int block, float* sum) {
+  // Block `block` of this rank's own dk, dv <- (or +=) a gradient sum.
+  const auto store_home = [&](int block, float* sum, bool add) {
     const auto [first, last] = schedule.block_rows(rank, block);
     const auto [dk_sum, dv_sum] = grad_views(sum, rank, block);
-    copy_into(narrow(grads.dk, 1, first, last - first), static_cast<float*>(dk_sum.data));
-    copy_into(narrow(grads.dv, 1, first, last - first), static_cast<float*>(dv_sum.data));
+    const auto store = add ? accumulate : copy_into;
+    store(narrow(grads.dk, 1, first, last - first), static_cast<float*>(dk_sum.data));
+    store(narrow(grads.dv, 1, first, last - first), static_cast<float*>(dv_sum.data));
   };
   const std::size_t grad_bytes = max_floats * sizeof(float);
   // parts[t % 2][i]: the sum for the i-th block computed at t, sent on at t + 1.
@@ -231,7 +234,7 @@ RingStats ring_attention_backward_mode(MPI_Comm comm, const TensorView& q, const
     int next_request = 0;
     for (std::size_t i = 0; i < previous.size(); ++i) {
       const Computed& c = previous[i];
-      if (c.reach == 0) continue;  // stored home already
+      if (c.distance == 0) continue;  // an own share: added into dk, dv already
       const bool home = c.distance == c.reach;
       const int count = static_cast<int>(grad_floats(c.source, c.block));
       if (transfer) {
@@ -249,7 +252,7 @@ RingStats ring_attention_backward_mode(MPI_Comm comm, const TensorView& q, const
     for (const KvRing::Block& b : blocks) {
       computed.push_back({b.source, b.block, b.distance,
                           b.distance == 0 ? own_reach[b.block] : schedule.reach(b.source, b.block)});
-      if (b.distance > 0 && transfer) {
+      if (b.distance > 1 && transfer) {
         check_mpi(MPI_Irecv(chain_in.as<float>(), static_cast<int>(grad_floats(b.source, b.block)),
                             MPI_FLOAT, from, kChainTag, ring_comm.get(), &requests[2]),
                   "MPI_Irecv");
@@ -273,15 +276,15 @@ RingStats ring_attention_backward_mode(MPI_Comm comm, const TensorView& q, const
     for (std::size_t i = 0; i < computed.size(); ++i) {
       const Computed& c = computed[i];
       float* sum = parts[t % 2][i].as<float>();
-      if (c.distance > 0) {  // what the ranks before added, then this rank's share
+      if (c.distance > 1) {  // what the ranks before added, then this rank's share
         const float* before = chain_in.as<float>();
         const std::size_t n = grad_floats(c.source, c.block);
         for (std::size_t e = 0; e < n; ++e) sum[e] = before[e] + sum[e];
-      } else if (c.reach == 0) {
-        store_home(c.block, sum);  // no other rank needs this block
+      } else if (c.distance == 0) {
+        store_home(c.block, sum, /*add=*/false);  // this rank's own share first
       }
     }
-    if (home_block >= 0) store_home(home_block, home_in.as<float>());
+    if (home_block >= 0) store_home(home_block, home_in.as<float>(), /*add=*/true);
     ring.finish(t);
     previous = std::move(computed);
   }

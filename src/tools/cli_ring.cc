@@ -169,7 +169,7 @@ namespace {
 constexpr const char* kBenchUsage =
     R"(usage: mpirun -np P qkv ring-bench [--shape B,Hq,Hkv,L,D] [--causal] [--ring-layout L]
                                 [--ring-block ROWS] [--dtype f32|bf16] [--threads N]
-                                [--repeats R] [--json]
+                                [--repeats R] [--backward] [--json]
 
 Times ring attention over the ranks of MPI_COMM_WORLD (docs/distributed.md). Each rank makes
 its shard of random q, k, v (seeded by rank) and runs, R times each (median reported):
@@ -180,7 +180,9 @@ and prints per rank: the three times, the ring's own compute and wait times, the
 of the communication, (compute + transfer - ring) / transfer, and the peak resident memory of a
 ring call above the memory before it (the shards excluded). Times are the ring loop's (the
 agreement check and buffer setup, the same in every mode, are left out). Rank 0 then prints the slowest
-rank's compute against the mean (load balance). Default shape 1,8,8,4096,64.
+rank's compute against the mean (load balance). With --backward the same for the ring's
+backward (ring_attention_backward: K/V blocks, and each block's dk/dv one position behind),
+after one forward for its out and lse, with dout ~ N(0, 1). Default shape 1,8,8,4096,64.
 
 options:
   --shape B,Hq,Hkv,L,D  batch, query heads, kv heads, sequence length (Lq = Lk), head_dim
@@ -190,6 +192,7 @@ options:
   --dtype T             f32 (default) or bf16 storage of q, k, v
   --threads N           OpenMP threads per rank (default 0 = OpenMP's default)
   --repeats R           timed repeats per mode (default 3)
+  --backward            time the backward (its transfers carry K/V and the dk/dv sums)
   --json                one JSON object per rank on stdout (rank 0 prints them all)
   --help                this text
 )";
@@ -203,7 +206,7 @@ double median(std::vector<double> v) {
 
 int run_ring_bench(std::vector<std::string> argv) {
   std::vector<std::int64_t> shape = {1, 8, 8, 4096, 64};
-  bool causal = false, json = false;
+  bool causal = false, json = false, backward = false;
   std::string layout_text = "contiguous";
   std::int64_t block_rows = 0;
   DType dtype = DType::kF32;
@@ -242,6 +245,8 @@ int run_ring_bench(std::vector<std::string> argv) {
       if (repeats < 1 || repeats > 1000) throw UsageError("--repeats: expected 1 to 1000");
     } else if (name == "--json") {
       json = true;
+    } else if (name == "--backward") {
+      backward = true;
     } else {
       throw UsageError("unknown option '" + name + "' for ring-bench (try --help)");
     }
@@ -291,15 +296,41 @@ int run_ring_bench(std::vector<std::string> argv) {
                           .seq_q = seq,
                           .seq_kv = seq,
                           .block_rows = block_rows};
+  // The backward's dout ~ N(0, 1) and its gradients.
+  std::vector<float> dout, dq, dk, dv;
+  if (backward) {
+    dout.resize(out.size());
+    for (float& x : dout) x = normal(rng);
+    dq.resize(batch * rows * heads_q * dim);
+    dk.resize(batch * rows * heads_kv * dim);
+    dv.resize(dk.size());
+  }
+  const AttentionGrads grads{
+      .dq = TensorView::contiguous(dq.data(), DType::kF32, {batch, rows, heads_q, dim}),
+      .dk = TensorView::contiguous(dk.data(), DType::kF32, {batch, rows, heads_kv, dim}),
+      .dv = TensorView::contiguous(dv.data(), DType::kF32, {batch, rows, heads_kv, dim})};
   using distributed::RingMode;
   auto run = [&](RingMode mode) {
     MPI_Barrier(MPI_COMM_WORLD);  // every mode starts with the ranks together
     try {
+      if (backward) {
+        return distributed::ring_attention_backward_mode(
+            MPI_COMM_WORLD, q, k, v, outputs.out, outputs.lse,
+            TensorView::contiguous(dout.data(), DType::kF32, {batch, rows, heads_q, dim}), grads,
+            params, mode);
+      }
       return distributed::ring_attention_mode(MPI_COMM_WORLD, q, k, v, outputs, params, mode);
     } catch (const Error& e) {
       throw RingCollectiveError(e.what());
     }
   };
+  if (backward) {  // the forward's out and lse
+    try {
+      ring_attention(MPI_COMM_WORLD, q, k, v, outputs, params);
+    } catch (const Error& e) {
+      throw RingCollectiveError(e.what());
+    }
+  }
   run(RingMode::kFull);  // warm-up: scratch, primitives, connections
   std::vector<double> compute, transfer, ring, ring_compute, ring_wait;
   RingStats last;
@@ -326,9 +357,9 @@ int run_ring_bench(std::vector<std::string> argv) {
   MPI_Gather(mine.data(), 8, MPI_DOUBLE, all.data(), 8, MPI_DOUBLE, 0, MPI_COMM_WORLD);
   if (rank != 0) return 0;
   if (!json) {
-    std::printf("ring attention, %d ranks, shape B=%lld Hq=%lld Hkv=%lld L=%lld D=%lld%s, %s, %s, "
+    std::printf("ring attention%s, %d ranks, shape B=%lld Hq=%lld Hkv=%lld L=%lld D=%lld%s, %s, %s, "
                 "K/V blocks of %.2f MiB\n",
-                ranks, (long long)batch, (long long)heads_q, (long long)heads_kv, (long long)seq,
+                backward ? " backward" : "", ranks, (long long)batch, (long long)heads_q, (long long)heads_kv, (long long)seq,
                 (long long)dim, causal ? " causal" : "", layout_text.c_str(), dtype_name(dtype),
                 last.block_bytes / 1048576.0);
     std::printf("%5s %10s %10s %10s %10s %10s %8s %9s %7s %10s\n", "rank", "compute s",
@@ -342,13 +373,13 @@ int run_ring_bench(std::vector<std::string> argv) {
     sum_compute += x[0];
     max_compute = std::max(max_compute, x[0]);
     if (json) {
-      std::printf("{\"rank\": %d, \"ranks\": %d, \"B\": %lld, \"Hq\": %lld, \"Hkv\": %lld, "
+      std::printf("{\"pass\": \"%s\", \"rank\": %d, \"ranks\": %d, \"B\": %lld, \"Hq\": %lld, \"Hkv\": %lld, "
                   "\"L\": %lld, \"D\": %lld, \"causal\": %s, \"layout\": \"%s\", \"dtype\": \"%s\", "
                   "\"compute_seconds\": %.6g, \"transfer_seconds\": %.6g, \"ring_seconds\": %.6g, "
                   "\"ring_compute_seconds\": %.6g, \"ring_wait_seconds\": %.6g, "
                   "\"hidden_fraction\": %.4f, \"peak_extra_mib\": %.2f, \"blocks_computed\": %.0f, "
                   "\"bytes_sent\": %.0f, \"block_bytes\": %lld}\n",
-                  r, ranks, (long long)batch, (long long)heads_q, (long long)heads_kv,
+                  backward ? "backward" : "forward", r, ranks, (long long)batch, (long long)heads_q, (long long)heads_kv,
                   (long long)seq, (long long)dim, causal ? "true" : "false", layout_text.c_str(),
                   dtype_name(dtype), x[0], x[1], x[2], x[3], x[4], hidden, x[5], x[6], x[7],
                   (long long)last.block_bytes);
