@@ -7,16 +7,17 @@
 # From PyPI: numpy and pytest (the CLI tests' float64 reference), nanobind and scikit-build-core
 # (the Python module's build, DESIGN.md section 7), torch (qkv.torch is tested against torch's
 # own scaled_dot_product_attention), jax and ml_dtypes (arrays of those frameworks go in without
-# copies). torch pulls in its CUDA wheels from PyPI (about 3 GB, a few minutes the first time);
-# pip keeps them in its own cache for the next venv. Base interpreter: Debian's /usr/bin/python3
+# copies), mpi4py (qkv.ring's communicator; its wheel runs on Debian's Open MPI). torch pulls
+# in its CUDA wheels from PyPI (about 3 GB, a few minutes the first time); pip keeps them in
+# its own cache for the next venv. Base interpreter: Debian's /usr/bin/python3
 # (python3-venv, python3-dev from scripts/setup.sh).
 set -euo pipefail
 
 repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="$repo_root/.cache/venv-test"
 python="$venv/bin/python"
-packages=(numpy pytest nanobind scikit-build-core torch jax ml_dtypes)
-check='import numpy, pytest, nanobind, scikit_build_core, torch, jax, ml_dtypes'
+packages=(numpy pytest nanobind scikit-build-core torch jax ml_dtypes mpi4py)
+check='import numpy, pytest, nanobind, scikit_build_core, torch, jax, ml_dtypes, mpi4py'
 
 if [[ -x $python ]] && "$python" -c "$check" >/dev/null 2>&1; then
   echo "$python"

@@ -24,7 +24,8 @@ KvRing::KvRing(MPI_Comm comm, int rank, const RingSchedule& schedule, const Tens
       transfer_(transfer),
       stats_(stats) {
   for (int r = 0; r < ranks_; ++r) {
-    for (int c = 0; c < schedule.blocks(); ++c) max_bytes_ = std::max(max_bytes_, block_bytes(r, c));
+    for (int c = 0; c < schedule.blocks(); ++c)
+      max_bytes_ = std::max(max_bytes_, block_bytes(r, c));
   }
   if (max_bytes_ > static_cast<std::size_t>(std::numeric_limits<int>::max())) {
     throw Error("ring_attention: a K/V block of " + std::to_string(max_bytes_) +
@@ -47,11 +48,13 @@ std::size_t KvRing::block_bytes(int source, int block) const {
 KvRing::Block KvRing::view(char* base, int source, int block, int distance) const {
   const auto [first, last] = schedule_.block_rows(source, block);
   const std::int64_t rows = last - first, batch = k_.sizes[0], heads = k_.sizes[2];
-  return {.source = source, .block = block, .distance = distance,
-          .k = TensorView::contiguous(base, k_.dtype, {batch, rows, heads, k_.sizes[3]}),
-          .v = TensorView::contiguous(
-              base + batch * rows * heads * k_.sizes[3] * dtype_size(k_.dtype), k_.dtype,
-              {batch, rows, heads, v_.sizes[3]})};
+  return {
+      .source = source,
+      .block = block,
+      .distance = distance,
+      .k = TensorView::contiguous(base, k_.dtype, {batch, rows, heads, k_.sizes[3]}),
+      .v = TensorView::contiguous(base + batch * rows * heads * k_.sizes[3] * dtype_size(k_.dtype),
+                                  k_.dtype, {batch, rows, heads, v_.sizes[3]})};
 }
 
 void KvRing::post(int t) {
@@ -90,13 +93,15 @@ void KvRing::post(int t) {
 std::vector<KvRing::Block> KvRing::blocks(int t) const {
   std::vector<Block> blocks;
   if (held_ >= 0) {
-    blocks.push_back(view(slots_[1 - slot_].as<char>(), held_, held_block_,
-                          (rank_ - held_ + ranks_) % ranks_));
+    blocks.push_back(
+        view(slots_[1 - slot_].as<char>(), held_, held_block_, (rank_ - held_ + ranks_) % ranks_));
   }
   if (t < positions_ - 1 && t % per_round_ == 0) {
     const int block = t / per_round_;
     const auto [first, last] = schedule_.block_rows(rank_, block);
-    blocks.push_back({.source = rank_, .block = block, .distance = 0,
+    blocks.push_back({.source = rank_,
+                      .block = block,
+                      .distance = 0,
                       .k = narrow(k_, 1, first, last - first),
                       .v = narrow(v_, 1, first, last - first)});
   }

@@ -3,6 +3,8 @@
 // merges. At each position a rank computes its queries against the blocks KvRing hands it, in
 // pieces of query rows with an MPI_Testall between pieces (Open MPI moves a large message only
 // inside MPI calls), then waits for the position's transfers.
+#include "qkv/ring_attention.h"
+
 #include <mpi.h>
 
 #include <algorithm>
@@ -15,7 +17,6 @@
 #include "distributed/ring_modes.h"
 #include "distributed/ring_schedule.h"
 #include "qkv/block_attention.h"
-#include "qkv/ring_attention.h"
 
 namespace qkv {
 
@@ -42,7 +43,8 @@ RingStats ring_attention_mode(MPI_Comm comm, const TensorView& q, const TensorVi
 
   const std::int64_t batch = q.sizes[0], heads_q = q.sizes[2], heads_kv = k.sizes[2];
   const std::int64_t dim = k.sizes[3], dim_v = v.sizes[3];
-  const RingSchedule schedule(params, ranks, batch * heads_kv * (dim + dim_v) * dtype_size(k.dtype));
+  const RingSchedule schedule(params, ranks,
+                              batch * heads_kv * (dim + dim_v) * dtype_size(k.dtype));
   const bool compute = mode != RingMode::kTransferOnly;
   KvRing ring(ring_comm.get(), rank, schedule, k, v, mode != RingMode::kComputeOnly, stats);
 
@@ -77,15 +79,17 @@ RingStats ring_attention_mode(MPI_Comm comm, const TensorView& q, const TensorVi
         ++stats.blocks_computed;
         for (std::int64_t r0 = 0; r0 < qs.length; r0 += piece) {
           const std::int64_t n = std::min(piece, qs.length - r0);
-          const TensorView po = TensorView::contiguous(part_out.as<float>(), DType::kF32,
-                                                       {batch, n, heads_q, dim_v});
+          const TensorView po =
+              TensorView::contiguous(part_out.as<float>(), DType::kF32, {batch, n, heads_q, dim_v});
           const TensorView pl =
               TensorView::contiguous(part_lse.as<float>(), DType::kF32, {batch, heads_q, n, 1});
           attention_block(narrow(q, 1, q_row + r0, n), narrow(block.k, 1, k_row, ks.length),
                           narrow(block.v, 1, k_row, ks.length), {.out = po, .lse = pl},
                           params.attention,
-                          {.q_offset = qs.start + r0, .k_offset = ks.start,
-                           .seq_q = params.seq_q, .seq_kv = params.seq_kv});
+                          {.q_offset = qs.start + r0,
+                           .k_offset = ks.start,
+                           .seq_q = params.seq_q,
+                           .seq_kv = params.seq_kv});
           merge_attention(narrow(out, 1, q_row + r0, n), narrow(lse, 2, q_row + r0, n), po, pl,
                           params.attention.num_threads);
           poll(2, ring.requests());

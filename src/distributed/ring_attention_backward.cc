@@ -119,7 +119,8 @@ RingStats ring_attention_backward_mode(MPI_Comm comm, const TensorView& q, const
 
   const std::int64_t batch = q.sizes[0], heads_q = q.sizes[2], heads_kv = k.sizes[2];
   const std::int64_t dim = k.sizes[3], dim_v = v.sizes[3];
-  const RingSchedule schedule(params, ranks, batch * heads_kv * (dim + dim_v) * dtype_size(k.dtype));
+  const RingSchedule schedule(params, ranks,
+                              batch * heads_kv * (dim + dim_v) * dtype_size(k.dtype));
   const bool transfer = mode != RingMode::kComputeOnly, compute = mode != RingMode::kTransferOnly;
   KvRing ring(ring_comm.get(), rank, schedule, k, v, transfer, stats);
   const int per_round = std::max(ranks - 1, 1);
@@ -132,7 +133,8 @@ RingStats ring_attention_backward_mode(MPI_Comm comm, const TensorView& q, const
   };
   std::size_t max_floats = 0;
   for (int r = 0; r < ranks; ++r) {
-    for (int c = 0; c < schedule.blocks(); ++c) max_floats = std::max(max_floats, grad_floats(r, c));
+    for (int c = 0; c < schedule.blocks(); ++c)
+      max_floats = std::max(max_floats, grad_floats(r, c));
   }
   if (max_floats * sizeof(float) > static_cast<std::size_t>(std::numeric_limits<int>::max())) {
     throw Error("ring_attention_backward: a block's dk and dv are " +
@@ -209,7 +211,9 @@ RingStats ring_attention_backward_mode(MPI_Comm comm, const TensorView& q, const
               narrow(block.v, 1, k_row, ks.length), narrow(out, 1, q_row + r0, n),
               narrow(lse, 2, q_row + r0, n), narrow(dout, 1, q_row + r0, n),
               {.dq = dq_piece, .dk = dk_piece, .dv = dv_piece}, params.attention,
-              {.q_offset = qs.start + r0, .k_offset = ks.start, .seq_q = params.seq_q,
+              {.q_offset = qs.start + r0,
+               .k_offset = ks.start,
+               .seq_q = params.seq_q,
                .seq_kv = params.seq_kv});
           accumulate(narrow(grads.dq, 1, q_row + r0, n), static_cast<const float*>(dq_piece.data));
           accumulate(narrow(dk_sum, 1, k_row, ks.length), static_cast<const float*>(dk_piece.data));
@@ -238,10 +242,10 @@ RingStats ring_attention_backward_mode(MPI_Comm comm, const TensorView& q, const
       const bool home = c.distance == c.reach;
       const int count = static_cast<int>(grad_floats(c.source, c.block));
       if (transfer) {
-        check_mpi(MPI_Isend(parts[(t - 1) % 2][i].as<float>(), count, MPI_FLOAT,
-                            home ? c.source : to, home ? kHomeTag : kChainTag, ring_comm.get(),
-                            &requests[next_request++]),
-                  "MPI_Isend");
+        check_mpi(
+            MPI_Isend(parts[(t - 1) % 2][i].as<float>(), count, MPI_FLOAT, home ? c.source : to,
+                      home ? kHomeTag : kChainTag, ring_comm.get(), &requests[next_request++]),
+            "MPI_Isend");
         stats.bytes_sent += static_cast<std::int64_t>(count * sizeof(float));
       }
     }
@@ -250,8 +254,9 @@ RingStats ring_attention_backward_mode(MPI_Comm comm, const TensorView& q, const
     const std::vector<KvRing::Block> blocks = ring.blocks(t);
     std::vector<Computed> computed;
     for (const KvRing::Block& b : blocks) {
-      computed.push_back({b.source, b.block, b.distance,
-                          b.distance == 0 ? own_reach[b.block] : schedule.reach(b.source, b.block)});
+      computed.push_back(
+          {b.source, b.block, b.distance,
+           b.distance == 0 ? own_reach[b.block] : schedule.reach(b.source, b.block)});
       if (b.distance > 1 && transfer) {
         check_mpi(MPI_Irecv(chain_in.as<float>(), static_cast<int>(grad_floats(b.source, b.block)),
                             MPI_FLOAT, from, kChainTag, ring_comm.get(), &requests[2]),
@@ -295,9 +300,9 @@ RingStats ring_attention_backward_mode(MPI_Comm comm, const TensorView& q, const
 }  // namespace distributed
 
 RingStats ring_attention_backward(MPI_Comm comm, const TensorView& q, const TensorView& k,
-                                  const TensorView& v, const TensorView& out,
-                                  const TensorView& lse, const TensorView& dout,
-                                  const AttentionGrads& grads, const RingParams& params) {
+                                  const TensorView& v, const TensorView& out, const TensorView& lse,
+                                  const TensorView& dout, const AttentionGrads& grads,
+                                  const RingParams& params) {
   return distributed::ring_attention_backward_mode(comm, q, k, v, out, lse, dout, grads, params,
                                                    distributed::RingMode::kFull);
 }

@@ -18,6 +18,10 @@
 
 #include "core/int_math.h"
 #include "python/arrays.h"
+#include "python/options.h"
+#if QKV_WITH_MPI
+#include "python/ring.h"
+#endif
 #include "qkv/attention.h"
 #include "qkv/attention_backward.h"
 #include "qkv/error.h"
@@ -32,33 +36,6 @@ using namespace nb::literals;
 
 // Which of q, k, v hold bfloat16 as uint16 words (arrays.h, dtype_of).
 constexpr int kQBits = 1, kKBits = 2, kVBits = 4;
-
-// `value` looked up in `choices`; else ValueError "name: expected 'a', 'b' or 'c', got 'x'".
-template <typename T>
-T parse_choice(const char* name, const std::string& value,
-               std::initializer_list<std::pair<const char*, T>> choices) {
-  std::string expected;
-  std::size_t index = 0;
-  for (const auto& [text, choice] : choices) {
-    if (value == text) return choice;
-    expected += (index == 0                    ? "'"
-                 : index + 1 == choices.size() ? " or '"
-                                               : ", '") +
-                std::string(text) + "'";
-    ++index;
-  }
-  throw nb::value_error(
-      (std::string(name) + ": expected " + expected + ", got '" + value + "'").c_str());
-}
-
-// The CLI's spellings ("bottom-right") are taken too.
-Align parse_align(const std::string& align) {
-  return parse_choice<Align>("align", align,
-                             {{"bottom_right", Align::kBottomRight},
-                              {"top_left", Align::kTopLeft},
-                              {"bottom-right", Align::kBottomRight},
-                              {"top-left", Align::kTopLeft}});
-}
 
 // q, k, v and out in the caller's layout, as the library's logical BSHD views.
 struct Operands {
@@ -119,20 +96,6 @@ void call_library(const Operands& o, Call&& call) {
     }
     throw nb::value_error(message.c_str());
   }
-}
-
-std::vector<std::int64_t> key_lengths_of(nb::handle key_lengths) {
-  if (key_lengths.is_none()) return {};
-  const Held<InArray> held = input_view(
-      "key_lengths", key_lengths, {1, 1, "1: (B,)", {DType::kI32, DType::kI64}, "int32 or int64"});
-  const TensorView& view = held.view;
-  std::vector<std::int64_t> lengths(static_cast<std::size_t>(view.sizes[3]));
-  for (std::size_t b = 0; b < lengths.size(); ++b) {
-    const std::int64_t offset = static_cast<std::int64_t>(b) * view.strides[3];
-    lengths[b] = view.dtype == DType::kI32 ? static_cast<const std::int32_t*>(view.data)[offset]
-                                           : static_cast<const std::int64_t*>(view.data)[offset];
-  }
-  return lengths;
 }
 
 // A sparsity pattern as Python holds it: the library's description plus the memory its spans
@@ -252,11 +215,7 @@ void attention_params(nb::handle mask, nb::handle bias, nb::handle key_lengths,
                 .window_left = window_left,
                 .window_right = window_right,
                 .key_lengths = out.lengths,
-                .kernel = parse_choice<Kernel>("kernel", kernel,
-                                               {{"auto", Kernel::kAuto},
-                                                {"reference", Kernel::kReference},
-                                                {"chunked", Kernel::kChunked},
-                                                {"flash", Kernel::kFlash}}),
+                .kernel = parse_kernel(kernel),
                 .num_threads = num_threads,
                 .dropout_p = dropout_p,
                 .seed = seed,
@@ -508,6 +467,13 @@ void define_module(nb::module_& m) {
       .def_prop_ro("max_length", &PyEmbedder::max_length)
       .def_prop_ro("normalize", &PyEmbedder::normalize)
       .def("encode", &PyEmbedder::encode, "texts"_a, "batch_size"_a);
+
+#if QKV_WITH_MPI
+  define_ring(m);
+  m.attr("has_ring") = true;
+#else
+  m.attr("has_ring") = false;
+#endif
 }
 
 }  // namespace qkv::python
