@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "core/parallel.h"
 #include "layers/layer_kernels.h"
@@ -45,6 +46,71 @@ void LayerNorm::forward(const float* x, const float* residual, std::int64_t rows
     layers::layer_norm_kernel(x + off, residual ? residual + off : nullptr, n, features_,
                               gamma_.data(), beta_.data(), eps_, y + off);
   });
+}
+
+void LayerNorm::backward(const float* x, const float* residual, std::int64_t rows,
+                         const float* dy, float* dz, float* dgamma, float* dbeta) const {
+  // x, residual, dy, dz: [rows, features]
+  if (rows < 0) throw Error("LayerNorm::backward: rows = " + std::to_string(rows) + " is negative");
+  if (rows == 0) return;
+  if (x == nullptr || dy == nullptr || dz == nullptr) {
+    throw Error("LayerNorm::backward: x, dy and dz must not be null");
+  }
+  const std::int64_t f = features_;
+  // Per row: mean and rstd of z = x + residual (two passes, as the forward).
+  std::vector<double> mean(static_cast<std::size_t>(rows)), rstd(mean.size());
+  auto z_at = [&](std::int64_t r, std::int64_t j) {
+    const std::int64_t e = r * f + j;
+    return static_cast<double>(x[e]) + (residual ? static_cast<double>(residual[e]) : 0.0);
+  };
+  parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
+    double sum = 0;
+    for (std::int64_t j = 0; j < f; ++j) sum += z_at(r, j);
+    const double m = sum / static_cast<double>(f);
+    double var = 0;
+    for (std::int64_t j = 0; j < f; ++j) var += (z_at(r, j) - m) * (z_at(r, j) - m);
+    mean[r] = m;
+    rstd[r] = 1.0 / std::sqrt(var / static_cast<double>(f) + eps_);
+  });
+  // dgamma, dbeta first (dz may alias dy): column by column, over rows in order.
+  if (dgamma != nullptr || dbeta != nullptr) {
+    parallel_for(f, resolve_num_threads(0), [&](std::int64_t j, int) {
+      double g = 0, b = 0;
+      for (std::int64_t r = 0; r < rows; ++r) {
+        const double d = dy[r * f + j];
+        g += d * (z_at(r, j) - mean[r]) * rstd[r];
+        b += d;
+      }
+      if (dgamma != nullptr) dgamma[j] += static_cast<float>(g);
+      if (dbeta != nullptr) dbeta[j] += static_cast<float>(b);
+    });
+  }
+  parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
+    double mean_g = 0, mean_gz = 0;
+    for (std::int64_t j = 0; j < f; ++j) {
+      const double g = static_cast<double>(dy[r * f + j]) * gamma_[j];
+      mean_g += g;
+      mean_gz += g * (z_at(r, j) - mean[r]) * rstd[r];
+    }
+    mean_g /= static_cast<double>(f);
+    mean_gz /= static_cast<double>(f);
+    for (std::int64_t j = 0; j < f; ++j) {
+      const double zhat = (z_at(r, j) - mean[r]) * rstd[r];
+      const double g = static_cast<double>(dy[r * f + j]) * gamma_[j];
+      dz[r * f + j] = static_cast<float>(rstd[r] * (g - mean_g - zhat * mean_gz));
+    }
+  });
+}
+
+void LayerNorm::set_affine(std::span<const float> gamma, std::span<const float> beta) {
+  if (static_cast<std::int64_t>(gamma.size()) != features_ ||
+      static_cast<std::int64_t>(beta.size()) != features_) {
+    throw Error("LayerNorm::set_affine: gamma and beta have " + std::to_string(gamma.size()) +
+                " and " + std::to_string(beta.size()) + " elements, expected features = " +
+                std::to_string(features_));
+  }
+  gamma_.assign(gamma.begin(), gamma.end());
+  beta_.assign(beta.begin(), beta.end());
 }
 
 }  // namespace qkv

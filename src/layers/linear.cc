@@ -17,6 +17,7 @@
 // scratchpad_mode::user and each calling thread passes a scratchpad of its own.
 #include "qkv/layers/linear.h"
 
+#include <algorithm>
 #include <dnnl.hpp>
 #include <map>
 #include <memory>
@@ -27,6 +28,7 @@
 #include <vector>
 
 #include "core/aligned_buffer.h"
+#include "core/parallel.h"
 #include "qkv/error.h"
 
 namespace qkv {
@@ -92,6 +94,25 @@ struct Linear::Impl {
     return dst;
   }
 
+  // W [out, in] row-major, reordered out of weights[0] on first use (training only). Called
+  // with `mutex` held.
+  std::vector<float> plain;
+  const std::vector<float>& plain_weight() {
+    if (plain.empty()) {
+      plain.resize(static_cast<std::size_t>(in_features * out_features));
+      memory dst(plain_md(), cpu_engine(), plain.data());
+      dnnl::stream stream(cpu_engine());
+      dnnl::reorder(weights[0], dst).execute(stream, weights[0], dst);
+      stream.wait();
+    }
+    return plain;
+  }
+  // W[N, K] row-major as oneDNN's weights[K, N]: strides {1, K}.
+  memory::desc plain_md() const {
+    return memory::desc(Dims{in_features, out_features}, memory::data_type::f32,
+                        Dims{1, in_features});
+  }
+
   std::shared_ptr<const Entry> entry(std::int64_t rows, std::int64_t x_stride) {
     const auto key = std::make_pair(rows, x_stride);
     const std::lock_guard<std::mutex> lock(mutex);
@@ -107,6 +128,20 @@ struct Linear::Impl {
 };
 
 namespace {
+
+// Runs a matmul primitive with a scratchpad of this thread's own (scratchpad_mode::user).
+void execute(const dnnl::matmul::primitive_desc& pd, std::unordered_map<int, memory> args) {
+  thread_local AlignedBuffer scratchpad;
+  const memory::desc scratchpad_md = pd.scratchpad_desc();
+  const std::size_t pad_bytes = scratchpad_md.get_size();
+  if (pad_bytes > 0) {
+    if (scratchpad.bytes() < pad_bytes) scratchpad = AlignedBuffer(pad_bytes);
+    args.emplace(DNNL_ARG_SCRATCHPAD, memory(scratchpad_md, cpu_engine(), scratchpad.as<float>()));
+  }
+  dnnl::stream stream(cpu_engine());
+  dnnl::matmul(pd).execute(stream, args);
+  stream.wait();
+}
 
 std::string linear_shape(std::int64_t out_features, std::int64_t in_features) {
   return "[out_features = " + std::to_string(out_features) +
@@ -219,6 +254,110 @@ void Linear::forward(const float* x, std::int64_t rows, float* y, std::int64_t x
                 ", " + std::to_string(m.in_features) + "], weight shape " +
                 linear_shape(m.out_features, m.in_features) + ": " + e.what());
   }
+}
+
+void Linear::backward(const float* x, std::int64_t rows, const float* dy, float* dx,
+                      float* dweight, float* dbias, std::int64_t x_stride) const {
+  // x: [rows, in] (row stride x_stride), dy: [rows, out] -> dx: [rows, in], dW: [out, in]
+  Impl& m = *impl_;
+  const std::int64_t in = m.in_features, out = m.out_features;
+  if (x_stride == 0) x_stride = in;
+  if (m.activation != Activation::kNone) {
+    throw Error(std::string("Linear::backward: the layer fuses activation ") +
+                activation_name(m.activation) +
+                ", whose input is not kept; train with activation none and apply_activation");
+  }
+  if (rows < 0) throw Error("Linear::backward: rows = " + std::to_string(rows) + " is negative");
+  if (x_stride < in) {
+    throw Error("Linear::backward: x_stride = " + std::to_string(x_stride) +
+                " is smaller than in_features = " + std::to_string(in));
+  }
+  if (rows == 0) return;
+  if (x == nullptr || dy == nullptr || dweight == nullptr) {
+    throw Error("Linear::backward: x, dy and dweight must not be null");
+  }
+  if (dbias != nullptr && m.bias.empty()) {
+    throw Error("Linear::backward: dbias given, but the layer has no bias");
+  }
+  try {
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    if (dx != nullptr) {  // dx[rows, in] = dy[rows, out] W[out, in]
+      const float* plain = nullptr;
+      {
+        const std::lock_guard<std::mutex> lock(m.mutex);
+        plain = m.plain_weight().data();
+      }
+      const memory::desc dy_md(Dims{rows, out}, memory::data_type::f32, memory::format_tag::ab);
+      const memory::desc w_md(Dims{out, in}, memory::data_type::f32, memory::format_tag::ab);
+      const memory::desc dx_md(Dims{rows, in}, memory::data_type::f32, memory::format_tag::ab);
+      const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(dy_md, w_md, dx_md), attr,
+                                            cpu_engine());
+      execute(pd, {{DNNL_ARG_SRC, memory(dy_md, cpu_engine(), const_cast<float*>(dy))},
+                   {DNNL_ARG_WEIGHTS, memory(w_md, cpu_engine(), const_cast<float*>(plain))},
+                   {DNNL_ARG_DST, memory(dx_md, cpu_engine(), dx)}});
+    }
+    {  // dW[out, in] += dy^T[out, rows] x[rows, in]
+      dnnl::post_ops sum;
+      sum.append_sum(1.0f);
+      dnnl::primitive_attr accumulate = attr;
+      accumulate.set_post_ops(sum);
+      const memory::desc dyt_md(Dims{out, rows}, memory::data_type::f32, Dims{1, out});
+      const memory::desc x_md(Dims{rows, in}, memory::data_type::f32, Dims{x_stride, 1});
+      const memory::desc dw_md(Dims{out, in}, memory::data_type::f32, memory::format_tag::ab);
+      const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(dyt_md, x_md, dw_md), accumulate,
+                                            cpu_engine());
+      execute(pd, {{DNNL_ARG_SRC, memory(dyt_md, cpu_engine(), const_cast<float*>(dy))},
+                   {DNNL_ARG_WEIGHTS, memory(x_md, cpu_engine(), const_cast<float*>(x))},
+                   {DNNL_ARG_DST, memory(dw_md, cpu_engine(), dweight)}});
+    }
+  } catch (const dnnl::error& e) {
+    throw Error(std::string("Linear::backward: oneDNN failed for x shape [") +
+                std::to_string(rows) + ", " + std::to_string(in) + "], weight shape " +
+                linear_shape(out, in) + ": " + e.what());
+  }
+  if (dbias != nullptr) {  // column sums, rows in order
+    parallel_for(out, resolve_num_threads(0), [&](std::int64_t j, int) {
+      double sum = 0;
+      for (std::int64_t r = 0; r < rows; ++r) sum += dy[r * out + j];
+      dbias[j] += static_cast<float>(sum);
+    });
+  }
+}
+
+std::vector<float> Linear::weight() const {
+  const std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->plain_weight();
+}
+
+std::vector<float> Linear::bias() const { return impl_->bias; }
+
+void Linear::set_weights(std::span<const float> weight, std::span<const float> bias) {
+  Impl& m = *impl_;
+  if (static_cast<std::int64_t>(weight.size()) != m.in_features * m.out_features) {
+    throw Error("Linear::set_weights: weight has " + std::to_string(weight.size()) +
+                " elements, expected " + std::to_string(m.in_features * m.out_features) +
+                " for weight shape " + linear_shape(m.out_features, m.in_features));
+  }
+  if (bias.size() != m.bias.size()) {
+    throw Error("Linear::set_weights: bias has " + std::to_string(bias.size()) +
+                " elements, the layer's has " + std::to_string(m.bias.size()));
+  }
+  const std::lock_guard<std::mutex> lock(m.mutex);
+  try {
+    // Every copy in place: cached primitives keep pointing at the right memory.
+    const memory plain(m.plain_md(), cpu_engine(), const_cast<float*>(weight.data()));
+    dnnl::stream stream(cpu_engine());
+    for (memory& w : m.weights) {
+      dnnl::reorder(plain, w).execute(stream, const_cast<memory&>(plain), w);
+    }
+    stream.wait();
+  } catch (const dnnl::error& e) {
+    throw Error(std::string("Linear::set_weights: oneDNN failed for weight shape ") +
+                linear_shape(m.out_features, m.in_features) + ": " + e.what());
+  }
+  if (!m.plain.empty()) m.plain.assign(weight.begin(), weight.end());
+  std::copy(bias.begin(), bias.end(), m.bias.begin());
 }
 
 }  // namespace qkv

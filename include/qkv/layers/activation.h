@@ -21,4 +21,12 @@ const char* activation_name(Activation act);
 // the result is a normal float (docs/layers.md gives the measured figures).
 void apply_activation(Activation act, float* x, std::int64_t n);
 
+// The backward of apply_activation, for training: dx = dy * act'(x), where x is the
+// activation's INPUT (the pre-activation the forward overwrote; keep a copy). x, dy, dx: [n];
+// dx may alias dy. GELU's derivatives: erf form Phi(x) + x phi(x); tanh form
+// 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2), t = tanh(sqrt(2/pi)
+// (x + 0.044715 x^3)); ReLU 1 for x > 0, else 0 (as torch).
+void activation_backward(Activation act, const float* x, const float* dy, float* dx,
+                         std::int64_t n);
+
 }  // namespace qkv

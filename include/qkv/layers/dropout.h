@@ -10,6 +10,9 @@
 namespace qkv {
 
 // x: [n] in place; p in [0, 1). p == 0 leaves x unchanged.
+//
+// Backward: dropout is linear with the mask and scale fixed by (seed, stream), so the gradient
+// is dropout(dy) with the same p, seed and stream (the same elements kept, the same scale).
 void dropout(float* x, std::int64_t n, float p, std::uint64_t seed, std::uint64_t stream);
 
 }  // namespace qkv

@@ -25,6 +25,21 @@ class LayerNorm {
   void forward(const float* x, const float* residual /*nullable*/, std::int64_t rows,
                float* y) const;
 
+  // The backward of forward(x, residual, rows, y), for training: given the same x and residual
+  // and dy = dL/dy [rows, features], writes dz = dL/d(x + residual) (the gradient of x and of
+  // the residual alike; may alias dy) and ADDS dL/dgamma and dL/dbeta to dgamma, dbeta
+  // ([features]; nullable). With z^ = (z - mean) * rstd, g = dy * gamma:
+  //   dz = rstd (g - mean(g) - z^ mean(g z^)),  dgamma = sum over rows of dy z^,  dbeta = sum dy.
+  // Row statistics in double; the sums over rows run in row order (the same bits on any
+  // thread count).
+  void backward(const float* x, const float* residual /*nullable*/, std::int64_t rows,
+                const float* dy, float* dz, float* dgamma, float* dbeta) const;
+
+  std::span<const float> gamma() const { return gamma_; }
+  std::span<const float> beta() const { return beta_; }
+  // Replaces gamma and beta ([features] each): an optimizer's step.
+  void set_affine(std::span<const float> gamma, std::span<const float> beta);
+
  private:
   std::vector<float> gamma_;
   std::vector<float> beta_;

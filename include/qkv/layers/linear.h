@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <vector>
 
 #include "qkv/layers/activation.h"
 
@@ -41,6 +42,27 @@ class Linear {
   // x: [rows, in_features] with row stride x_stride (>= in_features; 0 = in_features)
   // y: [rows, out_features] contiguous; must not overlap x. rows == 0 does nothing.
   void forward(const float* x, std::int64_t rows, float* y, std::int64_t x_stride = 0) const;
+
+  // The backward of forward(), for training, with activation kNone (a fused activation's input
+  // is not kept: train with kNone, then apply_activation / activation_backward). x as given to
+  // forward (row stride x_stride), dy = dL/dy: [rows, out_features] contiguous. On oneDNN
+  // matmuls:
+  //   dx = dy W        [rows, in_features], contiguous; written (nullable: not computed)
+  //   dweight += dy^T x [out_features, in_features], row-major (torch's layout)
+  //   dbias += the sum of dy's rows   [out_features]; nullable
+  // Parameter gradients accumulate, as torch's .grad does. dbias sums rows in row order (the
+  // same bits on any thread count); dx and dweight are oneDNN's (its sgemm may split the sum
+  // differently for another thread count). None of the outputs may overlap x or dy.
+  void backward(const float* x, std::int64_t rows, const float* dy, float* dx, float* dweight,
+                float* dbias, std::int64_t x_stride = 0) const;
+
+  // W as [out_features, in_features] row-major (copied out of oneDNN's layout), and b (empty
+  // when there is none).
+  std::vector<float> weight() const;
+  std::vector<float> bias() const;
+  // Replaces W and b (sizes as at construction; bias only if the layer has one): an
+  // optimizer's step. Not while forward or backward run on this object.
+  void set_weights(std::span<const float> weight, std::span<const float> bias = {});
 
  private:
   struct Impl;
