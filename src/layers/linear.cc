@@ -23,6 +23,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -59,7 +60,7 @@ struct Linear::Impl {
   Activation activation = Activation::kNone;
   std::vector<float> bias;  // [out_features] or empty
   memory::desc bias_md;     // [1, N] or zero desc
-  dnnl::primitive_attr attr;
+  dnnl::primitive_attr attr, linear_attr;  // with the activation post-op; without it
   // Reordered weight copies, one per layout some primitive asked for. [0] always exists.
   std::vector<memory> weights;
 
@@ -69,16 +70,18 @@ struct Linear::Impl {
     memory weights;  // the copy of W in the layout this primitive asked for (a shared handle)
   };
   std::mutex mutex;  // guards `weights` (after construction) and `cache`
-  std::map<std::pair<std::int64_t, std::int64_t>, std::shared_ptr<const Entry>> cache;
+  // Keyed by (rows, x_stride, with the activation).
+  std::map<std::tuple<std::int64_t, std::int64_t, bool>, std::shared_ptr<const Entry>> cache;
 
-  dnnl::matmul::primitive_desc make_pd(std::int64_t rows, std::int64_t x_stride) const {
+  dnnl::matmul::primitive_desc make_pd(std::int64_t rows, std::int64_t x_stride,
+                                       bool fused = true) const {
     const memory::desc src_md(Dims{rows, in_features}, memory::data_type::f32, Dims{x_stride, 1});
     const memory::desc weights_md(Dims{in_features, out_features}, memory::data_type::f32,
                                   memory::format_tag::any);
     const memory::desc dst_md(Dims{rows, out_features}, memory::data_type::f32,
                               memory::format_tag::ab);
     const dnnl::matmul::desc desc(src_md, weights_md, bias_md, dst_md);
-    return dnnl::matmul::primitive_desc(desc, attr, cpu_engine());
+    return dnnl::matmul::primitive_desc(desc, fused ? attr : linear_attr, cpu_engine());
   }
 
   // A copy of W in layout `md`, reordering one if none matches. Called with `mutex` held.
@@ -113,13 +116,13 @@ struct Linear::Impl {
                         Dims{1, in_features});
   }
 
-  std::shared_ptr<const Entry> entry(std::int64_t rows, std::int64_t x_stride) {
-    const auto key = std::make_pair(rows, x_stride);
+  std::shared_ptr<const Entry> entry(std::int64_t rows, std::int64_t x_stride, bool fused) {
+    const auto key = std::make_tuple(rows, x_stride, fused);
     const std::lock_guard<std::mutex> lock(mutex);
     auto it = cache.find(key);
     if (it != cache.end()) return it->second;
     if (cache.size() >= kMaxCachedPrimitives) cache.clear();  // users keep their shared_ptrs
-    const auto pd = make_pd(rows, x_stride);
+    const auto pd = make_pd(rows, x_stride, fused);
     auto e = std::make_shared<const Entry>(Entry{dnnl::matmul(pd), pd.src_desc(), pd.dst_desc(),
                                                  pd.scratchpad_desc(),
                                                  weights_in_layout(pd.weights_desc())});
@@ -194,6 +197,7 @@ Linear::Linear(const LinearParams& params) : impl_(std::make_unique<Impl>()) {
   }
   m.attr.set_post_ops(activation_post_ops(params.activation));
   m.attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  m.linear_attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   try {
     // W[N, K] row-major is weights[K, N] with strides {1, K}.
     const memory::desc plain_md(Dims{in, out}, memory::data_type::f32, Dims{1, in});
@@ -219,6 +223,16 @@ std::int64_t Linear::out_features() const { return impl_->out_features; }
 Activation Linear::activation() const { return impl_->activation; }
 
 void Linear::forward(const float* x, std::int64_t rows, float* y, std::int64_t x_stride) const {
+  run(x, rows, y, x_stride, /*fused=*/true);
+}
+
+void Linear::forward_linear(const float* x, std::int64_t rows, float* y,
+                            std::int64_t x_stride) const {
+  run(x, rows, y, x_stride, /*fused=*/false);
+}
+
+void Linear::run(const float* x, std::int64_t rows, float* y, std::int64_t x_stride,
+                 bool fused) const {
   // x: [rows, in_features] (row stride x_stride)  ->  y: [rows, out_features]
   Impl& m = *impl_;
   if (x_stride == 0) x_stride = m.in_features;
@@ -230,7 +244,7 @@ void Linear::forward(const float* x, std::int64_t rows, float* y, std::int64_t x
   if (rows == 0) return;
   if (x == nullptr || y == nullptr) throw Error("Linear::forward: x and y must not be null");
   try {
-    const std::shared_ptr<const Impl::Entry> e = m.entry(rows, x_stride);
+    const std::shared_ptr<const Impl::Entry> e = m.entry(rows, x_stride, fused);
     memory src(e->src_md, cpu_engine(), const_cast<float*>(x));
     memory dst(e->dst_md, cpu_engine(), y);
     std::unordered_map<int, memory> args = {
@@ -262,11 +276,6 @@ void Linear::backward(const float* x, std::int64_t rows, const float* dy, float*
   Impl& m = *impl_;
   const std::int64_t in = m.in_features, out = m.out_features;
   if (x_stride == 0) x_stride = in;
-  if (m.activation != Activation::kNone) {
-    throw Error(std::string("Linear::backward: the layer fuses activation ") +
-                activation_name(m.activation) +
-                ", whose input is not kept; train with activation none and apply_activation");
-  }
   if (rows < 0) throw Error("Linear::backward: rows = " + std::to_string(rows) + " is negative");
   if (x_stride < in) {
     throw Error("Linear::backward: x_stride = " + std::to_string(x_stride) +
@@ -280,7 +289,7 @@ void Linear::backward(const float* x, std::int64_t rows, const float* dy, float*
     throw Error("Linear::backward: dbias given, but the layer has no bias");
   }
   try {
-    dnnl::primitive_attr attr;
+    dnnl::primitive_attr attr, linear_attr;  // with the activation post-op; without it
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     if (dx != nullptr) {  // dx[rows, in] = dy[rows, out] W[out, in]
       const float* plain = nullptr;

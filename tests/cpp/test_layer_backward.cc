@@ -91,13 +91,22 @@ TEST(LayerBackward, LinearSetWeightsAndWeightRoundTrip) {
                "forward after set_weights");
   expect_error([&] { linear.set_weights(std::vector<float>(3), b2); }, "weight has 3 elements");
   expect_error([&] { linear.set_weights(w2, {}); }, "bias has 0 elements, the layer's has 6");
-  const Linear gelu({.weight = w, .in_features = in, .out_features = out,
+  // A fused activation: forward_linear gives the pre-activation, forward applies GELU to it.
+  const Linear gelu({.weight = w, .bias = b, .in_features = in, .out_features = out,
                      .activation = Activation::kGeluErf});
+  std::vector<float> pre(rows * out), fused(rows * out);
+  gelu.forward_linear(x.data(), rows, pre.data());
+  gelu.forward(x.data(), rows, fused.data());
+  expect_close(pre, linear_ref(to_f64(x), rows, in, to_f64(w), to_f64(b), out), 1e-5,
+               "forward_linear");
+  apply_activation(Activation::kGeluErf, pre.data(), rows * out);
+  expect_close(fused, to_f64(pre), 1e-5, "forward = activation(forward_linear)");
   std::vector<float> dw(out * in);
-  expect_error([&] { gelu.backward(x.data(), rows, y.data(), nullptr, dw.data(), nullptr); },
-               "fuses activation gelu");
   expect_error([&] { gelu.backward(x.data(), rows, y.data(), nullptr, nullptr, nullptr); },
-               "fuses activation gelu");
+               "dweight must not be null");
+  const Linear no_bias({.weight = w, .in_features = in, .out_features = out});
+  expect_error([&] { no_bias.backward(x.data(), rows, y.data(), nullptr, dw.data(), dw.data()); },
+               "the layer has no bias");
 }
 
 TEST(LayerBackward, LayerNormMatchesFiniteDifferences) {

@@ -43,10 +43,13 @@ class Linear {
   // y: [rows, out_features] contiguous; must not overlap x. rows == 0 does nothing.
   void forward(const float* x, std::int64_t rows, float* y, std::int64_t x_stride = 0) const;
 
-  // The backward of forward(), for training, with activation kNone (a fused activation's input
-  // is not kept: train with kNone, then apply_activation / activation_backward). x as given to
-  // forward (row stride x_stride), dy = dL/dy: [rows, out_features] contiguous. On oneDNN
-  // matmuls:
+  // y = x W^T + b without the fused activation (training keeps this pre-activation for
+  // activation_backward, then applies apply_activation itself). Same arguments as forward().
+  void forward_linear(const float* x, std::int64_t rows, float* y, std::int64_t x_stride = 0) const;
+
+  // The backward of the linear part, for training: with a fused activation, dy is the gradient
+  // of forward_linear's output (activation_backward gives it). x as given to forward (row
+  // stride x_stride), dy = dL/dy: [rows, out_features] contiguous. On oneDNN matmuls:
   //   dx = dy W        [rows, in_features], contiguous; written (nullable: not computed)
   //   dweight += dy^T x [out_features, in_features], row-major (torch's layout)
   //   dbias += the sum of dy's rows   [out_features]; nullable
@@ -65,6 +68,8 @@ class Linear {
   void set_weights(std::span<const float> weight, std::span<const float> bias = {});
 
  private:
+  void run(const float* x, std::int64_t rows, float* y, std::int64_t x_stride, bool fused) const;
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
