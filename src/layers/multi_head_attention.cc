@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/aligned_buffer.h"
+#include "layers/multi_head_attention_impl.h"
 #include "layers/scratch.h"
 #include "qkv/error.h"
 #include "qkv/layers/linear.h"
@@ -49,136 +50,13 @@ void check_empty(std::span<const float> span, const char* name, const char* pack
   }
 }
 
-// A BSHD f32 view of `data` laid out [B, L, row_stride] with heads of head_dim floats.
-TensorView bshd_view(const float* data, std::int64_t batch, std::int64_t seq, std::int64_t heads,
-                     std::int64_t head_dim, std::int64_t row_stride) {
-  TensorView view;
-  view.data = const_cast<float*>(data);
-  view.dtype = DType::kF32;
-  view.sizes = {batch, seq, heads, head_dim};
-  view.strides = {seq * row_stride, row_stride, head_dim, 1};
-  return view;
-}
-
 }  // namespace
 
-struct MultiHeadAttention::Impl {
-  std::int64_t embed_dim = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, kdim = 0, vdim = 0;
-  std::int64_t kv_width = 0;  // Hkv * head_dim
-
-  // Canonical weights (torch [out, in] layout); biases are empty or full.
-  std::vector<float> q_w, q_b, k_w, k_b, v_w, v_b;
-  std::optional<Linear> qkv_proj;                // self-attention: [E + 2 kv_width, E]
-  std::optional<Linear> q_proj, k_proj, v_proj;  // cross-attention, built on first use
-  std::optional<Linear> out_proj;                // [E, E]
-
-  // Scratch (grow-only, a set per concurrent call): projections, attention output,
-  // averaged-weights staging.
-  std::shared_ptr<layers::ScratchPool> scratch = layers::make_scratch_pool();
-  std::once_flag cross_built;  // the cross projections are built by the first forward_cross
-
-  void ensure_cross() {
-    std::call_once(cross_built, [this] { build_cross(); });
-  }
-  void build_cross() {
-    q_proj.emplace(LinearParams{
-        .weight = q_w, .bias = q_b, .in_features = embed_dim, .out_features = embed_dim});
-    k_proj.emplace(
-        LinearParams{.weight = k_w, .bias = k_b, .in_features = kdim, .out_features = kv_width});
-    v_proj.emplace(
-        LinearParams{.weight = v_w, .bias = v_b, .in_features = vdim, .out_features = kv_width});
-  }
-
-  // Runs the core on q [B, Lq, H, hd], k/v [B, Lk, Hkv, hd] into ctx [B, Lq, E], then the
-  // output projection into out [B, Lq, E].
-  void attend_and_project(const TensorView& q, const TensorView& k, const TensorView& v,
-                          std::int64_t batch, std::int64_t seq_q, std::int64_t seq_kv, float* out,
-                          const MhaOptions& options) {
-    const layers::ScratchPool::Lease scratch(*this->scratch);
-    AttentionParams params;
-    params.causal = options.causal;
-    params.align = options.align;
-    params.window_left = options.window_left;
-    params.window_right = options.window_right;
-    params.key_lengths = options.key_lengths;
-    params.mask = options.mask;
-    params.bias = options.bias;
-    params.num_threads = options.num_threads;
-
-    float* ctx = layers::scratch_floats(scratch->ctx, batch * seq_q * embed_dim);
-    AttentionOutputs outputs;
-    outputs.out = TensorView::contiguous(ctx, DType::kF32, {batch, seq_q, num_heads, head_dim});
-    const std::array<std::int64_t, 4> probs_shape = {batch, num_heads, seq_q, seq_kv};
-    if (options.attn_weights != nullptr) {
-      // Per head: written straight into the caller's array. Averaged: staged, then reduced.
-      float* probs = options.average_weights
-                         ? layers::scratch_floats(scratch->probs, batch * num_heads * seq_q * seq_kv)
-                         : options.attn_weights;
-      outputs.probs = TensorView::contiguous(probs, DType::kF32, probs_shape);
-    }
-    attention(q, k, v, outputs, params);
-    if (options.attn_weights != nullptr && options.average_weights) {
-      // attn_weights[b, i, j] = mean over heads of probs[b, h, i, j]; heads summed in order.
-      const float* probs = scratch->probs.as<float>();
-      const std::int64_t plane = seq_q * seq_kv;
-      const float inv_heads = 1.0f / static_cast<float>(num_heads);
-      for (std::int64_t b = 0; b < batch; ++b) {
-        float* dst = options.attn_weights + b * plane;
-        std::fill(dst, dst + plane, 0.0f);
-        for (std::int64_t h = 0; h < num_heads; ++h) {
-          const float* src = probs + (b * num_heads + h) * plane;
-          for (std::int64_t i = 0; i < plane; ++i) dst[i] += src[i];
-        }
-        for (std::int64_t i = 0; i < plane; ++i) dst[i] *= inv_heads;
-      }
-    }
-    out_proj->forward(ctx, batch * seq_q, out);
-  }
-
-  void check_call(const char* where, const void* a, const void* b, std::int64_t batch,
-                  std::int64_t seq) const {
-    if (batch < 0 || seq < 0) {
-      throw Error(std::string("MultiHeadAttention::") + where + ": batch = " + n2s(batch) +
-                  " and seq = " + n2s(seq) + " must be >= 0");
-    }
-    if (batch * seq > 0 && (a == nullptr || b == nullptr)) {
-      throw Error(std::string("MultiHeadAttention::") + where + ": null input or output");
-    }
-  }
-
-  void check_self(const char* where) const {
-    if (!qkv_proj) {
-      throw Error(std::string("MultiHeadAttention::") + where +
-                  ": self-attention needs kdim == vdim == embed_dim, got kdim = " + n2s(kdim) +
-                  ", vdim = " + n2s(vdim) + ", embed_dim = " + n2s(embed_dim));
-    }
-  }
-};
-
-MultiHeadAttention::MultiHeadAttention(const MultiHeadAttentionConfig& config,
-                                       const MultiHeadAttentionWeights& weights)
-    : impl_(std::make_unique<Impl>()) {
-  Impl& m = *impl_;
-  const std::int64_t E = config.embed_dim, H = config.num_heads;
-  const std::int64_t Hkv = config.num_kv_heads ? config.num_kv_heads : H;
-  if (E <= 0 || H <= 0 || E % H != 0) {
-    throw Error("MultiHeadAttention: embed_dim = " + n2s(E) +
-                " must be a positive multiple of num_heads = " + n2s(H));
-  }
-  if (Hkv <= 0 || H % Hkv != 0) {
-    throw Error("MultiHeadAttention: num_kv_heads = " + n2s(Hkv) +
-                " must divide num_heads = " + n2s(H));
-  }
-  m.embed_dim = E;
-  m.num_heads = H;
-  m.num_kv_heads = Hkv;
-  m.head_dim = E / H;
-  m.kdim = config.kdim ? config.kdim : E;
-  m.vdim = config.vdim ? config.vdim : E;
-  if (m.kdim < 0 || m.vdim < 0) throw Error("MultiHeadAttention: kdim and vdim must be >= 0");
-  const std::int64_t hd = m.head_dim, kvw = Hkv * hd;
-  m.kv_width = kvw;
-
+void MultiHeadAttention::Impl::canonicalize(const MultiHeadAttentionWeights& weights) {
+  Impl& m = *this;
+  const std::int64_t E = embed_dim, H = num_heads, Hkv = num_kv_heads;
+  const std::int64_t kvw = kv_width;
+  packing = weights.packing;
   switch (weights.packing) {
     case QkvPacking::kSeparate:
       check_empty(weights.qkv_weight, "qkv_weight", "kSeparate");
@@ -221,11 +99,6 @@ MultiHeadAttention::MultiHeadAttention(const MultiHeadAttentionConfig& config,
       check_size(weights.qkv_weight, F, E, "qkv_weight", false);
       check_size(weights.qkv_bias, F, 1, "qkv_bias", true);
       const bool has_bias = !weights.qkv_bias.empty();
-      // Source row of canonical row r of part p (0 = q, 1 = k, 2 = v).
-      auto source_row = [&](int part, std::int64_t r) -> std::int64_t {
-        if (per_head) return (r / hd) * 3 * hd + part * hd + r % hd;  // (H, 3 hd) per head
-        return part == 0 ? r : E + (part - 1) * kvw + r;              // [Wq; Wk; Wv]
-      };
       std::vector<float>* w_parts[3] = {&m.q_w, &m.k_w, &m.v_w};
       std::vector<float>* b_parts[3] = {&m.q_b, &m.k_b, &m.v_b};
       for (int part = 0; part < 3; ++part) {
@@ -233,7 +106,7 @@ MultiHeadAttention::MultiHeadAttention(const MultiHeadAttentionConfig& config,
         w_parts[part]->resize(rows * E);
         if (has_bias) b_parts[part]->resize(rows);
         for (std::int64_t r = 0; r < rows; ++r) {
-          const std::int64_t src = source_row(part, r);
+          const std::int64_t src = packed_row(part, r);
           std::copy_n(weights.qkv_weight.data() + src * E, E, w_parts[part]->data() + r * E);
           if (has_bias) (*b_parts[part])[r] = weights.qkv_bias[src];
         }
@@ -243,23 +116,56 @@ MultiHeadAttention::MultiHeadAttention(const MultiHeadAttentionConfig& config,
   }
   check_size(weights.out_weight, E, E, "out_weight", false);
   check_size(weights.out_bias, E, 1, "out_bias", true);
-  m.out_proj.emplace(LinearParams{
-      .weight = weights.out_weight, .bias = weights.out_bias, .in_features = E, .out_features = E});
+  out_w.assign(weights.out_weight.begin(), weights.out_weight.end());
+  out_b.assign(weights.out_bias.begin(), weights.out_bias.end());
+}
 
-  if (m.kdim == E && m.vdim == E) {
-    // Self-attention: one GEMM for [Wq; Wk; Wv]. A missing bias part becomes zeros.
-    const std::int64_t F = E + 2 * kvw;
-    std::vector<float> w;
-    w.reserve(F * E);
-    for (const auto* part : {&m.q_w, &m.k_w, &m.v_w}) w.insert(w.end(), part->begin(), part->end());
-    std::vector<float> b;
-    if (!m.q_b.empty() || !m.k_b.empty() || !m.v_b.empty()) {
-      b.assign(F, 0.0f);
-      std::copy(m.q_b.begin(), m.q_b.end(), b.begin());
-      std::copy(m.k_b.begin(), m.k_b.end(), b.begin() + E);
-      std::copy(m.v_b.begin(), m.v_b.end(), b.begin() + E + kvw);
-    }
-    m.qkv_proj.emplace(LinearParams{.weight = w, .bias = b, .in_features = E, .out_features = F});
+std::pair<std::vector<float>, std::vector<float>> MultiHeadAttention::Impl::fused_qkv() const {
+  const std::int64_t E = embed_dim, F = E + 2 * kv_width;
+  std::vector<float> w;
+  w.reserve(F * E);
+  for (const auto* part : {&q_w, &k_w, &v_w}) w.insert(w.end(), part->begin(), part->end());
+  std::vector<float> b;
+  if (!q_b.empty() || !k_b.empty() || !v_b.empty()) {
+    b.assign(F, 0.0f);
+    std::copy(q_b.begin(), q_b.end(), b.begin());
+    std::copy(k_b.begin(), k_b.end(), b.begin() + E);
+    std::copy(v_b.begin(), v_b.end(), b.begin() + E + kv_width);
+  }
+  return {std::move(w), std::move(b)};
+}
+
+MultiHeadAttention::MultiHeadAttention(const MultiHeadAttentionConfig& config,
+                                       const MultiHeadAttentionWeights& weights)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  const std::int64_t E = config.embed_dim, H = config.num_heads;
+  const std::int64_t Hkv = config.num_kv_heads ? config.num_kv_heads : H;
+  if (E <= 0 || H <= 0 || E % H != 0) {
+    throw Error("MultiHeadAttention: embed_dim = " + n2s(E) +
+                " must be a positive multiple of num_heads = " + n2s(H));
+  }
+  if (Hkv <= 0 || H % Hkv != 0) {
+    throw Error("MultiHeadAttention: num_kv_heads = " + n2s(Hkv) +
+                " must divide num_heads = " + n2s(H));
+  }
+  m.embed_dim = E;
+  m.num_heads = H;
+  m.num_kv_heads = Hkv;
+  m.head_dim = E / H;
+  m.kdim = config.kdim ? config.kdim : E;
+  m.vdim = config.vdim ? config.vdim : E;
+  if (m.kdim < 0 || m.vdim < 0) throw Error("MultiHeadAttention: kdim and vdim must be >= 0");
+  const std::int64_t kvw = Hkv * m.head_dim;
+  m.kv_width = kvw;
+
+  m.canonicalize(weights);
+  m.out_proj.emplace(
+      LinearParams{.weight = m.out_w, .bias = m.out_b, .in_features = E, .out_features = E});
+  if (m.kdim == E && m.vdim == E) {  // self-attention: one GEMM for [Wq; Wk; Wv]
+    const auto [w, b] = m.fused_qkv();
+    m.qkv_proj.emplace(LinearParams{
+        .weight = w, .bias = b, .in_features = E, .out_features = E + 2 * kvw});
   }
 }
 
@@ -289,10 +195,10 @@ void MultiHeadAttention::forward(const float* x, std::int64_t batch, std::int64_
   const layers::ScratchPool::Lease scratch(*m.scratch);
   float* qkv = layers::scratch_floats(scratch->qkv, batch * seq * F);
   m.qkv_proj->forward(x, batch * seq, qkv);
-  const TensorView q = bshd_view(qkv, batch, seq, m.num_heads, m.head_dim, F);
-  const TensorView k = bshd_view(qkv + m.embed_dim, batch, seq, m.num_kv_heads, m.head_dim, F);
+  const TensorView q = layers::bshd_view(qkv, batch, seq, m.num_heads, m.head_dim, F);
+  const TensorView k = layers::bshd_view(qkv + m.embed_dim, batch, seq, m.num_kv_heads, m.head_dim, F);
   const TensorView v =
-      bshd_view(qkv + m.embed_dim + m.kv_width, batch, seq, m.num_kv_heads, m.head_dim, F);
+      layers::bshd_view(qkv + m.embed_dim + m.kv_width, batch, seq, m.num_kv_heads, m.head_dim, F);
   m.attend_and_project(q, k, v, batch, seq, seq, out, options);
 }
 
@@ -324,9 +230,9 @@ void MultiHeadAttention::forward_cross(const float* query, std::int64_t batch, s
   m.q_proj->forward(query, batch * seq_q, qp);
   m.k_proj->forward(key_memory, batch * seq_kv, kp);
   m.v_proj->forward(value_memory, batch * seq_kv, vp);
-  m.attend_and_project(bshd_view(qp, batch, seq_q, m.num_heads, m.head_dim, m.embed_dim),
-                       bshd_view(kp, batch, seq_kv, m.num_kv_heads, m.head_dim, m.kv_width),
-                       bshd_view(vp, batch, seq_kv, m.num_kv_heads, m.head_dim, m.kv_width), batch,
+  m.attend_and_project(layers::bshd_view(qp, batch, seq_q, m.num_heads, m.head_dim, m.embed_dim),
+                       layers::bshd_view(kp, batch, seq_kv, m.num_kv_heads, m.head_dim, m.kv_width),
+                       layers::bshd_view(vp, batch, seq_kv, m.num_kv_heads, m.head_dim, m.kv_width), batch,
                        seq_q, seq_kv, out, options);
 }
 
@@ -352,10 +258,10 @@ void MultiHeadAttention::forward_cached(const float* x, std::int64_t batch, std:
   m.qkv_proj->forward(x, batch * seq_new, qkv);
   const std::int64_t old_size = cache.size();
   cache.append(
-      bshd_view(qkv + m.embed_dim, batch, seq_new, m.num_kv_heads, m.head_dim, F),
-      bshd_view(qkv + m.embed_dim + m.kv_width, batch, seq_new, m.num_kv_heads, m.head_dim, F));
+      layers::bshd_view(qkv + m.embed_dim, batch, seq_new, m.num_kv_heads, m.head_dim, F),
+      layers::bshd_view(qkv + m.embed_dim + m.kv_width, batch, seq_new, m.num_kv_heads, m.head_dim, F));
   try {
-    m.attend_and_project(bshd_view(qkv, batch, seq_new, m.num_heads, m.head_dim, F), cache.keys(),
+    m.attend_and_project(layers::bshd_view(qkv, batch, seq_new, m.num_heads, m.head_dim, F), cache.keys(),
                          cache.values(), batch, seq_new, cache.size(), out, options);
   } catch (...) {
     cache.truncate(old_size);  // a failed call leaves the cache as it was

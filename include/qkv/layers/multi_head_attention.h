@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <vector>
 
 #include "qkv/attention.h"
 #include "qkv/layers/kv_cache.h"
@@ -61,6 +62,32 @@ struct MhaOptions {
   float* attn_weights = nullptr;  // optional: [B, H, Lq, Lk] or, if average_weights, [B, Lq, Lk]
   bool average_weights = false;   // mean over heads (torch's average_attn_weights)
   int num_threads = 0;            // attention core only; 0 = OpenMP's default
+  // Dropout on the attention probabilities (training; qkv/attention.h's dropout_p, seed,
+  // offset): the same mask in forward_train and backward.
+  float dropout_p = 0.0f;
+  std::uint64_t dropout_seed = 0, dropout_offset = 0;
+};
+
+// A MultiHeadAttention's parameters, or their gradients, as owned vectors in the layout of the
+// packing it was built with: that packing's fields (qkv_weight / qkv_bias for the fused ones,
+// q/k/v for kSeparate) and out_weight / out_bias, each bias only where the layer has one.
+struct MultiHeadAttentionParams {
+  QkvPacking packing = QkvPacking::kSeparate;
+  std::vector<float> qkv_weight = {}, qkv_bias = {}, q_weight = {}, q_bias = {}, k_weight = {},
+                     k_bias = {}, v_weight = {}, v_bias = {}, out_weight = {}, out_bias = {};
+  // Spans over the vectors (for a constructor).
+  MultiHeadAttentionWeights weights() const;
+  // The non-empty vectors, in a fixed order (an optimizer walks them).
+  std::vector<std::vector<float>*> tensors();
+};
+
+// What forward_train keeps for backward: the projections [B, L, E + 2 Hkv hd], the attention's
+// output [B, L, E] and lse [B, H, L], and the options (key lengths copied).
+struct MhaTape {
+  std::int64_t batch = 0, seq = 0;
+  std::vector<float> qkv, ctx, lse;
+  MhaOptions options;
+  std::vector<std::int64_t> key_lengths;
 };
 
 class MultiHeadAttention {
@@ -106,6 +133,22 @@ class MultiHeadAttention {
 
   // A cache shaped for this layer: [batch, max_seq (0 = growing), Hkv, head_dim].
   KvCache make_cache(std::int64_t batch, std::int64_t max_seq = 0) const;
+
+  // Training (self-attention, the cache-free path; multi_head_attention_train.cc).
+  // forward_train is forward() keeping in `tape` what backward needs (options.attn_weights,
+  // mask and bias must be empty: masks come from causal, window and key lengths).
+  void forward_train(const float* x, std::int64_t batch, std::int64_t seq, float* out,
+                     const MhaOptions& options, MhaTape& tape) const;
+  // Given the forward's x and tape and d_out = dL/d(out) [B, L, E]: writes dx = dL/dx
+  // [B, L, E] and ADDS the parameters' gradients to `grads` (laid out as parameters(); start
+  // from zero_grads()).
+  void backward(const MhaTape& tape, const float* x, const float* d_out, float* dx,
+                MultiHeadAttentionParams& grads) const;
+  // The current parameters, zeros of their shapes, and an update (an optimizer's step; the
+  // same packing and shapes as parameters()).
+  MultiHeadAttentionParams parameters() const;
+  MultiHeadAttentionParams zero_grads() const;
+  void set_parameters(const MultiHeadAttentionParams& params);
 
  private:
   struct Impl;

@@ -1,0 +1,141 @@
+// MultiHeadAttention's state, shared by its inference (multi_head_attention.cc) and training
+// (multi_head_attention_train.cc) halves.
+#pragma once
+
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "layers/scratch.h"
+#include "qkv/error.h"
+#include "qkv/layers/linear.h"
+#include "qkv/layers/multi_head_attention.h"
+
+namespace qkv {
+namespace layers {
+
+// A BSHD f32 view of `data` laid out [B, L, row_stride] with heads of head_dim floats.
+inline TensorView bshd_view(const float* data, std::int64_t batch, std::int64_t seq, std::int64_t heads,
+                     std::int64_t head_dim, std::int64_t row_stride) {
+  TensorView view;
+  view.data = const_cast<float*>(data);
+  view.dtype = DType::kF32;
+  view.sizes = {batch, seq, heads, head_dim};
+  view.strides = {seq * row_stride, row_stride, head_dim, 1};
+  return view;
+}
+
+}  // namespace layers
+
+struct MultiHeadAttention::Impl {
+  std::int64_t embed_dim = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, kdim = 0, vdim = 0;
+  std::int64_t kv_width = 0;  // Hkv * head_dim
+
+  QkvPacking packing = QkvPacking::kSeparate;  // of the weights given (parameters() keeps it)
+  // Canonical weights (torch [out, in] layout); biases are empty or full.
+  std::vector<float> q_w, q_b, k_w, k_b, v_w, v_b, out_w, out_b;
+  std::optional<Linear> qkv_proj;                // self-attention: [E + 2 kv_width, E]
+  std::optional<Linear> q_proj, k_proj, v_proj;  // cross-attention, built on first use
+  std::optional<Linear> out_proj;                // [E, E]
+
+  // Scratch (grow-only, a set per concurrent call): projections, attention output,
+  // averaged-weights staging.
+  std::shared_ptr<layers::ScratchPool> scratch = layers::make_scratch_pool();
+  std::once_flag cross_built;  // the cross projections are built by the first forward_cross
+
+  // Validates `weights` for this layer's dimensions and fills the canonical weights.
+  void canonicalize(const MultiHeadAttentionWeights& weights);
+  // The row of qkv_weight that holds canonical row r of part `part` (0 = q, 1 = k, 2 = v) in
+  // the fused packings.
+  std::int64_t packed_row(int part, std::int64_t r) const {
+    if (packing == QkvPacking::kFusedPerHead) return (r / head_dim) * 3 * head_dim + part * head_dim + r % head_dim;
+    return part == 0 ? r : embed_dim + (part - 1) * kv_width + r;  // [Wq; Wk; Wv]
+  }
+  // Self-attention's one projection [E + 2 kv_width, E] and its bias ([Wq; Wk; Wv]; a missing
+  // bias part is zeros; no bias when none has one).
+  std::pair<std::vector<float>, std::vector<float>> fused_qkv() const;
+
+  void ensure_cross() {
+    std::call_once(cross_built, [this] { build_cross(); });
+  }
+  void build_cross() {
+    q_proj.emplace(LinearParams{
+        .weight = q_w, .bias = q_b, .in_features = embed_dim, .out_features = embed_dim});
+    k_proj.emplace(
+        LinearParams{.weight = k_w, .bias = k_b, .in_features = kdim, .out_features = kv_width});
+    v_proj.emplace(
+        LinearParams{.weight = v_w, .bias = v_b, .in_features = vdim, .out_features = kv_width});
+  }
+
+  // Runs the core on q [B, Lq, H, hd], k/v [B, Lk, Hkv, hd] into ctx [B, Lq, E], then the
+  // output projection into out [B, Lq, E].
+  void attend_and_project(const TensorView& q, const TensorView& k, const TensorView& v,
+                          std::int64_t batch, std::int64_t seq_q, std::int64_t seq_kv, float* out,
+                          const MhaOptions& options) {
+    const layers::ScratchPool::Lease scratch(*this->scratch);
+    AttentionParams params;
+    params.causal = options.causal;
+    params.align = options.align;
+    params.window_left = options.window_left;
+    params.window_right = options.window_right;
+    params.key_lengths = options.key_lengths;
+    params.mask = options.mask;
+    params.bias = options.bias;
+    params.num_threads = options.num_threads;
+    params.dropout_p = options.dropout_p;
+    params.seed = options.dropout_seed;
+    params.offset = options.dropout_offset;
+
+    float* ctx = layers::scratch_floats(scratch->ctx, batch * seq_q * embed_dim);
+    AttentionOutputs outputs;
+    outputs.out = TensorView::contiguous(ctx, DType::kF32, {batch, seq_q, num_heads, head_dim});
+    const std::array<std::int64_t, 4> probs_shape = {batch, num_heads, seq_q, seq_kv};
+    if (options.attn_weights != nullptr) {
+      // Per head: written straight into the caller's array. Averaged: staged, then reduced.
+      float* probs = options.average_weights
+                         ? layers::scratch_floats(scratch->probs, batch * num_heads * seq_q * seq_kv)
+                         : options.attn_weights;
+      outputs.probs = TensorView::contiguous(probs, DType::kF32, probs_shape);
+    }
+    attention(q, k, v, outputs, params);
+    if (options.attn_weights != nullptr && options.average_weights) {
+      // attn_weights[b, i, j] = mean over heads of probs[b, h, i, j]; heads summed in order.
+      const float* probs = scratch->probs.as<float>();
+      const std::int64_t plane = seq_q * seq_kv;
+      const float inv_heads = 1.0f / static_cast<float>(num_heads);
+      for (std::int64_t b = 0; b < batch; ++b) {
+        float* dst = options.attn_weights + b * plane;
+        std::fill(dst, dst + plane, 0.0f);
+        for (std::int64_t h = 0; h < num_heads; ++h) {
+          const float* src = probs + (b * num_heads + h) * plane;
+          for (std::int64_t i = 0; i < plane; ++i) dst[i] += src[i];
+        }
+        for (std::int64_t i = 0; i < plane; ++i) dst[i] *= inv_heads;
+      }
+    }
+    out_proj->forward(ctx, batch * seq_q, out);
+  }
+
+  void check_call(const char* where, const void* a, const void* b, std::int64_t batch,
+                  std::int64_t seq) const {
+    if (batch < 0 || seq < 0) {
+      throw Error(std::string("MultiHeadAttention::") + where + ": batch = " + std::to_string(batch) +
+                  " and seq = " + std::to_string(seq) + " must be >= 0");
+    }
+    if (batch * seq > 0 && (a == nullptr || b == nullptr)) {
+      throw Error(std::string("MultiHeadAttention::") + where + ": null input or output");
+    }
+  }
+
+  void check_self(const char* where) const {
+    if (!qkv_proj) {
+      throw Error(std::string("MultiHeadAttention::") + where +
+                  ": self-attention needs kdim == vdim == embed_dim, got kdim = " + std::to_string(kdim) +
+                  ", vdim = " + std::to_string(vdim) + ", embed_dim = " + std::to_string(embed_dim));
+    }
+  }
+};
+
+}  // namespace qkv

@@ -1,0 +1,243 @@
+// MultiHeadAttention's training half (qkv/layers/multi_head_attention.h): forward_train keeps
+// the projections and the attention's out and lse; backward runs
+//   out_proj.backward  ->  attention_backward (qkv/attention_backward.h)  ->  qkv_proj.backward
+// on the canonical [Wq; Wk; Wv] projection that every packing runs (multi_head_attention.cc),
+// and scatters its weight gradient back into the packing's layout.
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "layers/multi_head_attention_impl.h"
+#include "qkv/attention_backward.h"
+#include "qkv/error.h"
+#include "qkv/layers/multi_head_attention.h"
+
+namespace qkv {
+namespace {
+
+std::span<const float> span_of(const std::vector<float>& v) { return {v.data(), v.size()}; }
+
+void add_to(std::vector<float>& dst, const float* src, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
+}  // namespace
+
+MultiHeadAttentionWeights MultiHeadAttentionParams::weights() const {
+  return {.packing = packing,
+          .qkv_weight = span_of(qkv_weight),
+          .qkv_bias = span_of(qkv_bias),
+          .q_weight = span_of(q_weight),
+          .q_bias = span_of(q_bias),
+          .k_weight = span_of(k_weight),
+          .k_bias = span_of(k_bias),
+          .v_weight = span_of(v_weight),
+          .v_bias = span_of(v_bias),
+          .out_weight = span_of(out_weight),
+          .out_bias = span_of(out_bias)};
+}
+
+std::vector<std::vector<float>*> MultiHeadAttentionParams::tensors() {
+  std::vector<std::vector<float>*> all;
+  for (std::vector<float>* t : {&qkv_weight, &qkv_bias, &q_weight, &q_bias, &k_weight, &k_bias,
+                                &v_weight, &v_bias, &out_weight, &out_bias}) {
+    if (!t->empty()) all.push_back(t);
+  }
+  return all;
+}
+
+MultiHeadAttentionParams MultiHeadAttention::parameters() const {
+  const Impl& m = *impl_;
+  MultiHeadAttentionParams p{.packing = m.packing, .out_weight = m.out_w, .out_bias = m.out_b};
+  if (m.packing == QkvPacking::kSeparate) {
+    p.q_weight = m.q_w, p.q_bias = m.q_b, p.k_weight = m.k_w, p.k_bias = m.k_b;
+    p.v_weight = m.v_w, p.v_bias = m.v_b;
+    return p;
+  }
+  // Fused: canonical row r of each part goes to its packed row.
+  const std::int64_t E = m.embed_dim, F = E + 2 * m.kv_width;
+  const bool has_bias = !m.q_b.empty();
+  p.qkv_weight.resize(F * E);
+  if (has_bias) p.qkv_bias.resize(F);
+  const std::vector<float>* w_parts[3] = {&m.q_w, &m.k_w, &m.v_w};
+  const std::vector<float>* b_parts[3] = {&m.q_b, &m.k_b, &m.v_b};
+  for (int part = 0; part < 3; ++part) {
+    const std::int64_t rows = part == 0 ? E : m.kv_width;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t dst = m.packed_row(part, r);
+      std::copy_n(w_parts[part]->data() + r * E, E, p.qkv_weight.data() + dst * E);
+      if (has_bias) p.qkv_bias[dst] = (*b_parts[part])[r];
+    }
+  }
+  return p;
+}
+
+MultiHeadAttentionParams MultiHeadAttention::zero_grads() const {
+  MultiHeadAttentionParams p = parameters();
+  for (std::vector<float>* t : p.tensors()) std::fill(t->begin(), t->end(), 0.0f);
+  return p;
+}
+
+void MultiHeadAttention::set_parameters(const MultiHeadAttentionParams& params) {
+  Impl& m = *impl_;
+  MultiHeadAttentionParams current = parameters();
+  if (params.packing != m.packing) {
+    throw Error("MultiHeadAttention::set_parameters: the parameters are of another packing than "
+                "the layer's");
+  }
+  const std::vector<float>* given[] = {&params.qkv_weight, &params.qkv_bias, &params.q_weight,
+                                       &params.q_bias,     &params.k_weight, &params.k_bias,
+                                       &params.v_weight,   &params.v_bias,   &params.out_weight,
+                                       &params.out_bias};
+  const std::vector<float>* have[] = {&current.qkv_weight, &current.qkv_bias, &current.q_weight,
+                                      &current.q_bias,     &current.k_weight, &current.k_bias,
+                                      &current.v_weight,   &current.v_bias,   &current.out_weight,
+                                      &current.out_bias};
+  const char* names[] = {"qkv_weight", "qkv_bias", "q_weight", "q_bias",     "k_weight",
+                         "k_bias",     "v_weight", "v_bias",   "out_weight", "out_bias"};
+  for (int i = 0; i < 10; ++i) {
+    if (given[i]->size() != have[i]->size()) {
+      throw Error(std::string("MultiHeadAttention::set_parameters: ") + names[i] + " has " +
+                  std::to_string(given[i]->size()) + " elements, the layer's has " +
+                  std::to_string(have[i]->size()));
+    }
+  }
+  m.canonicalize(params.weights());
+  m.out_proj->set_weights(m.out_w, m.out_b);
+  if (m.qkv_proj) {
+    const auto [w, b] = m.fused_qkv();
+    m.qkv_proj->set_weights(w, b);
+  }
+  if (m.q_proj) {  // the cross-attention projections, once built
+    m.q_proj->set_weights(m.q_w, m.q_b);
+    m.k_proj->set_weights(m.k_w, m.k_b);
+    m.v_proj->set_weights(m.v_w, m.v_b);
+  }
+}
+
+void MultiHeadAttention::forward_train(const float* x, std::int64_t batch, std::int64_t seq,
+                                       float* out, const MhaOptions& options,
+                                       MhaTape& tape) const {
+  // x: [B, L, E] -> tape.qkv: [B, L, F] -> tape.ctx: [B, L, H, hd], tape.lse: [B, H, L]
+  Impl& m = *impl_;
+  m.check_self("forward_train");
+  m.check_call("forward_train", x, out, batch, seq);
+  if (options.attn_weights != nullptr || !options.mask.empty() || !options.bias.empty()) {
+    throw Error("MultiHeadAttention::forward_train: attn_weights, mask and bias are not "
+                "available in training (causal, window and key_lengths are)");
+  }
+  const std::int64_t F = m.embed_dim + 2 * m.kv_width, rows = batch * seq;
+  tape.batch = batch;
+  tape.seq = seq;
+  tape.options = options;
+  tape.key_lengths.assign(options.key_lengths.begin(), options.key_lengths.end());
+  tape.options.key_lengths = tape.key_lengths;
+  tape.qkv.resize(static_cast<std::size_t>(rows * F));
+  tape.ctx.resize(static_cast<std::size_t>(rows * m.embed_dim));
+  tape.lse.resize(static_cast<std::size_t>(batch * m.num_heads * seq));
+  if (rows == 0) return;
+  m.qkv_proj->forward(x, rows, tape.qkv.data());
+  const float* qkv = tape.qkv.data();
+  AttentionParams params{.causal = options.causal,
+                         .align = options.align,
+                         .window_left = options.window_left,
+                         .window_right = options.window_right,
+                         .key_lengths = tape.key_lengths,
+                         .num_threads = options.num_threads,
+                         .dropout_p = options.dropout_p,
+                         .seed = options.dropout_seed,
+                         .offset = options.dropout_offset};
+  attention(layers::bshd_view(qkv, batch, seq, m.num_heads, m.head_dim, F),
+            layers::bshd_view(qkv + m.embed_dim, batch, seq, m.num_kv_heads, m.head_dim, F),
+            layers::bshd_view(qkv + m.embed_dim + m.kv_width, batch, seq, m.num_kv_heads,
+                              m.head_dim, F),
+            {.out = TensorView::contiguous(tape.ctx.data(), DType::kF32,
+                                           {batch, seq, m.num_heads, m.head_dim}),
+             .lse = TensorView::contiguous(tape.lse.data(), DType::kF32,
+                                           {batch, m.num_heads, seq, 1})},
+            params);
+  m.out_proj->forward(tape.ctx.data(), rows, out);
+}
+
+void MultiHeadAttention::backward(const MhaTape& tape, const float* x, const float* d_out,
+                                  float* dx, MultiHeadAttentionParams& grads) const {
+  const Impl& m = *impl_;
+  const std::int64_t batch = tape.batch, seq = tape.seq, rows = batch * seq;
+  const std::int64_t E = m.embed_dim, F = E + 2 * m.kv_width, hd = m.head_dim;
+  const std::int64_t kvw = m.kv_width;
+  if (grads.packing != m.packing || grads.out_weight.size() != m.out_w.size()) {
+    throw Error("MultiHeadAttention::backward: grads are not laid out as this layer's "
+                "parameters (make them with zero_grads())");
+  }
+  if (static_cast<std::int64_t>(tape.qkv.size()) != rows * F) {
+    throw Error("MultiHeadAttention::backward: the tape is not from this layer's forward_train");
+  }
+  if (rows == 0) return;
+  if (x == nullptr || d_out == nullptr || dx == nullptr) {
+    throw Error("MultiHeadAttention::backward: x, d_out and dx must not be null");
+  }
+  // Output projection: d_ctx = d_out W_out; dW_out += d_out^T ctx.
+  std::vector<float> d_ctx(static_cast<std::size_t>(rows * E));
+  m.out_proj->backward(tape.ctx.data(), rows, d_out, d_ctx.data(), grads.out_weight.data(),
+                       grads.out_bias.empty() ? nullptr : grads.out_bias.data());
+  // The attention core.
+  std::vector<float> dq(static_cast<std::size_t>(rows * E)), dk(static_cast<std::size_t>(rows * kvw)),
+      dv(dk.size());
+  const MhaOptions& o = tape.options;
+  const AttentionParams params{.causal = o.causal,
+                               .align = o.align,
+                               .window_left = o.window_left,
+                               .window_right = o.window_right,
+                               .key_lengths = tape.key_lengths,
+                               .num_threads = o.num_threads,
+                               .dropout_p = o.dropout_p,
+                               .seed = o.dropout_seed,
+                               .offset = o.dropout_offset};
+  const float* qkv = tape.qkv.data();
+  attention_backward(
+      layers::bshd_view(qkv, batch, seq, m.num_heads, hd, F),
+      layers::bshd_view(qkv + E, batch, seq, m.num_kv_heads, hd, F),
+      layers::bshd_view(qkv + E + kvw, batch, seq, m.num_kv_heads, hd, F),
+      TensorView::contiguous(const_cast<float*>(tape.ctx.data()), DType::kF32,
+                             {batch, seq, m.num_heads, hd}),
+      TensorView::contiguous(const_cast<float*>(tape.lse.data()), DType::kF32,
+                             {batch, m.num_heads, seq, 1}),
+      TensorView::contiguous(d_ctx.data(), DType::kF32, {batch, seq, m.num_heads, hd}),
+      {.dq = TensorView::contiguous(dq.data(), DType::kF32, {batch, seq, m.num_heads, hd}),
+       .dk = TensorView::contiguous(dk.data(), DType::kF32, {batch, seq, m.num_kv_heads, hd}),
+       .dv = TensorView::contiguous(dv.data(), DType::kF32, {batch, seq, m.num_kv_heads, hd})},
+      params);
+  // The projection's rows [dq | dk | dv], then its backward on the canonical [Wq; Wk; Wv].
+  std::vector<float> d_qkv(static_cast<std::size_t>(rows * F));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    std::copy_n(dq.data() + r * E, E, d_qkv.data() + r * F);
+    std::copy_n(dk.data() + r * kvw, kvw, d_qkv.data() + r * F + E);
+    std::copy_n(dv.data() + r * kvw, kvw, d_qkv.data() + r * F + E + kvw);
+  }
+  std::vector<float> dw(static_cast<std::size_t>(F * E), 0.0f);
+  std::vector<float> db(m.qkv_proj->bias().empty() ? 0 : static_cast<std::size_t>(F), 0.0f);
+  m.qkv_proj->backward(x, rows, d_qkv.data(), dx, dw.data(), db.empty() ? nullptr : db.data());
+  // Canonical rows back into the packing's layout.
+  const std::int64_t part_rows[3] = {E, kvw, kvw}, part_start[3] = {0, E, E + kvw};
+  if (m.packing == QkvPacking::kSeparate) {
+    std::vector<float>* w_parts[3] = {&grads.q_weight, &grads.k_weight, &grads.v_weight};
+    std::vector<float>* b_parts[3] = {&grads.q_bias, &grads.k_bias, &grads.v_bias};
+    for (int part = 0; part < 3; ++part) {
+      add_to(*w_parts[part], dw.data() + part_start[part] * E,
+             static_cast<std::size_t>(part_rows[part] * E));
+      if (!b_parts[part]->empty()) {
+        add_to(*b_parts[part], db.data() + part_start[part], static_cast<std::size_t>(part_rows[part]));
+      }
+    }
+    return;
+  }
+  for (int part = 0; part < 3; ++part) {
+    for (std::int64_t r = 0; r < part_rows[part]; ++r) {
+      const std::int64_t dst = m.packed_row(part, r), src = part_start[part] + r;
+      for (std::int64_t e = 0; e < E; ++e) grads.qkv_weight[dst * E + e] += dw[src * E + e];
+      if (!grads.qkv_bias.empty()) grads.qkv_bias[dst] += db[src];
+    }
+  }
+}
+
+}  // namespace qkv
