@@ -9,12 +9,17 @@
 #include <string>
 
 #include "core/aligned_buffer.h"
+#include "layers/encoder_layer_impl.h"
 #include "layers/scratch.h"
 #include "qkv/error.h"
 #include "qkv/layers/dropout.h"
 #include "qkv/layers/linear.h"
 
 namespace qkv {
+
+using enum layers::Site;
+using layers::add_in_place;
+
 namespace {
 
 // Builds a sub-layer, prefixing its validation errors with the layer and field names.
@@ -27,31 +32,8 @@ auto named(const char* field, Make make) {
   }
 }
 
-// Dropout sites of one forward call; stream = step * kSites + site.
-enum Site : std::uint64_t { kAfterAttention = 0, kAfterActivation = 1, kAfterFeedForward = 2 };
-constexpr std::uint64_t kSites = 3;
-
-void add_in_place(float* x, const float* a, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) x[i] += a[i];  // GCC vectorises this (no reduction)
-}
-
 }  // namespace
 
-struct EncoderLayer::Impl {
-  EncoderLayerConfig config;
-  MultiHeadAttention attention;
-  LayerNorm norm1, norm2;
-  Linear ff1, ff2;
-  bool training = false;
-  std::uint64_t seed = 0;
-  std::uint64_t step = 0;  // forward calls since set_training
-  std::shared_ptr<layers::ScratchPool> scratch = layers::make_scratch_pool();
-
-  void maybe_dropout(float* x, std::int64_t n, Site site) const {
-    if (training && config.dropout > 0.0f)
-      dropout(x, n, config.dropout, seed, step * kSites + site);
-  }
-};
 
 EncoderLayer::EncoderLayer(const EncoderLayerConfig& c, const EncoderLayerWeights& w) {
   if (c.d_ff <= 0) throw Error("EncoderLayer: d_ff = " + std::to_string(c.d_ff) + " must be > 0");
@@ -118,7 +100,7 @@ void EncoderLayer::forward(float* x, std::int64_t batch, std::int64_t seq,
   float* h = layers::scratch_floats(scratch->h, rows * m.config.d_ff);
   if (!m.config.norm_first) {
     // Post-LN: x = LN1(x + Drop(MHA(x))); x = LN2(x + Drop(FFN(x)))
-    m.attention.forward(x, batch, seq, a, options);
+    m.attention.forward(x, batch, seq, a, m.attention_options(options, m.step));
     m.maybe_dropout(a, rows * E, kAfterAttention);
     m.norm1.forward(a, x, rows, x);
     m.ff1.forward(x, rows, h);
@@ -130,7 +112,7 @@ void EncoderLayer::forward(float* x, std::int64_t batch, std::int64_t seq,
     // Pre-LN: x = x + Drop(MHA(LN1(x))); x = x + Drop(FFN(LN2(x)))
     float* n = layers::scratch_floats(scratch->n, rows * E);
     m.norm1.forward(x, nullptr, rows, n);
-    m.attention.forward(n, batch, seq, a, options);
+    m.attention.forward(n, batch, seq, a, m.attention_options(options, m.step));
     m.maybe_dropout(a, rows * E, kAfterAttention);
     add_in_place(x, a, rows * E);
     m.norm2.forward(x, nullptr, rows, n);

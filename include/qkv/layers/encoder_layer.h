@@ -43,6 +43,26 @@ struct EncoderLayerWeights {
                          ff2_weight = {}, ff2_bias = {}, norm2_gamma = {}, norm2_beta = {};
 };
 
+// An EncoderLayer's parameters, or their gradients, as owned vectors (EncoderLayerWeights's
+// fields; the attention's in its packing's layout).
+struct EncoderLayerParams {
+  MultiHeadAttentionParams attention = {};
+  std::vector<float> norm1_gamma = {}, norm1_beta = {}, ff1_weight = {}, ff1_bias = {},
+                     ff2_weight = {}, ff2_bias = {}, norm2_gamma = {}, norm2_beta = {};
+  EncoderLayerWeights weights() const;  // spans over the vectors
+  // The non-empty vectors, in a fixed order (an optimizer walks them).
+  std::vector<std::vector<float>*> tensors();
+};
+
+// What forward_train keeps for backward: the layer's input, the sub-layers' inputs and
+// outputs after dropout, the FFN's pre-activation, and the attention's tape.
+struct EncoderLayerTape {
+  std::int64_t batch = 0, seq = 0;
+  std::uint64_t step = 0;  // the dropout step of the call
+  MhaTape attention;
+  std::vector<float> x0, n1, a, x1, n2, h, g, f;
+};
+
 class EncoderLayer {
  public:
   EncoderLayer(const EncoderLayerConfig& config, const EncoderLayerWeights& weights);
@@ -62,9 +82,24 @@ class EncoderLayer {
   // never run at the same time. Encoder shares one set among its layers.
   void share_scratch_with(const EncoderLayer& other);
 
-  // Training mode: dropout with a seeded counter-based RNG; resets the step counter to 0.
+  // Training mode: dropout with a seeded counter-based RNG (after the attention, the
+  // activation and the FFN, and on the attention probabilities, each with p = config.dropout);
+  // resets the step counter to 0.
   void set_training(bool training, std::uint64_t seed = 0);
   bool training() const;
+
+  // Training (encoder_layer_train.cc): forward() that keeps in `tape` what backward needs
+  // (options: no mask, bias or attn_weights). Dropout as forward() applies it.
+  void forward_train(float* x, std::int64_t batch, std::int64_t seq, const MhaOptions& options,
+                     EncoderLayerTape& tape) const;
+  // dx: on entry dL/d(the layer's output), on return dL/d(its input), [B, L, E]; the
+  // parameters' gradients are ADDED to `grads` (start from zero_grads()). The same dropout
+  // masks as the tape's forward.
+  void backward(const EncoderLayerTape& tape, float* dx, EncoderLayerParams& grads) const;
+  EncoderLayerParams parameters() const;
+  EncoderLayerParams zero_grads() const;
+  // An optimizer's step: the same shapes as parameters().
+  void set_parameters(const EncoderLayerParams& params);
 
  private:
   struct Impl;
