@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "io/input_file.h"
+#include "io/output_file.h"
 #include "qkv/error.h"
 
 namespace qkv::io {
@@ -307,21 +308,6 @@ NpyHeader parse_header(std::string_view text, const std::string& where) {
 // ---------------------------------------------------------------------------------------------
 // File helpers.
 
-class File {
- public:
-  explicit File(int fd) : fd_(fd) {}
-  ~File() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  File(const File&) = delete;
-  File& operator=(const File&) = delete;
-  int fd() const { return fd_; }
-  // Closes now, reporting the error close() may carry for buffered writes.
-  int close() { return ::close(std::exchange(fd_, -1)); }
-
- private:
-  int fd_;
-};
 
 // Reads up to `size` bytes at the current position; returns how many were read.
 std::size_t read_fully(int fd, void* data, std::size_t size, const std::string& where) {
@@ -336,15 +322,6 @@ std::size_t read_fully(int fd, void* data, std::size_t size, const std::string& 
   return done;
 }
 
-void write_fully(int fd, const void* data, std::size_t size, const std::string& where) {
-  std::size_t done = 0;
-  while (done < size) {
-    const ssize_t n = ::write(fd, static_cast<const char*>(data) + done, size - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) fail(where, std::string("write failed: ") + std::strerror(errno));
-    done += static_cast<std::size_t>(n);
-  }
-}
 
 std::uint32_t little_endian(const unsigned char* bytes, int count) {
   std::uint32_t value = 0;
@@ -395,26 +372,6 @@ std::string encode_header(DType dtype, std::span<const std::int64_t> shape,
   return bytes + dict;
 }
 
-std::atomic<unsigned> g_temp_counter{0};
-
-// Creates a new, empty temporary file beside `path` (the same file system, so rename() is
-// atomic); returns its descriptor and sets `temp_path`.
-int create_temp(const std::string& path, std::string& temp_path, const std::string& where) {
-  // A hidden name beside the destination, short enough even when the destination's name is
-  // near the 255-byte limit.
-  const std::size_t slash = path.rfind('/');
-  const std::string directory = slash == std::string::npos ? "" : path.substr(0, slash + 1);
-  const std::string base = path.substr(directory.size(), 200);
-  int fd = -1;
-  for (int attempt = 0; attempt < 100 && fd < 0; ++attempt) {
-    temp_path = directory + "." + base + ".tmp-" + std::to_string(::getpid()) + "-" +
-                std::to_string(g_temp_counter.fetch_add(1));
-    fd = ::open(temp_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-    if (fd < 0 && errno != EEXIST) break;
-  }
-  if (fd < 0) fail(where, std::string("cannot create output file: ") + std::strerror(errno));
-  return fd;
-}
 
 // The header of an array about to be written, after checking its shape.
 std::string checked_header(DType dtype, std::span<const std::int64_t> shape,
@@ -446,29 +403,6 @@ std::string write_temp(const std::string& path, DType dtype, std::span<const std
   return temp_path;
 }
 
-// The file an output written to `path` really replaces: through a symbolic link, the file it
-// points to (the link is kept); never a directory, device or FIFO (/dev/null) replaced by a file.
-std::string output_destination(const std::string& path, const std::string& at) {
-  if (path.empty()) fail(at, "empty output path");
-  std::filesystem::path link = path;
-  struct stat st;
-  for (int hops = 0; ::lstat(link.c_str(), &st) == 0 && S_ISLNK(st.st_mode); ++hops) {
-    std::error_code error;
-    const std::filesystem::path target = std::filesystem::read_symlink(link, error);
-    if (error || hops == 40) fail(at, "cannot resolve the symbolic link");
-    link = target.is_absolute() ? target : link.parent_path() / target;  // may still dangle
-  }
-  std::string destination = link.string();
-  if (::stat(destination.c_str(), &st) == 0) {
-    if (S_ISDIR(st.st_mode)) fail(at, "is a directory");
-    if (!S_ISREG(st.st_mode)) {
-      fail(at,
-           "exists and is not a regular file (outputs are written to a temporary file and "
-           "renamed into place)");
-    }
-  }
-  return destination;
-}
 
 }  // namespace
 

@@ -94,4 +94,24 @@ class SafetensorsFile {
   std::map<std::string, std::string> metadata_;
 };
 
+// ---------------------------------------------------------------------------------------------
+// Writing (safetensors_writer.cc).
+
+// A tensor to write: its bytes are C order, little-endian, product(shape) * dtype size.
+struct SafetensorsEntry {
+  std::string name;
+  SafetensorsDType dtype = SafetensorsDType::kF32;
+  std::vector<std::int64_t> shape;
+  const void* data = nullptr;
+};
+
+// Writes a .safetensors file: the tensors' data in the given order, the header's JSON padded
+// with spaces to a multiple of 8 bytes (as Hugging Face's writer does), optional
+// "__metadata__" strings; via a temporary file renamed into place (io/output_file.h).
+// SafetensorsFile reads it back. Throws qkv::Error "<path>: ..." for an empty, duplicate or
+// reserved ("__metadata__") name, a rank above kMaxRank, a negative dimension, or a null data
+// pointer with bytes to write.
+void write_safetensors(const std::string& path, const std::vector<SafetensorsEntry>& tensors,
+                       const std::map<std::string, std::string>& metadata = {});
+
 }  // namespace qkv::io

@@ -258,6 +258,45 @@ TEST_F(SafetensorsTest, RoundTripsEveryDType) {
   EXPECT_FALSE(file.contains("t.F128"));
 }
 
+TEST_F(SafetensorsTest, WriterRoundTrips) {
+  const std::vector<float> w = {1.5f, -2.0f, 3.25f, 0.0f, 7.0f, -1.0f};
+  const std::vector<std::uint16_t> half = {0x3f80, 0xbf80};
+  const std::vector<std::int64_t> ids = {1, -2, 3};
+  const float scalar = 9.5f;
+  const std::string path = (dir_ / "written.safetensors").string();
+  write_safetensors(path,
+                    {{"layers.0.w", SafetensorsDType::kF32, {2, 3}, w.data()},
+                     {"name with \"quotes\" and \\", SafetensorsDType::kBF16, {2}, half.data()},
+                     {"ids", SafetensorsDType::kI64, {3}, ids.data()},
+                     {"scalar", SafetensorsDType::kF32, {}, &scalar},
+                     {"empty", SafetensorsDType::kF32, {0, 5}, nullptr}},
+                    {{"format", "pt"}, {"note", "line\nbreak \"quoted\""}});
+  EXPECT_EQ((fs::file_size(path) - 8 - 56) % 8, 0u);  // 56 data bytes; the header padded to 8
+  const SafetensorsFile file(path);
+  ASSERT_EQ(file.tensors().size(), 5u);
+  EXPECT_EQ(file.tensor("layers.0.w").shape, (std::vector<std::int64_t>{2, 3}));
+  EXPECT_EQ(file.read_f32("layers.0.w", std::vector<std::int64_t>{2, 3}), w);
+  EXPECT_EQ(file.tensor("name with \"quotes\" and \\").dtype, SafetensorsDType::kBF16);
+  EXPECT_EQ(file.read_f32("name with \"quotes\" and \\", std::vector<std::int64_t>{2}), (std::vector<float>{1.0f, -1.0f}));
+  EXPECT_EQ(std::memcmp(file.tensor("ids").data, ids.data(), 24), 0);
+  EXPECT_EQ(file.read_f32("scalar", std::vector<std::int64_t>{}), std::vector<float>{9.5f});
+  EXPECT_EQ(file.tensor("empty").bytes, 0u);
+  EXPECT_EQ(file.metadata().at("note"), "line\nbreak \"quoted\"");
+  // Errors write nothing.
+  const std::string bad = (dir_ / "bad.safetensors").string();
+  expect_error([&] { write_safetensors(bad, {{"a", SafetensorsDType::kF32, {1}, w.data()},
+                                             {"a", SafetensorsDType::kF32, {1}, w.data()}}); },
+               "tensor 'a' is given twice");
+  expect_error([&] { write_safetensors(bad, {{"", SafetensorsDType::kF32, {1}, w.data()}}); },
+               "tensor name '' is not allowed");
+  expect_error([&] { write_safetensors(bad, {{"n", SafetensorsDType::kF32, {-1}, w.data()}}); },
+               "negative dimension");
+  expect_error([&] { write_safetensors(bad, {{"n", SafetensorsDType::kF32, {2}, nullptr}}); },
+               "has no data");
+  EXPECT_FALSE(fs::exists(bad));
+  expect_error([&] { write_safetensors(dir_.string(), {}); }, "is a directory");
+}
+
 TEST_F(SafetensorsTest, AcceptsGapsTrailingBytesAndAnEmptyHeader) {
   // Tensor 'b' before 'a' in the data, a 4-byte gap between them and 3 bytes after.
   const std::string header = R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[8,12]},)"
