@@ -1,0 +1,67 @@
+#include "qkv/layers/adamw.h"
+
+#include <cmath>
+#include <string>
+
+#include "qkv/error.h"
+
+namespace qkv {
+
+AdamW::AdamW(const AdamWParams& p) : params_(p) {
+  if (!(p.lr >= 0.0f) || !(p.beta1 >= 0.0f && p.beta1 < 1.0f) ||
+      !(p.beta2 >= 0.0f && p.beta2 < 1.0f) || !(p.eps > 0.0f) || !(p.weight_decay >= 0.0f)) {
+    throw Error("AdamW: lr = " + std::to_string(p.lr) + ", betas = (" +
+                std::to_string(p.beta1) + ", " + std::to_string(p.beta2) + "), eps = " +
+                std::to_string(p.eps) + ", weight_decay = " + std::to_string(p.weight_decay) +
+                " (need lr >= 0, betas in [0, 1), eps > 0, weight_decay >= 0)");
+  }
+}
+
+void AdamW::step(std::span<std::vector<float>* const> params,
+                 std::span<std::vector<float>* const> grads) {
+  if (params.size() != grads.size()) {
+    throw Error("AdamW::step: " + std::to_string(params.size()) + " parameters but " +
+                std::to_string(grads.size()) + " gradients");
+  }
+  if (steps_ > 0 && params.size() != m_.size()) {
+    throw Error("AdamW::step: " + std::to_string(params.size()) + " parameters; the first step had " +
+                std::to_string(m_.size()));
+  }
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const std::size_t n = params[i]->size();
+    if (grads[i]->size() != n || (steps_ > 0 && m_[i].size() != n)) {
+      throw Error("AdamW::step: tensor " + std::to_string(i) + " has " + std::to_string(n) +
+                  " parameters and " + std::to_string(grads[i]->size()) + " gradients" +
+                  (steps_ > 0 ? " (the first step: " + std::to_string(m_[i].size()) + ")" : ""));
+    }
+  }
+  if (steps_ == 0) {
+    m_.clear();
+    v_.clear();
+    for (std::vector<float>* p : params) {
+      m_.emplace_back(p->size(), 0.0f);
+      v_.emplace_back(p->size(), 0.0f);
+    }
+  }
+  ++steps_;
+  const AdamWParams& a = params_;
+  const double c1 = 1.0 - std::pow(static_cast<double>(a.beta1), static_cast<double>(steps_));
+  const double c2 = 1.0 - std::pow(static_cast<double>(a.beta2), static_cast<double>(steps_));
+  const float step_size = static_cast<float>(a.lr / c1);
+  const float root_c2 = static_cast<float>(std::sqrt(c2));
+  const float decay = 1.0f - a.lr * a.weight_decay;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    float* p = params[i]->data();
+    const float* g = grads[i]->data();
+    float* m = m_[i].data();
+    float* v = v_[i].data();
+    for (std::size_t e = 0; e < params[i]->size(); ++e) {
+      p[e] *= decay;
+      m[e] = a.beta1 * m[e] + (1.0f - a.beta1) * g[e];
+      v[e] = a.beta2 * v[e] + (1.0f - a.beta2) * g[e] * g[e];
+      p[e] -= step_size * m[e] / (std::sqrt(v[e]) / root_c2 + a.eps);
+    }
+  }
+}
+
+}  // namespace qkv
