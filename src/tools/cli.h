@@ -42,5 +42,6 @@ int run_attention_backward(std::vector<std::string> args);
 int run_demo(std::vector<std::string> args);
 int run_bench(std::vector<std::string> args);
 int run_embed(std::vector<std::string> args);
+int run_train_demo(std::vector<std::string> args);
 
 }  // namespace qkv::cli

@@ -22,6 +22,7 @@ constexpr const char* kUsage =
     "  demo        the main job: standard vs chunked vs flash attention, side by side\n"
     "  bench       GFLOP/s of the attention kernels against this machine's measured peak\n"
     "  embed       sentence embeddings with a BERT-family model (e.g. all-MiniLM-L6-v2)\n"
+    "  train-demo  trains a small transformer (sort or copy digits) with qkv's backward\n"
     "  ring-bench  ring attention over MPI ranks: compute, transfers and their overlap\n"
     "              (mpirun -np P qkv ring-bench)\n"
     "\n"
@@ -33,6 +34,7 @@ int dispatch(const std::string& command, std::vector<std::string> args) {
   if (command == "demo") return qkv::cli::run_demo(std::move(args));
   if (command == "bench") return qkv::cli::run_bench(std::move(args));
   if (command == "embed") return qkv::cli::run_embed(std::move(args));
+  if (command == "train-demo") return qkv::cli::run_train_demo(std::move(args));
   if (command == "ring-bench") {
 #if QKV_WITH_MPI
     return qkv::cli::run_ring_bench(std::move(args));
