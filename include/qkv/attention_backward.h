@@ -18,9 +18,9 @@
 // never read and get dk = dv = 0. Deterministic: the same bits on any thread count.
 //
 // Kernels (params.kernel): kFlash, FlashAttention-2's scheme on tiles (probabilities
-// recomputed from lse, O(tile) scratch per thread; dbias not yet); kReference, the f64 oracle,
-// row by row (O(Lk (D + Dv)) scratch per thread, scalar speed); kAuto: flash, or the reference
-// when dbias is asked for. kChunked is refused. docs/training.md.
+// recomputed from lse, O(tile) scratch per thread; dbias in a pass of its own over the bias's
+// cells); kReference, the f64 oracle, row by row (O(Lk (D + Dv)) scratch per thread, scalar
+// speed); kAuto: flash. kChunked is refused. docs/training.md.
 #pragma once
 
 #include "qkv/attention.h"

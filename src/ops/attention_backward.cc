@@ -43,9 +43,6 @@ void backward(const TensorView& q, const TensorView& k, const TensorView& v,
                 "the softmax over the block's keys alone, not from the whole's lse); use kernel "
                 "auto or flash");
   }
-  if (params.kernel == Kernel::kFlash && !grads.dbias.empty()) {
-    throw Error("dbias: the flash backward does not compute it yet; use kernel auto or reference");
-  }
   ops::PreparedAttention prepared;
   ops::prepare_attention(q, k, v, {.out = out, .lse = lse}, params, block, prepared);
   const AttentionKernelParams& p = prepared.params;
@@ -87,8 +84,8 @@ void backward(const TensorView& q, const TensorView& k, const TensorView& v,
     g.dk_stride[d] = grads.dk.strides[d];
     g.dv_stride[d] = grads.dv.strides[d];
   }
-  // auto: flash, but the reference where it alone can (dbias).
-  if (params.kernel == Kernel::kReference || !grads.dbias.empty()) {
+  // auto: flash.
+  if (params.kernel == Kernel::kReference) {
     attention_backward_reference(g);
   } else {
     attention_backward_flash_cpu(g);

@@ -106,7 +106,7 @@ except --weights, --linear and --ring.
                        dimensions it broadcasts over); needs --bias
   --out O.npy          also writes the forward's out; --lse LSE.npy its log-sum-exp
   --kernel K           the forward's kernel (auto, reference, chunked, flash); the backward
-                       runs the f64 reference (the only backward kernel so far)
+                       runs flash (auto, flash) or the float64 oracle (reference)
 (--layout bhsd orders --dout, --dq, --dk and --dv as (B, H, L, D) too.)
 )";
 

@@ -127,6 +127,12 @@ Problem::Problem(const Case& c) : c_(c) {
     case BiasKind::kPerHeadRow:
       bias_sizes_ = {1, H, Lq, 1};
       break;
+    case BiasKind::kShared:
+      bias_sizes_ = {1, 1, Lq, Lk};
+      break;
+    case BiasKind::kPerKey:
+      bias_sizes_ = {B, 1, 1, Lk};
+      break;
   }
   if (c.bias != BiasKind::kNone) {
     bias = normal(rng, bias_sizes_[0] * bias_sizes_[1] * bias_sizes_[2] * bias_sizes_[3], 2.0f);

@@ -18,7 +18,9 @@
 namespace qkv::testing {
 
 enum class MaskKind { kNone, kRandom, kRowBroadcast, kKeyPadding };
-enum class BiasKind { kNone, kRandom, kWithNegInf, kPerHeadRow };
+// kRandom / kWithNegInf: [B, H, Lq, Lk]; kPerHeadRow: [1, H, Lq, 1]; kShared: [1, 1, Lq, Lk]
+// (one bias for every batch entry and head); kPerKey: [B, 1, 1, Lk].
+enum class BiasKind { kNone, kRandom, kWithNegInf, kPerHeadRow, kShared, kPerKey };
 
 struct Case {
   std::int64_t batch = 1, seq_q = 5, seq_kv = 5, num_heads_q = 1, num_heads_kv = 1;

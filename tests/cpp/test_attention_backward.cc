@@ -130,6 +130,17 @@ INSTANTIATE_TEST_SUITE_P(Cases, AttentionBackward, ::testing::ValuesIn(cases()),
 // mask, every compiled target this CPU has; bf16/f16 storage; the same bits on any thread count.
 std::vector<Case> flash_cases() {
   std::vector<Case> cases = ::qkv::testing::cases();
+  // d(bias) over several row and key tiles, for each way a bias broadcasts (the flash kernel's
+  // own pass: summed over batch entries and heads in order).
+  cases.push_back({.batch = 2, .seq_q = 131, .seq_kv = 77, .num_heads_q = 4, .num_heads_kv = 2,
+                   .head_dim = 16, .bias = BiasKind::kShared});
+  cases.push_back({.batch = 3, .seq_q = 70, .seq_kv = 90, .num_heads_q = 2, .num_heads_kv = 2,
+                   .head_dim = 8, .key_lengths = true, .bias = BiasKind::kPerKey});
+  cases.push_back({.batch = 2, .seq_q = 100, .seq_kv = 100, .num_heads_q = 2, .num_heads_kv = 1,
+                   .head_dim = 8, .causal = true, .bias = BiasKind::kPerHeadRow,
+                   .softcap = 2.5f});
+  cases.push_back({.batch = 1, .seq_q = 66, .seq_kv = 40, .num_heads_q = 2, .num_heads_kv = 2,
+                   .head_dim = 8, .bias = BiasKind::kWithNegInf});
   cases.push_back({.batch = 2, .seq_q = 150, .seq_kv = 203, .num_heads_q = 4, .num_heads_kv = 2,
                    .head_dim = 40});
   cases.push_back({.batch = 1, .seq_q = 200, .seq_kv = 200, .num_heads_q = 2, .num_heads_kv = 1,
@@ -151,10 +162,11 @@ void expect_flash_matches_reference(const Case& c) {
   Problem pr(c);
   const AttentionParams params = pr.params();
   std::vector<float> dout = normal_values(pr.q.size() / c.head_dim * pr.head_dim_v(), 8);
-  const Grads ref = run_backward(pr, params, dout, false, 0, Kernel::kReference);
-  const Grads flash = run_backward(pr, params, dout, false, 0, Kernel::kFlash);
+  const bool with_dbias = !pr.bias.empty();
+  const Grads ref = run_backward(pr, params, dout, with_dbias, 0, Kernel::kReference);
+  const Grads flash = run_backward(pr, params, dout, with_dbias, 0, Kernel::kFlash);
   for (auto [name, a, b] : {std::tuple{"dq", &flash.dq, &ref.dq}, {"dk", &flash.dk, &ref.dk},
-                            {"dv", &flash.dv, &ref.dv}}) {
+                            {"dv", &flash.dv, &ref.dv}, {"dbias", &flash.dbias, &ref.dbias}}) {
     // f32 accumulation over up to Lq (dk, dv) or Lk (dq) terms against f64.
     EXPECT_LE(max_abs_diff(*a, *b), 2e-5 * std::max(1.0, max_abs(*b))) << name;
   }
@@ -178,11 +190,12 @@ TEST(AttentionBackwardFlash, SameBitsOnAnyThreadCount) {
     Problem pr(c);
     const AttentionParams params = pr.params();
     std::vector<float> dout = normal_values(pr.q.size() / c.head_dim * pr.head_dim_v(), 9);
-    const Grads one = run_backward(pr, params, dout, false, 1, Kernel::kFlash);
+    const bool with_dbias = !pr.bias.empty();
+    const Grads one = run_backward(pr, params, dout, with_dbias, 1, Kernel::kFlash);
     for (int threads : {2, 3, 5}) {
-      const Grads many = run_backward(pr, params, dout, false, threads, Kernel::kFlash);
+      const Grads many = run_backward(pr, params, dout, with_dbias, threads, Kernel::kFlash);
       EXPECT_TRUE(bit_equal(one.dq, many.dq) && bit_equal(one.dk, many.dk) &&
-                  bit_equal(one.dv, many.dv))
+                  bit_equal(one.dv, many.dv) && bit_equal(one.dbias, many.dbias))
           << threads << " threads";
     }
   }

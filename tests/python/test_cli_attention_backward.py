@@ -146,8 +146,6 @@ def test_numpy_backward_matches_finite_differences(rng):
       "--dk", "dk.npy"], "missing required option --dv"),
     (["--dbias", "db.npy"], "--dbias: needs --bias"),
     (["--weights", "w.npy"], "--weights: not available for attention-backward"),
-    (["--kernel", "flash", "--bias", "bias.npy", "--dbias", "db.npy"],
-     "--dbias db.npy: the flash backward does not compute it yet"),
     (["--kernel", "chunked"], "--kernel: the backward has no chunked kernel"),
     (["--dout", "small.npy"], "--dout small.npy: shape (1, 1, 1, 4)"),
     (["--dq", "dk.npy"], "--dk dk.npy: same file as --dq dk.npy"),

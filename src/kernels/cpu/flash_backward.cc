@@ -306,6 +306,72 @@ void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, cons
   }
 }
 
+// d(bias) (AttentionBackwardKernelParams::dbias): ds = p (z dp - D_r), before the softcap's
+// derivative (the bias is added after the cap), summed over the dimensions the bias broadcasts
+// over. A pass of its own, parallel over the bias's own cells (its batch, its head, a row tile
+// of its rows, or all rows when it broadcasts over them), so each element is summed by one task
+// in one fixed order (batch, head, row tile, key tile, row, key): the same bits on any thread
+// count. It recomputes p and dp tile by tile: two of the main pass's five products.
+template <typename T>
+void DbiasTask(const AttentionBackwardKernelParams& g, const Plan& plan, const float* delta,
+               std::int64_t task, float* w) {
+  const AttentionKernelParams& p = g.forward;
+  const DF df;
+  const std::int64_t nb = g.dbias_sizes[0], nh = g.dbias_sizes[1];
+  const bool per_row = g.dbias_sizes[2] != 1 || p.seq_q == 1;
+  const std::int64_t cells_per_head = per_row ? plan.row_tiles : 1;
+  const std::int64_t bb = task / (nh * cells_per_head), hb = task / cells_per_head % nh;
+  const std::int64_t cell = task % cells_per_head;
+  const std::int64_t group = p.num_heads_q / p.num_heads_kv;
+  const std::int64_t* st = g.dbias_stride;
+  // Zero this task's elements: rows of its tile (or row 0), every key column (or column 0).
+  const std::int64_t row_begin = per_row ? cell * kRowsPerTile : 0;
+  const std::int64_t row_end = per_row ? std::min(p.seq_q, row_begin + kRowsPerTile) : 1;
+  const std::int64_t cols = g.dbias_sizes[3];
+  for (std::int64_t i = row_begin; i < row_end; ++i)
+    for (std::int64_t j = 0; j < cols; ++j) g.dbias[bb * st[0] + hb * st[1] + i * st[2] + j * st[3]] = 0.0f;
+  float* qs = w + plan.qs;
+  float* s = w + plan.s;
+  float* dp = w + plan.dp;
+  for (std::int64_t b = nb == 1 ? 0 : bb; b < (nb == 1 ? p.batch : bb + 1); ++b) {
+    const std::int64_t key_limit = KeyLimit(p, b);
+    for (std::int64_t h = nh == 1 ? 0 : hb; h < (nh == 1 ? p.num_heads_q : hb + 1); ++h) {
+      const std::int64_t hkv = h / group;
+      for (std::int64_t it = per_row ? cell : 0; it < (per_row ? cell + 1 : plan.row_tiles); ++it) {
+        const std::int64_t i0 = it * kRowsPerTile;
+        const std::int64_t rows = std::min(kRowsPerTile, p.seq_q - i0);
+        for (std::int64_t r = 0; r < rows; ++r) {
+          const std::int64_t q_row = b * p.q_stride[0] + (i0 + r) * p.q_stride[1] + h * p.q_stride[2];
+          for (std::int64_t d = 0; d < p.head_dim; ++d) {
+            qs[r * p.head_dim + d] = Element<T>(p.q, q_row + d * p.q_stride[3]) * p.scale;
+          }
+        }
+        const float* dout = g.dout + b * g.dout_stride[0] + i0 * g.dout_stride[1] + h * g.dout_stride[2];
+        for (std::int64_t jt = 0; jt < plan.key_tiles; ++jt) {
+          const std::int64_t j0 = jt * kKeys;
+          const std::int64_t num_k =
+              std::max<std::int64_t>(0, std::min({kKeys, p.seq_kv - j0, key_limit - j0}));
+          if (num_k == 0 || !Interacts(p, key_limit, i0, rows, j0, j0 + num_k)) continue;
+          PackKeys<T>(p, plan, b, hkv, j0, num_k, w);
+          Probabilities(p, plan, b, h, i0, rows, j0, num_k, w);
+          tiles::OuterProduct(w + plan.vt, dout, rows, g.dout_stride[1], g.dout_stride[3],
+                              p.head_dim_v, dp, nullptr, false);
+          if (p.dropout_p > 0.0f) Dropout(p, plan, b, h, i0, rows, j0, w);
+          for (std::int64_t r = 0; r < rows; ++r) {
+            const VF d_r = hn::Set(df, delta[(b * p.num_heads_q + h) * p.seq_q + i0 + r]);
+            for (std::int64_t x = r * kKeys; x < (r + 1) * kKeys; x += kLanes) {
+              hn::Store(hn::Mul(hn::Load(df, s + x), hn::Sub(hn::Load(df, dp + x), d_r)), df,
+                        dp + x);
+            }
+            float* out = g.dbias + bb * st[0] + hb * st[1] + (per_row ? i0 + r : 0) * st[2];
+            for (std::int64_t l = 0; l < num_k; ++l) out[(j0 + l) * st[3]] += dp[r * kKeys + l];
+          }
+        }
+      }
+    }
+  }
+}
+
 void FlashBackward(const AttentionBackwardKernelParams& g) {
   const AttentionKernelParams& p = g.forward;
   const Plan plan = MakePlan(p);
@@ -353,6 +419,21 @@ void FlashBackward(const AttentionBackwardKernelParams& g) {
       BackwardTask<hwy::float16_t>(g, plan, delta.as<float>(), turns.get(), task, w);
     } else {
       BackwardTask<float>(g, plan, delta.as<float>(), turns.get(), task, w);
+    }
+  });
+  if (g.dbias == nullptr) return;
+  const bool per_row = g.dbias_sizes[2] != 1 || p.seq_q == 1;
+  const std::int64_t dbias_tasks =
+      g.dbias_sizes[0] * g.dbias_sizes[1] * (per_row ? plan.row_tiles : 1);
+  const int dbias_threads = static_cast<int>(std::min<std::int64_t>(threads, dbias_tasks));
+  parallel_for(dbias_tasks, dbias_threads, [&](std::int64_t task, int thread) {
+    float* w = scratch.as<float>() + thread * plan.floats;
+    if (p.dtype == DType::kBF16) {
+      DbiasTask<hwy::bfloat16_t>(g, plan, delta.as<float>(), task, w);
+    } else if (p.dtype == DType::kF16) {
+      DbiasTask<hwy::float16_t>(g, plan, delta.as<float>(), task, w);
+    } else {
+      DbiasTask<float>(g, plan, delta.as<float>(), task, w);
     }
   });
 }

@@ -38,7 +38,7 @@ def test_matches_numpy_backward(rng, case, kernel):
     q, k, v = problem["q"], problem["k"], problem["v"]
     out, lse = qkv.attention(q, k, v, return_lse=True, **options)
     dout = rng.standard_normal(out.shape).astype(np.float32)
-    with_dbias = problem.get("bias") is not None and kernel == "reference"
+    with_dbias = problem.get("bias") is not None
     grads = qkv.attention_backward(q, k, v, out, lse, dout, kernel=kernel,
                                    return_dbias=with_dbias, **options)
     g64 = numpy_grads(problem, dout, np.float64)
