@@ -58,7 +58,7 @@ RingStats ring_attention_mode(MPI_Comm comm, const TensorView& q, const TensorVi
   }
   fill(out, 0.0f);
   fill(lse, -std::numeric_limits<float>::infinity());
-  const std::int64_t piece = piece_rows(q.sizes[1]);
+  const std::int64_t piece = piece_rows(q.sizes[1], /*pieces=*/16, /*max_rows=*/256);
   AlignedBuffer part_out(sizeof(float) * batch * piece * heads_q * dim_v);
   AlignedBuffer part_lse(sizeof(float) * batch * heads_q * piece);
 

@@ -165,7 +165,7 @@ RingStats ring_attention_backward_mode(MPI_Comm comm, const TensorView& q, const
   std::memset(chain_in.as<char>(), 0, grad_bytes);  // compute-only mode never receives it
   std::memset(home_in.as<char>(), 0, grad_bytes);
   // One piece's dq and one key segment's dk, dv.
-  const std::int64_t piece = piece_rows(q.sizes[1]);
+  const std::int64_t piece = piece_rows(q.sizes[1], /*pieces=*/8, /*max_rows=*/1024);
   AlignedBuffer piece_dq(sizeof(float) * batch * piece * heads_q * dim), piece_dkv(grad_bytes);
   std::vector<int> own_reach(static_cast<std::size_t>(schedule.blocks()));
   for (int c = 0; c < schedule.blocks(); ++c) own_reach[c] = schedule.reach(rank, c);

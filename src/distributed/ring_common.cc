@@ -175,9 +175,9 @@ void pack_shard(const TensorView& k, const TensorView& v, char* dst) {
   }
 }
 
-std::int64_t piece_rows(std::int64_t q_rows) {
-  constexpr std::int64_t kMinPieceRows = 64, kMaxPieceRows = 256, kPiecesPerStep = 16;
-  return std::min(q_rows, std::clamp(q_rows / kPiecesPerStep, kMinPieceRows, kMaxPieceRows));
+std::int64_t piece_rows(std::int64_t q_rows, std::int64_t pieces, std::int64_t max_rows) {
+  constexpr std::int64_t kMinPieceRows = 64;
+  return std::min(q_rows, std::clamp(q_rows / pieces, kMinPieceRows, max_rows));
 }
 
 void poll(int count, MPI_Request* requests) {
