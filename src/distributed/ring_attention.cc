@@ -62,43 +62,27 @@ RingStats ring_attention_mode(MPI_Comm comm, const TensorView& q, const TensorVi
   AlignedBuffer part_out(sizeof(float) * batch * piece * heads_q * dim_v);
   AlignedBuffer part_lse(sizeof(float) * batch * heads_q * piece);
 
-  const std::vector<RingSegment>& q_segments = schedule.q_segments(rank);
-  // Merges this rank's queries against a block.
+  // Merges this rank's queries against a block, piece by piece.
   const auto attend = [&](const KvRing::Block& block) {
-    const std::vector<RingSegment> keys = schedule.block_keys(block.source, block.block);
-    const double compute_start = MPI_Wtime();
-    std::int64_t q_row = 0;
-    for (const RingSegment& qs : q_segments) {
-      std::int64_t k_row = 0;
-      for (const RingSegment& ks : keys) {
-        if (!compute || !schedule.interact(qs, ks)) {
-          ++stats.blocks_skipped;
-          k_row += ks.length;
-          continue;
-        }
-        ++stats.blocks_computed;
-        for (std::int64_t r0 = 0; r0 < qs.length; r0 += piece) {
-          const std::int64_t n = std::min(piece, qs.length - r0);
-          const TensorView po =
-              TensorView::contiguous(part_out.as<float>(), DType::kF32, {batch, n, heads_q, dim_v});
-          const TensorView pl =
-              TensorView::contiguous(part_lse.as<float>(), DType::kF32, {batch, heads_q, n, 1});
-          attention_block(narrow(q, 1, q_row + r0, n), narrow(block.k, 1, k_row, ks.length),
-                          narrow(block.v, 1, k_row, ks.length), {.out = po, .lse = pl},
-                          params.attention,
-                          {.q_offset = qs.start + r0,
-                           .k_offset = ks.start,
-                           .seq_q = params.seq_q,
-                           .seq_kv = params.seq_kv});
-          merge_attention(narrow(out, 1, q_row + r0, n), narrow(lse, 2, q_row + r0, n), po, pl,
-                          params.attention.num_threads);
-          poll(2, ring.requests());
-        }
-        k_row += ks.length;
-      }
-      q_row += qs.length;
-    }
-    stats.compute_seconds += MPI_Wtime() - compute_start;
+    for_each_piece(schedule, rank, block.source, block.block, piece, compute, stats,
+                   [&](const RingPiece& x) {
+                     const TensorView po = TensorView::contiguous(
+                         part_out.as<float>(), DType::kF32, {batch, x.rows, heads_q, dim_v});
+                     const TensorView pl = TensorView::contiguous(
+                         part_lse.as<float>(), DType::kF32, {batch, heads_q, x.rows, 1});
+                     attention_block(narrow(q, 1, x.q_row, x.rows),
+                                     narrow(block.k, 1, x.k_row, x.keys),
+                                     narrow(block.v, 1, x.k_row, x.keys), {.out = po, .lse = pl},
+                                     params.attention,
+                                     {.q_offset = x.q_start,
+                                      .k_offset = x.k_start,
+                                      .seq_q = params.seq_q,
+                                      .seq_kv = params.seq_kv});
+                     merge_attention(narrow(out, 1, x.q_row, x.rows),
+                                     narrow(lse, 2, x.q_row, x.rows), po, pl,
+                                     params.attention.num_threads);
+                     poll(2, ring.requests());
+                   });
   };
 
   for (int t = 0; t < ring.positions(); ++t) {

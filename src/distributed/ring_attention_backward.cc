@@ -171,7 +171,6 @@ RingStats ring_attention_backward_mode(MPI_Comm comm, const TensorView& q, const
   for (int c = 0; c < schedule.blocks(); ++c) own_reach[c] = schedule.reach(rank, c);
   fill(grads.dq, 0.0f);
 
-  const std::vector<RingSegment>& q_segments = schedule.q_segments(rank);
   std::array<MPI_Request, 4> requests;  // up to two sends, the chain's and home's receives
   requests.fill(MPI_REQUEST_NULL);
   const auto poll_all = [&] {
@@ -183,48 +182,33 @@ RingStats ring_attention_backward_mode(MPI_Comm comm, const TensorView& q, const
   const auto attend = [&](const KvRing::Block& block, float* sum) {
     const auto [dk_sum, dv_sum] = grad_views(sum, block.source, block.block);
     std::memset(sum, 0, grad_floats(block.source, block.block) * sizeof(float));
-    const std::vector<RingSegment> keys = schedule.block_keys(block.source, block.block);
-    const double compute_start = MPI_Wtime();
-    std::int64_t q_row = 0;
-    for (const RingSegment& qs : q_segments) {
-      std::int64_t k_row = 0;
-      for (const RingSegment& ks : keys) {
-        if (!compute || !schedule.interact(qs, ks)) {
-          ++stats.blocks_skipped;
-          k_row += ks.length;
-          continue;
-        }
-        ++stats.blocks_computed;
-        const auto [dk_piece, dv_piece] = [&] {
-          float* base = piece_dkv.as<float>();
-          return std::pair{
-              TensorView::contiguous(base, DType::kF32, {batch, ks.length, heads_kv, dim}),
-              TensorView::contiguous(base + batch * ks.length * heads_kv * dim, DType::kF32,
-                                     {batch, ks.length, heads_kv, dim_v})};
-        }();
-        for (std::int64_t r0 = 0; r0 < qs.length; r0 += piece) {
-          const std::int64_t n = std::min(piece, qs.length - r0);
-          const TensorView dq_piece =
-              TensorView::contiguous(piece_dq.as<float>(), DType::kF32, {batch, n, heads_q, dim});
-          attention_block_backward(
-              narrow(q, 1, q_row + r0, n), narrow(block.k, 1, k_row, ks.length),
-              narrow(block.v, 1, k_row, ks.length), narrow(out, 1, q_row + r0, n),
-              narrow(lse, 2, q_row + r0, n), narrow(dout, 1, q_row + r0, n),
-              {.dq = dq_piece, .dk = dk_piece, .dv = dv_piece}, params.attention,
-              {.q_offset = qs.start + r0,
-               .k_offset = ks.start,
-               .seq_q = params.seq_q,
-               .seq_kv = params.seq_kv});
-          accumulate(narrow(grads.dq, 1, q_row + r0, n), static_cast<const float*>(dq_piece.data));
-          accumulate(narrow(dk_sum, 1, k_row, ks.length), static_cast<const float*>(dk_piece.data));
-          accumulate(narrow(dv_sum, 1, k_row, ks.length), static_cast<const float*>(dv_piece.data));
-          poll_all();
-        }
-        k_row += ks.length;
-      }
-      q_row += qs.length;
-    }
-    stats.compute_seconds += MPI_Wtime() - compute_start;
+    for_each_piece(schedule, rank, block.source, block.block, piece, compute, stats,
+                   [&](const RingPiece& x) {
+                     float* dkv = piece_dkv.as<float>();
+                     const TensorView dq_piece = TensorView::contiguous(
+                         piece_dq.as<float>(), DType::kF32, {batch, x.rows, heads_q, dim});
+                     const TensorView dk_piece = TensorView::contiguous(
+                         dkv, DType::kF32, {batch, x.keys, heads_kv, dim});
+                     const TensorView dv_piece =
+                         TensorView::contiguous(dkv + batch * x.keys * heads_kv * dim,
+                                                DType::kF32, {batch, x.keys, heads_kv, dim_v});
+                     attention_block_backward(
+                         narrow(q, 1, x.q_row, x.rows), narrow(block.k, 1, x.k_row, x.keys),
+                         narrow(block.v, 1, x.k_row, x.keys), narrow(out, 1, x.q_row, x.rows),
+                         narrow(lse, 2, x.q_row, x.rows), narrow(dout, 1, x.q_row, x.rows),
+                         {.dq = dq_piece, .dk = dk_piece, .dv = dv_piece}, params.attention,
+                         {.q_offset = x.q_start,
+                          .k_offset = x.k_start,
+                          .seq_q = params.seq_q,
+                          .seq_kv = params.seq_kv});
+                     accumulate(narrow(grads.dq, 1, x.q_row, x.rows),
+                                static_cast<const float*>(dq_piece.data));
+                     accumulate(narrow(dk_sum, 1, x.k_row, x.keys),
+                                static_cast<const float*>(dk_piece.data));
+                     accumulate(narrow(dv_sum, 1, x.k_row, x.keys),
+                                static_cast<const float*>(dv_piece.data));
+                     poll_all();
+                   });
   };
 
   struct Computed {

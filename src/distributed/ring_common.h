@@ -5,9 +5,12 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <vector>
 
+#include "distributed/ring_schedule.h"
 #include "qkv/attention.h"
 #include "qkv/ring_attention.h"
 #include "qkv/tensor.h"
@@ -39,6 +42,42 @@ void pack_shard(const TensorView& k, const TensorView& v, char* dst);
 // more per-call overhead (each call packs its key tiles and writes dk, dv once), 8 of at most
 // 1024 (measured: 20% faster than 256-row pieces at L = 16384 on 2 ranks).
 std::int64_t piece_rows(std::int64_t q_rows, std::int64_t pieces, std::int64_t max_rows);
+
+// One piece of the work on a block: this rank's query rows [q_row, q_row + rows) (the first at
+// position q_start) against the block's key rows [k_row, k_row + keys) (the first at k_start).
+struct RingPiece {
+  std::int64_t q_row, q_start, rows, k_row, k_start, keys;
+};
+
+// Calls piece(RingPiece) for this rank's queries against block `block` of `source`'s shard:
+// every (query segment, key segment) pair that the masks leave non-empty, cut into pieces of
+// at most `max_rows` query rows; the other pairs (all of them when compute is false) count as
+// skipped. The calls' time goes to stats.compute_seconds.
+template <typename Piece>
+void for_each_piece(const RingSchedule& schedule, int rank, int source, int block,
+                    std::int64_t max_rows, bool compute, RingStats& stats, Piece&& piece) {
+  const std::vector<RingSegment> keys = schedule.block_keys(source, block);
+  const double start = MPI_Wtime();
+  std::int64_t q_row = 0;
+  for (const RingSegment& qs : schedule.q_segments(rank)) {
+    std::int64_t k_row = 0;
+    for (const RingSegment& ks : keys) {
+      if (!compute || !schedule.interact(qs, ks)) {
+        ++stats.blocks_skipped;
+      } else {
+        ++stats.blocks_computed;
+        for (std::int64_t r0 = 0; r0 < qs.length; r0 += max_rows) {
+          piece(RingPiece{.q_row = q_row + r0, .q_start = qs.start + r0,
+                          .rows = std::min(max_rows, qs.length - r0), .k_row = k_row,
+                          .k_start = ks.start, .keys = ks.length});
+        }
+      }
+      k_row += ks.length;
+    }
+    q_row += qs.length;
+  }
+  stats.compute_seconds += MPI_Wtime() - start;
+}
 
 // MPI_Testall on `count` requests: lets Open MPI move the messages along.
 void poll(int count, MPI_Request* requests);

@@ -4,6 +4,7 @@
 
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,6 +26,23 @@ inline TensorView bshd_view(const float* data, std::int64_t batch, std::int64_t 
   view.sizes = {batch, seq, heads, head_dim};
   view.strides = {seq * row_stride, row_stride, head_dim, 1};
   return view;
+}
+
+// The attention core's params for `options` (its masks, bias, threads and dropout), with
+// `key_lengths` (the options' own, or a tape's copy).
+inline AttentionParams core_params(const MhaOptions& options,
+                                   std::span<const std::int64_t> key_lengths) {
+  return {.causal = options.causal,
+          .align = options.align,
+          .window_left = options.window_left,
+          .window_right = options.window_right,
+          .key_lengths = key_lengths,
+          .mask = options.mask,
+          .bias = options.bias,
+          .num_threads = options.num_threads,
+          .dropout_p = options.dropout_p,
+          .seed = options.dropout_seed,
+          .offset = options.dropout_offset};
 }
 
 }  // namespace layers
@@ -75,18 +93,7 @@ struct MultiHeadAttention::Impl {
                           std::int64_t batch, std::int64_t seq_q, std::int64_t seq_kv, float* out,
                           const MhaOptions& options) {
     const layers::ScratchPool::Lease scratch(*this->scratch);
-    AttentionParams params;
-    params.causal = options.causal;
-    params.align = options.align;
-    params.window_left = options.window_left;
-    params.window_right = options.window_right;
-    params.key_lengths = options.key_lengths;
-    params.mask = options.mask;
-    params.bias = options.bias;
-    params.num_threads = options.num_threads;
-    params.dropout_p = options.dropout_p;
-    params.seed = options.dropout_seed;
-    params.offset = options.dropout_offset;
+    const AttentionParams params = layers::core_params(options, options.key_lengths);
 
     float* ctx = layers::scratch_floats(scratch->ctx, batch * seq_q * embed_dim);
     AttentionOutputs outputs;

@@ -138,15 +138,7 @@ void MultiHeadAttention::forward_train(const float* x, std::int64_t batch, std::
   if (rows == 0) return;
   m.qkv_proj->forward(x, rows, tape.qkv.data());
   const float* qkv = tape.qkv.data();
-  AttentionParams params{.causal = options.causal,
-                         .align = options.align,
-                         .window_left = options.window_left,
-                         .window_right = options.window_right,
-                         .key_lengths = tape.key_lengths,
-                         .num_threads = options.num_threads,
-                         .dropout_p = options.dropout_p,
-                         .seed = options.dropout_seed,
-                         .offset = options.dropout_offset};
+  const AttentionParams params = layers::core_params(options, tape.key_lengths);
   attention(layers::bshd_view(qkv, batch, seq, m.num_heads, m.head_dim, F),
             layers::bshd_view(qkv + m.embed_dim, batch, seq, m.num_kv_heads, m.head_dim, F),
             layers::bshd_view(qkv + m.embed_dim + m.kv_width, batch, seq, m.num_kv_heads,
@@ -183,16 +175,7 @@ void MultiHeadAttention::backward(const MhaTape& tape, const float* x, const flo
   // The attention core.
   std::vector<float> dq(static_cast<std::size_t>(rows * E)), dk(static_cast<std::size_t>(rows * kvw)),
       dv(dk.size());
-  const MhaOptions& o = tape.options;
-  const AttentionParams params{.causal = o.causal,
-                               .align = o.align,
-                               .window_left = o.window_left,
-                               .window_right = o.window_right,
-                               .key_lengths = tape.key_lengths,
-                               .num_threads = o.num_threads,
-                               .dropout_p = o.dropout_p,
-                               .seed = o.dropout_seed,
-                               .offset = o.dropout_offset};
+  const AttentionParams params = layers::core_params(tape.options, tape.key_lengths);
   const float* qkv = tape.qkv.data();
   attention_backward(
       layers::bshd_view(qkv, batch, seq, m.num_heads, hd, F),

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <random>
 #include <span>
@@ -31,6 +32,28 @@ inline std::vector<float> random_floats(std::int64_t n, std::uint64_t seed, floa
 }
 
 inline Vec to_f64(std::span<const float> x) { return Vec(x.begin(), x.end()); }
+
+// d/dp_i of loss(p) for every i, by central differences in float64 (h = 1e-5 max(1, |p_i|)).
+inline Vec finite_differences(Vec p, const std::function<double(const Vec&)>& loss) {
+  Vec grad(p.size());
+  for (std::size_t i = 0; i < p.size(); ++i) {
+    const double keep = p[i], h = 1e-5 * std::max(1.0, std::abs(keep));
+    p[i] = keep + h;
+    const double up = loss(p);
+    p[i] = keep - h;
+    const double down = loss(p);
+    p[i] = keep;
+    grad[i] = (up - down) / (2 * h);
+  }
+  return grad;
+}
+
+inline double dot(const Vec& a, const Vec& b) {
+  double s = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+  return s;
+}
+
 
 inline double gelu_erf_ref(double x) { return 0.5 * x * std::erfc(-x / std::sqrt(2.0)); }
 // 0.5 x (1 + tanh(u)) written as x / (1 + exp(-2u)): the same function, but float64's

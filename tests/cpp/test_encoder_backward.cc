@@ -14,26 +14,6 @@
 namespace qkv::testing {
 namespace {
 
-Vec finite_differences(Vec p, const std::function<double(const Vec&)>& loss) {
-  Vec grad(p.size());
-  for (std::size_t i = 0; i < p.size(); ++i) {
-    const double keep = p[i], h = 1e-5 * std::max(1.0, std::abs(keep));
-    p[i] = keep + h;
-    const double up = loss(p);
-    p[i] = keep - h;
-    const double down = loss(p);
-    p[i] = keep;
-    grad[i] = (up - down) / (2 * h);
-  }
-  return grad;
-}
-
-double dot(const Vec& a, const Vec& b) {
-  double s = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
-  return s;
-}
-
 // The layer's parameters in float64, in EncoderLayerParams::tensors()'s order for kSeparate.
 struct Params64 {
   Vec q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b, g1, b1, f1_w, f1_b, f2_w, f2_b, g2, b2;

@@ -19,27 +19,6 @@
 namespace qkv::testing {
 namespace {
 
-// d/dp_i of loss(p), by central differences in float64 (h scaled to p_i), for every i.
-Vec finite_differences(Vec p, const std::function<double(const Vec&)>& loss) {
-  Vec grad(p.size());
-  for (std::size_t i = 0; i < p.size(); ++i) {
-    const double keep = p[i], h = 1e-5 * std::max(1.0, std::abs(keep));
-    p[i] = keep + h;
-    const double up = loss(p);
-    p[i] = keep - h;
-    const double down = loss(p);
-    p[i] = keep;
-    grad[i] = (up - down) / (2 * h);
-  }
-  return grad;
-}
-
-double dot(const Vec& a, const Vec& b) {
-  double s = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
-  return s;
-}
-
 TEST(LayerBackward, LinearMatchesFiniteDifferences) {
   for (const bool with_bias : {true, false}) {
     const std::int64_t rows = 7, in = 13, out = 5, stride = 16;  // x rows padded to 16

@@ -15,26 +15,6 @@
 namespace qkv::testing {
 namespace {
 
-Vec finite_differences(Vec p, const std::function<double(const Vec&)>& loss) {
-  Vec grad(p.size());
-  for (std::size_t i = 0; i < p.size(); ++i) {
-    const double keep = p[i], h = 1e-5 * std::max(1.0, std::abs(keep));
-    p[i] = keep + h;
-    const double up = loss(p);
-    p[i] = keep - h;
-    const double down = loss(p);
-    p[i] = keep;
-    grad[i] = (up - down) / (2 * h);
-  }
-  return grad;
-}
-
-double dot(const Vec& a, const Vec& b) {
-  double s = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
-  return s;
-}
-
 // Canonical [Wq; Wk; Wv] rows (and biases) as `packing` lays them out.
 std::vector<float> pack(QkvPacking packing, const std::vector<float>& q, const std::vector<float>& k,
                         const std::vector<float>& v, std::int64_t E, std::int64_t hd,
