@@ -180,7 +180,10 @@ RingStats ring_attention_backward_mode(MPI_Comm comm, const TensorView& q, const
   // sum <- this rank's share of the block's dk, dv (0 where its queries never attend it);
   // dq += its share of dq.
   const auto attend = [&](const KvRing::Block& block, float* sum) {
-    const auto [dk_sum, dv_sum] = grad_views(sum, block.source, block.block);
+    // (Not a structured binding: clang 14 refuses capturing one in the lambda below.)
+    const std::pair<TensorView, TensorView> sums = grad_views(sum, block.source, block.block);
+    const TensorView& dk_sum = sums.first;
+    const TensorView& dv_sum = sums.second;
     std::memset(sum, 0, grad_floats(block.source, block.block) * sizeof(float));
     for_each_piece(schedule, rank, block.source, block.block, piece, compute, stats,
                    [&](const RingPiece& x) {
