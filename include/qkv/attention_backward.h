@@ -44,6 +44,10 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
                         const TensorView& out, const TensorView& lse, const TensorView& dout,
                         const AttentionGrads& grads, const AttentionParams& params);
 
+// The instructions the backward kernel's products run on for inputs of `dtype` ("f32-fma",
+// "bf16-widened-fma", "f16-widened-fma": the flash backward widens to f32; or "reference-f64").
+const char* backward_product_path(const AttentionParams& params, DType dtype);
+
 // attention_backward of a block (qkv/block_attention.h): q and k at `positions` in longer
 // sequences, params what attention_block takes. out, lse and dout are the block's query rows of
 // the WHOLE attention's (lse over every key of the whole sequence, not only this block's), so

@@ -1,7 +1,7 @@
 // The one per-pair sparsity predicate (qkv/sparse.h, docs/sparse.md). The reference kernel
 // calls it for every pair and qkv::sparse_mask() builds the tests' explicit masks from it; the
 // flash and chunked kernels use a tile-level form of the same rule (kernels/cpu/
-// attention_tiles-inl.h) that the tests compare against it.
+// sparse_tiles-inl.h) that the tests compare against it.
 #pragma once
 
 #include <algorithm>

@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "kernels/kernels.h"
+#include "kernels/product_path.h"
 #include "ops/prepare_attention.h"
 #include "ops/validate.h"
 
@@ -24,6 +25,20 @@ const char* resolved_kernel_name(const AttentionParams& params, const AttentionO
       break;
   }
   return "?";
+}
+
+const char* resolved_product_path(const AttentionParams& params, const AttentionOutputs& outputs,
+                                  DType dtype) {
+  switch (ops::resolve_kernel(params.kernel, !outputs.probs.empty(), params.dropout_p > 0.0f)) {
+    case Kernel::kChunked:
+      return product_path_name(WideningProductPath(dtype));
+    case Kernel::kFlash:
+      return product_path_name(attention_flash_product_path(dtype));
+    case Kernel::kReference:
+    case Kernel::kAuto:
+      break;
+  }
+  return "reference-f64";
 }
 
 namespace {

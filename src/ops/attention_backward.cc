@@ -6,6 +6,7 @@
 #include <string>
 
 #include "kernels/kernels.h"
+#include "kernels/product_path.h"
 #include "ops/prepare_attention.h"
 #include "ops/validate.h"
 #include "qkv/error.h"
@@ -93,6 +94,11 @@ void backward(const TensorView& q, const TensorView& k, const TensorView& v,
 }
 
 }  // namespace
+
+const char* backward_product_path(const AttentionParams& params, DType dtype) {
+  return params.kernel == Kernel::kReference ? "reference-f64"
+                                             : product_path_name(WideningProductPath(dtype));
+}
 
 void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
                         const TensorView& out, const TensorView& lse, const TensorView& dout,

@@ -227,6 +227,7 @@ std::vector<BenchCase> default_sweep(bool causal_only) {
 
 struct BenchResult {
   std::string kernel;
+  std::string products;  // the instructions the products ran on (resolved_product_path)
   double seconds;  // median per call
   int repeats;
   int calls_per_repeat;
@@ -286,6 +287,7 @@ BenchResult run_case(const BenchCase& c, Kernel kernel, const BenchOptions& opti
 
   BenchResult result;
   result.kernel = resolved_kernel_name(params, outputs);
+  result.products = resolved_product_path(params, outputs, options.dtype);
   io::NpyArray sparse_layout;  // --sparse-layout's file
   SparseCliOptions sparse = options.sparse;
   params.sparsity =
@@ -300,6 +302,7 @@ BenchResult run_case(const BenchCase& c, Kernel kernel, const BenchOptions& opti
   if (options.linear) {
     linear = linear_params_from(*options.linear, params);
     result.kernel = linear_spec_name(linear);
+    result.products = "linear";
   }
   // --backward: the forward once (out, lse), then the backward is what is timed.
   std::vector<float> lse, dout, dq, dk, dv;
@@ -322,6 +325,7 @@ BenchResult run_case(const BenchCase& c, Kernel kernel, const BenchOptions& opti
              .dk = TensorView::contiguous(dk.data(), DType::kF32, kv_sizes),
              .dv = TensorView::contiguous(dv.data(), DType::kF32, kv_sizes)};
     result.kernel = std::string(kernel == Kernel::kReference ? "reference" : "flash") + "-backward";
+    result.products = backward_product_path(params, options.dtype);
   }
   auto call = [&] {
     if (options.linear) {
@@ -416,6 +420,7 @@ void print_json(const BenchCase& c, const BenchResult& r, int threads, DType dty
       "\"effective_gflops\": %.6g, \"peak_gflops\": %.6g, \"fraction_of_peak\": %.6g, "
       "\"effective_fraction_of_peak\": %.6g, \"peak_extra_rss_bytes\": %lld, "
       "\"scratch_peak_bytes\": %lld, \"memory_method\": \"%s\", \"hwy_target\": \"%s\", "
+      "\"products\": \"%s\", "
       "\"read_gbytes_per_second\": %.6g, \"kv_gbytes_per_second\": %.6g, "
       "\"kv_fraction_of_read_bandwidth\": %.6g, \"read_gbytes_per_second_between_repeats\": %.6g, "
       "\"kv_fraction_of_read_between_repeats\": %.6g, \"fp32_peak_gflops\": %.6g}\n",
@@ -427,6 +432,7 @@ void print_json(const BenchCase& c, const BenchResult& r, int threads, DType dty
       finite(r.effective_gflops), finite(peak.gflops), finite(r.gflops / peak.gflops),
       finite(r.effective_gflops / peak.gflops), static_cast<long long>(r.memory.peak_extra_bytes()),
       static_cast<long long>(r.memory.scratch_peak_extra), r.memory.method, peak.hwy_target.c_str(),
+      r.products.c_str(),
       finite(bandwidth.gbytes_per_second), finite(kv_gbs),
       finite(kv_gbs / bandwidth.gbytes_per_second), finite(r.read_between_repeats),
       finite(r.read_between_repeats > 0.0 ? kv_gbs / r.read_between_repeats : 0.0),
@@ -450,8 +456,8 @@ void print_table_header(int threads, DType dtype, const Probes& probes) {
               tools::process_peak_available()
                   ? "extra MiB = peak RSS during a call (VmHWM) minus RSS before it"
                   : "extra MiB = kernel scratch peak only (/proc/self/clear_refs not writable)");
-  std::printf("%-9s  %-24s  %-6s  %3s  %10s  %8s  %8s  %8s  %6s  %6s  %9s\n", "kernel",
-              "shape B,Hq,Hkv,Lq,Lk,D", "causal", "thr", "median ms", "GFLOP/s", "eff GF/s",
+  std::printf("%-9s  %-16s  %-24s  %-6s  %3s  %10s  %8s  %8s  %8s  %6s  %6s  %9s\n", "kernel",
+              "products", "shape B,Hq,Hkv,Lq,Lk,D", "causal", "thr", "median ms", "GFLOP/s", "eff GF/s",
               "peak GF/s", "%peak", "eff %", "extra MiB");
   std::fflush(stdout);
 }
@@ -459,8 +465,8 @@ void print_table_header(int threads, DType dtype, const Probes& probes) {
 void print_table_row(const BenchCase& c, const BenchResult& r, int threads, DType dtype,
                      const Probes& probes) {
   const tools::FmaPeak& peak = probes.peak;
-  std::printf("%-9s  %-24s  %-6s  %3d  %10.3f  %8.2f  %8.2f  %8.1f  %5.1f%%  %5.1f%%  %9.1f\n",
-              r.kernel.c_str(), shape_text(c).c_str(), c.causal ? "yes" : "no", threads,
+  std::printf("%-9s  %-16s  %-24s  %-6s  %3d  %10.3f  %8.2f  %8.2f  %8.1f  %5.1f%%  %5.1f%%  %9.1f\n",
+              r.kernel.c_str(), r.products.c_str(), shape_text(c).c_str(), c.causal ? "yes" : "no", threads,
               r.seconds * 1e3, r.gflops, r.effective_gflops, peak.gflops,
               100.0 * r.gflops / peak.gflops, 100.0 * r.effective_gflops / peak.gflops,
               static_cast<double>(r.memory.peak_extra_bytes()) / (1024.0 * 1024.0));

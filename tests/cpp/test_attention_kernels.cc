@@ -4,10 +4,13 @@
 // Highway target this machine can run; and bit-identical results whatever the thread count.
 #include <gtest/gtest.h>
 
+#include <cstdio>
+
 #include "attention_case.h"
 #include "every_target.h"
 #include "kernels/cpu/bf16_dot.h"
 #include "kernels/kernels.h"
+#include "kernels/product_path.h"
 
 namespace qkv::testing {
 namespace {
@@ -169,12 +172,22 @@ void check_against_reference(const Problem& problem) {
   expect_close("out", "flash", flash.out, ref.out, tol);
   expect_close("lse", "flash", flash.lse, ref.lse, lse_tol);
 
+  double chunked_err = 0.0;
   for (std::int64_t chunk : {1, 128, 1000}) {
     const Result chunked = problem.run(Kernel::kChunked, true, 0, chunk);
     expect_close("out", "chunked", chunked.out, ref.out, tol);
     expect_close("lse", "chunked", chunked.lse, ref.lse, lse_tol);
     expect_close("probs", "chunked", chunked.probs, ref.probs, 2e-5);
+    chunked_err = std::max(chunked_err, max_abs_diff(chunked.out, ref.out));
   }
+  // The paths that ran, and how much of the tolerance each used (DESIGN.md section 5: the
+  // tolerance is 4x the plain implementation's error, so honest ratios sit well below 1 but
+  // not at 0).
+  const DType dtype = problem.spec().dtype;
+  std::printf("[ err/tol  ] %-44s flash %-16s %.3f  chunked %-16s %.3f  (tol %.2e)\n",
+              problem.spec().name().c_str(), product_path_name(attention_flash_product_path(dtype)),
+              max_abs_diff(flash.out, ref.out) / tol, product_path_name(WideningProductPath(dtype)),
+              chunked_err / tol, tol);
 }
 
 TEST_P(KernelSweep, MatchesReference) { check_against_reference(Problem(GetParam())); }

@@ -421,6 +421,14 @@ def test_bench_dtype(cli, dtype):
     else:
         assert record["hwy_target"] != "AVX512_BF16"
         assert record["peak_gflops"] == record["fp32_peak_gflops"]
+    # The product path that ran (kernel auto = flash here): vdpbf16ps pairs for bf16 where the
+    # CPU has AVX512-BF16, else f32 FMA on the operands widened.
+    if dtype == "f32":
+        assert record["products"] == "f32-fma"
+    elif dtype == "bf16" and "avx512_bf16" in cpu_flags():
+        assert record["products"] == "bf16-vdpbf16ps"
+    else:
+        assert record["products"] == f"{dtype}-widened-fma"
     # K/V bytes follow the storage: 2 * Lk * D elements of 4 or 2 bytes.
     element = 4 if dtype == "f32" else 2
     assert record["kv_gbytes_per_second"] == pytest.approx(

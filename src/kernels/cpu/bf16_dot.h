@@ -1,5 +1,5 @@
 // The AVX512-BF16 micro-kernel: the flash kernel's rank-1-update products (OuterProductRows in
-// attention_tiles-inl.h) on bf16 inputs with `vdpbf16ps`, which multiplies PAIRS of bf16 and
+// tile_products-inl.h) on bf16 inputs with `vdpbf16ps`, which multiplies PAIRS of bf16 and
 // accumulates in f32 (32 multiply-adds per zmm instruction instead of 16). Highway 1.0.3 does
 // not emit the instruction, so it lives in one ISA-specific file with raw intrinsics
 // (bf16_dot_avx512.cc, compiled with -mavx512bf16; DESIGN.md section 7), chosen at run time:
@@ -36,7 +36,7 @@ void set_enabled(bool enabled);
 //   c: [rows][kLanes] floats        alpha: [kLanes] or null
 // a, c and alpha are 64-byte aligned. No b row >= rows is read and no c row >= rows is touched.
 // vdpbf16ps treats bf16 subnormals as zero and flushes subnormal results (DAZ/FTZ implied).
-// Skipping (the causal diagonal; VecKeys in attention_tiles-inl.h), per vector x of 16 lanes:
+// Skipping (the causal diagonal; VecKeys in tile_geometry-inl.h), per vector x of 16 lanes:
 //   row_end (nullable; [4], non-decreasing, the last = rows): vector x needs rows
 //     [0, row_end[x]) only; a block of rows starts at the first vector that needs its first
 //     row, and the lanes of the rows a vector skips are left as they were;

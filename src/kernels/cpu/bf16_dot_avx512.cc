@@ -51,7 +51,7 @@ __attribute__((always_inline)) inline void dot_vecs(const std::uint32_t* __restr
 }
 
 // dot_vecs over depth segments: vector x sums [t0, depth_end[x]) (as MulAddSegments in
-// attention_tiles-inl.h).
+// tile_products-inl.h).
 template <int R, int X>
 __attribute__((always_inline)) inline void dot_segments(const std::uint32_t* __restrict a,
                                                         const std::uint32_t* __restrict b,
@@ -136,7 +136,7 @@ void outer_product(const std::uint32_t* a, const std::uint32_t* b, std::int64_t 
                    float* c, const float* alpha, bool accumulate, float out_scale,
                    const std::int64_t* row_end, const std::int64_t* depth_end) {
   // Blocks of kRows rows, then single rows for the tail (as OuterProduct in
-  // attention_tiles-inl.h), so no b row past `rows` is read: keys past a tile may be padding or
+  // tile_products-inl.h), so no b row past `rows` is read: keys past a tile may be padding or
   // out of bounds.
   std::int64_t r = 0;
   for (; r + kRows <= rows; r += kRows) {

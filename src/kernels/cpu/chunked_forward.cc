@@ -8,7 +8,12 @@
 #include "core/parallel.h"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
-#include "kernels/cpu/attention_tiles-inl.h"
+#include "kernels/cpu/online_softmax-inl.h"
+#include "kernels/cpu/products-inl.h"
+#include "kernels/cpu/query_block-inl.h"
+#include "kernels/cpu/score_masks-inl.h"
+#include "kernels/cpu/tile_geometry-inl.h"
+#include "kernels/cpu/tile_staging-inl.h"
 #include "kernels/kernels.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -46,9 +51,9 @@ void WriteProbs(const AttentionKernelParams& p, const QueryBlock& qb, const floa
   }
 }
 
-}  // namespace
-
-void ChunkedForward(const AttentionKernelParams& p) {
+// The chunked skeleton on one product path (always a widening one: WideningProductPath).
+template <class Products>
+void Chunked(const AttentionKernelParams& p) {
   // A chunk is chunk_size queries rounded up to whole query blocks; the chunk's blocks run one
   // after another on one thread, reusing one panel.
   const std::int64_t blocks_per_chunk = std::max<std::int64_t>(1, p.chunk_size / kBlockQ);
@@ -74,23 +79,31 @@ void ChunkedForward(const AttentionKernelParams& p) {
     const std::int64_t last_block = std::min(num_blocks, (chunk + 1) * blocks_per_chunk);
     for (std::int64_t block = chunk * blocks_per_chunk; block < last_block; ++block) {
       StartQueryBlock(p, b_kv / p.num_heads_kv, b_kv % p.num_heads_kv, block, qb);
-      StartTileProducts(p, qb);
+      Products::StartBlock(p, qb);
       const std::int64_t num_keys = qb.key_end - qb.key_begin;
       for (std::int64_t j0 = qb.key_begin; j0 < qb.key_end; j0 += kBlockK) {
         const std::int64_t num_k = std::min<std::int64_t>(kBlockK, qb.key_end - j0);
         // Every tile takes the pair-by-pair sparsity (no skipping: the panel holds all keys).
-        ScoreTile(p, qb, j0, num_k, panel + (j0 - qb.key_begin) * kBlockQ,
-                  p.sparse.kind != SparseKernelParams::Kind::kNone, staging);
+        float* st = panel + (j0 - qb.key_begin) * kBlockQ;
+        Products::Scores(p, qb, j0, num_k, st, staging, nullptr);
+        MaskScoreTile(p, qb, j0, num_k, st, p.sparse.kind != SparseKernelParams::Kind::kNone);
       }
       PanelSoftmax(qb, num_keys, panel);
       if (p.probs != nullptr) WriteProbs(p, qb, panel);
       for (std::int64_t j0 = qb.key_begin; j0 < qb.key_end; j0 += kBlockK) {
         const std::int64_t num_k = std::min<std::int64_t>(kBlockK, qb.key_end - j0);
-        AccumulateValues(p, qb, j0, num_k, panel + (j0 - qb.key_begin) * kBlockQ, nullptr, staging);
+        Products::Values(p, qb, j0, num_k, panel + (j0 - qb.key_begin) * kBlockQ, nullptr, staging,
+                         nullptr);
       }
       FinishQueryBlock(p, qb);
     }
   });
+}
+
+}  // namespace
+
+void ChunkedForward(const AttentionKernelParams& p) {
+  WithProducts(WideningProductPath(p.dtype), [&](auto products) { Chunked<decltype(products)>(p); });
 }
 
 }  // namespace HWY_NAMESPACE

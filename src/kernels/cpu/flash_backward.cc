@@ -10,7 +10,7 @@
 //   dp = dout v^T        ds = p (dp - D_i)         du = ds (1 - tanh^2) with softcap, else ds
 //   dv += p^T dout       dk += du^T q * scale       dq_tile = du k * scale
 //
-// Every product is the rank-1-update micro-kernel of attention_tiles-inl.h with the tile's keys
+// Every product is the rank-1-update micro-kernel of tile_products-inl.h with the tile's keys
 // along the lanes (s, dp, dv^T, dk^T) or the head dimension along them (dq). dk and dv
 // accumulate in the task in a fixed order and are written once. dq gathers from every key tile:
 // the tasks add their tiles into dq in key-tile order, each waiting (a per-row-tile counter) for
@@ -28,11 +28,15 @@
 #include "core/aligned_buffer.h"
 #include "core/parallel.h"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
-#include "kernels/cpu/attention_tiles-inl.h"
 #include "kernels/cpu/dropout-inl.h"
+#include "kernels/cpu/fast_exp-inl.h"
+#include "kernels/cpu/tile_geometry-inl.h"
+#include "kernels/cpu/tile_products-inl.h"
 #include "kernels/dropout_mask.h"
 #include "kernels/kernels.h"
+#include "kernels/sparse_pair.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace qkv {

@@ -1,5 +1,5 @@
 // A square of floats transposed in registers (Highway, one copy per target): the flash and
-// chunked kernels pack q^T and unpack out^T with it (attention_tiles-inl.h), where element by
+// chunked kernels pack q^T and unpack out^T with it (tile_staging-inl.h, query_block-inl.h), where element by
 // element the block's rows, Hq * D floats apart, cost about 1 store per element.
 
 #if defined(QKV_KERNELS_CPU_TRANSPOSE_INL_H_) == defined(HWY_TARGET_TOGGLE)

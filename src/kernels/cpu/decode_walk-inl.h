@@ -1,0 +1,334 @@
+// The decode path of the flash kernel (Highway, one copy per target). A block with at most
+// kNarrowRows rows (the GQA group of one decode step: Lq = 1, 4 heads per kv head) would use 4 of 64 lanes of the transposed micro-kernel and do 16x
+// the work it needs; it computes its products row by row instead, vectorised along head_dim:
+//   s[j][r] = qr[r] . k[j]               (K dot products at once, then a lane sum)
+//   o[r][:] = alpha[r] * o[r][:] + sum_j p[j][r] * v[j][:]
+// with qr: [rows][D] (q * scale) and o: [rows][Dv] in its own scratch. The scores still land in
+// the block's st[key][lane] tile, so masks and the online softmax are the shared ones
+// (MaskScoreTile, OnlineSoftmaxTile); at the end o is transposed into qb.ot for the shared
+// finish. It needs unit strides along head_dim (true for BSHD and BHSD).
+//
+// The walk (StartNarrow, NarrowTile, FinishNarrow) is one skeleton for every product path
+// (products-inl.h): the path packs q (NarrowQuery), computes the scores and values of a tile for
+// all narrow blocks of a task (NarrowScores, NarrowValues: the f32 walks or the bf16 runs below)
+// and, for bf16 pairs, turns the probabilities into pair words (NarrowProbs).
+
+#if defined(QKV_KERNELS_CPU_DECODE_WALK_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef QKV_KERNELS_CPU_DECODE_WALK_INL_H_
+#undef QKV_KERNELS_CPU_DECODE_WALK_INL_H_
+#else
+#define QKV_KERNELS_CPU_DECODE_WALK_INL_H_
+#endif
+
+#include <algorithm>
+#include <cstdint>
+
+#include "hwy/highway.h"
+#include "kernels/cpu/bf16_dot.h"
+#include "kernels/cpu/narrow_products-inl.h"
+#include "kernels/cpu/online_softmax-inl.h"
+#include "kernels/cpu/score_masks-inl.h"
+#include "kernels/cpu/tile_geometry-inl.h"
+#include "kernels/cpu/tile_staging-inl.h"
+#include "kernels/cpu/transpose-inl.h"
+#include "kernels/kernel_params.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv {
+namespace HWY_NAMESPACE {
+namespace tiles {
+
+// A block's part of the current key tile: keys [lo, hi) (empty: skip it), and whether the
+// sparsity must be applied pair by pair.
+struct TilePart {
+  std::int64_t lo = 0, hi = 0;
+  bool predicate = false;
+};
+
+// A narrow block and its own scratch (see NarrowFloats).
+struct NarrowBlock {
+  QueryBlock* qb = nullptr;
+  float* q_rows = nullptr;  // [num_q][D]   q * scale (bf16 on vdpbf16ps: q_pairs instead)
+  std::uint32_t* q_pairs = nullptr;  // [num_q][ceil(D / 2)] pair words of q, unscaled (same
+                                     // memory as q_rows)
+  float* o = nullptr;       // [num_q][Dv]  unnormalised out
+  float* st = nullptr;      // [kBlockK][kBlockQ]  its own score tile: NarrowTile computes the
+                            // scores of every narrow block before any softmax
+  TilePart part;
+};
+
+// q and o rows, rounded up to whole kBlockQ so that st (and the next block's scratch) stays
+// aligned for full-vector loads.
+inline std::int64_t NarrowRowFloats(const AttentionKernelParams& p) {
+  return (kNarrowRows * (p.head_dim + p.head_dim_v) + kBlockQ - 1) / kBlockQ * kBlockQ;
+}
+inline std::int64_t NarrowFloats(const AttentionKernelParams& p) {
+  return NarrowRowFloats(p) + kBlockK * kBlockQ;
+}
+
+// q_rows[r][d] = q[r][d] * scale for the block's rows r < num_q (the products PackQuery forms,
+// read straight from q: a narrow block never packs q^T).
+template <typename T>
+void NarrowQueryRows(const AttentionKernelParams& p, const QueryBlock& qb, float* q_rows) {
+  const DF df;
+  const VF scale = hn::Set(df, p.scale);
+  const std::int64_t d_vecs = p.q_stride[3] == 1 ? p.head_dim / kLanes * kLanes : 0;
+  for (std::int64_t r = 0; r < qb.num_q; ++r) {
+    const T* row = static_cast<const T*>(p.q) + LaneRow(p.q_stride, qb, r);
+    float* dst = q_rows + r * p.head_dim;
+    for (std::int64_t d = 0; d < d_vecs; d += kLanes) {
+      hn::StoreU(hn::Mul(LoadWide(df, row + d), scale), df, dst + d);
+    }
+    for (std::int64_t d = d_vecs; d < p.head_dim; ++d) {
+      dst[d] = WideElement(row[d * p.q_stride[3]]) * p.scale;
+    }
+  }
+}
+
+// nb.q_pairs: q's rows as pair words (the bf16 runs below).
+inline void NarrowQueryPairs(const AttentionKernelParams& p, NarrowBlock& nb) {
+  nb.q_pairs = reinterpret_cast<std::uint32_t*>(nb.q_rows);
+  const std::int64_t words = (p.head_dim + 1) / 2;
+  for (std::int64_t r = 0; r < nb.qb->num_q; ++r) {
+    QueryPairs(p, *nb.qb, r, nb.q_pairs + r * words, 1);
+  }
+}
+
+template <class Products>
+NarrowBlock StartNarrow(const AttentionKernelParams& p, QueryBlock& qb, float* scratch) {
+  NarrowBlock nb;
+  nb.qb = &qb;
+  nb.q_rows = scratch;
+  nb.o = nb.q_rows + kNarrowRows * p.head_dim;
+  nb.st = scratch + NarrowRowFloats(p);
+  Products::NarrowQuery(p, nb);
+  std::fill(nb.o, nb.o + qb.num_q * p.head_dim_v, 0.0f);
+  // The softmax runs on the query vectors holding the rows; their lanes past num_q are never
+  // written by the scores: keep them finite.
+  const std::int64_t lanes = (qb.num_q + kLanes - 1) / kLanes * kLanes;
+  for (std::int64_t j = 0; j < kBlockK; ++j) {
+    std::fill(nb.st + j * kBlockQ + qb.num_q, nb.st + j * kBlockQ + lanes, 0.0f);
+  }
+  return nb;
+}
+
+// V rows of key j, all heads of a run, as one byte range (when the heads of one key are
+// neighbours, BSHD): the bf16 score walk prefetches them toward L2 for the value step that
+// follows. Measured at Lk = 32768, 2 threads: bf16 5-15% faster; the same in the f32 walk was 6%
+// slower, and prefetching K (any distance, any hint) 15% slower. Null when the heads lie apart.
+struct ValueRows {
+  const char* first = nullptr;  // key 0 of the part
+  std::int64_t row_stride = 0, bytes = 0;
+};
+
+inline ValueRows ValueRowsOf(const AttentionKernelParams& p, const NarrowBlock& nb,
+                             std::int64_t heads, std::int64_t head_stride) {
+  constexpr std::int64_t kBytes = 2;  // bf16
+  if (!(p.v_stride[2] < p.v_stride[1]) || head_stride < 0 ||
+      (heads - 1) * head_stride + p.head_dim_v > p.v_stride[1]) {
+    return {};
+  }
+  return {static_cast<const char*>(nb.qb->v) + nb.part.lo * p.v_stride[1] * kBytes,
+          p.v_stride[1] * kBytes, ((heads - 1) * head_stride + p.head_dim_v) * kBytes};
+}
+
+// bf16 on vdpbf16ps (bf16dot::narrow_scores / narrow_values): one call serves a run of
+// consecutive narrow blocks with the same part of the tile whose operands lie at one stride (the
+// kv heads of one decode step), so the keys are walked outermost across all of them.
+struct NarrowRun {
+  std::int64_t count = 1;
+  std::int64_t k = 0, v = 0, scratch = 0;  // strides: K and V elements, scratch floats
+};
+
+inline NarrowRun RunFrom(const NarrowBlock* narrow, std::int64_t first, std::int64_t count) {
+  NarrowRun run;
+  if (first + 1 >= count) return run;
+  const NarrowBlock& a = narrow[first];
+  const auto elements = [](const void* x, const void* y) {
+    return static_cast<const std::uint16_t*>(y) - static_cast<const std::uint16_t*>(x);
+  };
+  run.k = elements(a.qb->k, narrow[first + 1].qb->k);
+  run.v = elements(a.qb->v, narrow[first + 1].qb->v);
+  run.scratch = narrow[first + 1].st - a.st;
+  for (std::int64_t n = first + 1; n < count; ++n) {
+    const NarrowBlock& b = narrow[n];
+    const std::int64_t i = n - first;
+    if (b.part.lo != a.part.lo || b.part.hi != a.part.hi || b.qb->num_q != a.qb->num_q ||
+        elements(a.qb->k, b.qb->k) != i * run.k || elements(a.qb->v, b.qb->v) != i * run.v ||
+        b.st - a.st != i * run.scratch || b.o - a.o != i * run.scratch ||
+        reinterpret_cast<const float*>(b.q_pairs) - reinterpret_cast<const float*>(a.q_pairs) !=
+            i * run.scratch) {
+      break;
+    }
+    run.count = i + 1;
+  }
+  return run;
+}
+
+// f(first block, run) for each run of blocks with a non-empty part of the tile.
+template <class F>
+inline void ForEachRun(const NarrowBlock* narrow, std::int64_t count, F&& f) {
+  NarrowRun run;
+  for (std::int64_t n = 0; n < count; n += run.count) {
+    run = RunFrom(narrow, n, count);
+    if (narrow[n].part.hi > narrow[n].part.lo) f(narrow[n], run);
+  }
+}
+
+inline void NarrowScoresBf16(const AttentionKernelParams& p, const NarrowBlock* narrow,
+                             std::int64_t count) {
+  ForEachRun(narrow, count, [&](const NarrowBlock& nb, const NarrowRun& run) {
+    const ValueRows v = ValueRowsOf(p, nb, run.count, run.v);
+    const auto* k = static_cast<const std::uint16_t*>(nb.qb->k) + nb.part.lo * p.k_stride[1];
+    bf16dot::narrow_scores({nb.q_pairs, run.scratch, k, run.k, p.k_stride[1], nb.st, run.scratch,
+                            kBlockQ, run.count, nb.qb->num_q, p.head_dim, nb.part.hi - nb.part.lo,
+                            p.scale, v.first, v.row_stride, v.bytes});
+  });
+}
+
+// All keys of each block's part at once (the score walk prefetched them).
+inline void NarrowValuesBf16(const AttentionKernelParams& p, const NarrowBlock* narrow,
+                             std::int64_t count) {
+  ForEachRun(narrow, count, [&](const NarrowBlock& nb, const NarrowRun& run) {
+    const auto* v = static_cast<const std::uint16_t*>(nb.qb->v) + nb.part.lo * p.v_stride[1];
+    bf16dot::narrow_values({reinterpret_cast<const std::uint32_t*>(nb.st), run.scratch, kBlockQ, v,
+                            run.v, p.v_stride[1], nb.o, run.scratch, p.head_dim_v, run.count,
+                            nb.qb->num_q, nb.part.hi - nb.part.lo, p.head_dim_v});
+  });
+}
+
+// Keys [lo, hi): the hull of the narrow blocks' parts of the tile.
+inline TilePart NarrowHull(const NarrowBlock* narrow, std::int64_t count, std::int64_t seq_kv) {
+  TilePart hull{seq_kv, 0, false};
+  for (std::int64_t n = 0; n < count; ++n) {
+    if (narrow[n].part.hi <= narrow[n].part.lo) continue;
+    hull.lo = std::min(hull.lo, narrow[n].part.lo);
+    hull.hi = std::max(hull.hi, narrow[n].part.hi);
+  }
+  return hull;
+}
+
+// Whether the rows of neighbouring kv heads for one key are neighbours in memory (BSHD).
+inline bool HeadsInner(const AttentionKernelParams& p) {
+  return p.k_stride[2] < p.k_stride[1] && p.v_stride[2] < p.v_stride[1];
+}
+
+// The scores of every narrow block's part, on f32 products (K stored as T, widened in registers).
+template <typename T>
+void NarrowScoresWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
+                      std::int64_t count) {
+  const TilePart hull = NarrowHull(narrow, count, p.seq_kv);
+  const std::int64_t ks = p.k_stride[1], d = p.head_dim;
+  const bool heads_inner = HeadsInner(p);
+  const std::int64_t score_chunk = heads_inner ? 1 : kBlockK;
+  for (std::int64_t j = hull.lo; j < hull.hi; j += score_chunk) {
+    for (std::int64_t n = 0; n < count; ++n) {
+      const NarrowBlock& nb = narrow[n];
+      const std::int64_t a = std::max(j, nb.part.lo), b = std::min(j + score_chunk, nb.part.hi);
+      const T* k = static_cast<const T*>(nb.qb->k) + a * ks;
+      float* st = nb.st + (a - nb.part.lo) * kBlockQ;
+      // With heads inner: the rows kScoreAhead keys later, while the block reads that far.
+      const T* ahead =
+          heads_inner && a + kScoreAhead < nb.qb->key_end ? k + kScoreAhead * ks : nullptr;
+      std::int64_t x = 0;
+      for (; x + kDotKeys <= b - a; x += kDotKeys) {
+        NarrowDotKeys<kDotKeys>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x * kBlockQ,
+                                static_cast<const T*>(nullptr));
+      }
+      for (; x < b - a; ++x) {
+        NarrowDotKeys<1>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x * kBlockQ, ahead);
+      }
+    }
+  }
+}
+
+// The values of every narrow block's part, on f32 products (V stored as T).
+template <typename T>
+void NarrowValuesWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
+                      std::int64_t count) {
+  const TilePart hull = NarrowHull(narrow, count, p.seq_kv);
+  const std::int64_t vs = p.v_stride[1];
+  const bool heads_inner = HeadsInner(p);
+  const std::int64_t value_chunk = heads_inner ? kValueKeys : kBlockK;
+  for (std::int64_t j = hull.lo; j < hull.hi; j += value_chunk) {
+    for (std::int64_t n = 0; n < count; ++n) {
+      const NarrowBlock& nb = narrow[n];
+      const std::int64_t a = std::max(j, nb.part.lo), b = std::min(j + value_chunk, nb.part.hi);
+      if (b <= a) continue;
+      NarrowValueKeys(p, nb.qb->num_q, static_cast<const T*>(nb.qb->v) + a * vs, b - a,
+                      nb.st + (a - nb.part.lo) * kBlockQ, nb.o,
+                      heads_inner ? nb.qb->key_end - a : 0);
+    }
+  }
+}
+
+// One key tile for every narrow block of a task. In BSHD the rows of neighbouring kv heads for
+// one key are neighbours in memory, so the walk goes keys outermost: the scores one key at a
+// time for all blocks (K is then read as one ascending stream, which the hardware prefetchers
+// follow; a 4-key dot product block by block read 512-byte runs on 4 pages at once and was ~15%
+// slower at Lk = 32768), the values kValueKeys keys at a time (o does not fit in registers: it
+// is loaded and stored once per chunk). In BHSD each head's rows are already one ascending run,
+// read a whole tile at a time per block (key-outermost was slower there). Each block's
+// arithmetic is the same either way; only the order of blocks interleaves. In BSHD the walk
+// also prefetches toward L2 (prefetcht1) the K rows kScoreAhead keys ahead of the scores and the
+// V rows kValueAhead keys ahead of the values: the hardware prefetchers alone left the core with
+// too few misses in flight (the multiply-adds waiting on one K line fill the scheduler). Measured
+// at Lk = 32768, Hq:Hkv = 32:8, 2 threads, 8 interleaved rounds: f32 1.13-1.16x, f16 1.51x;
+// toward L1 (prefetcht0) K was slower and V gained less; distances 1-4 (K) and 4-32 (V) within
+// noise of these; 4 heads of one key per step (16 independent sums) was 1.4x slower. bf16 on
+// vdpbf16ps goes through bf16dot's narrow products, a run of blocks per call: the scores keys
+// outermost across the run, the values a whole part per block, from L2, where the score walk
+// prefetched them (NarrowScoresBf16, NarrowValuesBf16 above).
+template <class Products>
+void NarrowTile(const AttentionKernelParams& p, NarrowBlock* narrow, std::int64_t count) {
+  Products::NarrowScores(p, narrow, count);
+  // Masks and the online softmax, block by block; o *= alpha before this tile's values (bf16
+  // pairs: the probabilities become pair words in place, rows 2t and 2t + 1 into row t).
+  for (std::int64_t n = 0; n < count; ++n) {
+    const NarrowBlock& nb = narrow[n];
+    const std::int64_t num_k = nb.part.hi - nb.part.lo;
+    if (num_k <= 0) continue;
+    QueryBlock& qb = *nb.qb;
+    const int vecs = static_cast<int>((qb.num_q + kLanes - 1) / kLanes);
+    MaskScoreTile(p, qb, nb.part.lo, num_k, nb.st, nb.part.predicate);
+    OnlineSoftmaxTile(qb, num_k, nb.st, vecs);
+    for (std::int64_t r = 0; r < qb.num_q; ++r) {
+      float* row = nb.o + r * p.head_dim_v;
+      for (std::int64_t e = 0; e < p.head_dim_v; ++e) row[e] *= qb.alpha[r];
+    }
+    Products::NarrowProbs(nb.st, num_k, vecs);
+  }
+  Products::NarrowValues(p, narrow, count);
+}
+
+// qb.ot (the layout FinishQueryBlock and WritePartial read) from the o rows: lanes [0, kLanes)
+// (num_q <= kNarrowRows <= kLanes), zero past num_q; kLanes x kLanes squares transposed in
+// registers, the rest of Dv element by element.
+inline void FinishNarrow(const AttentionKernelParams& p, const NarrowBlock& nb) {
+  const DF df;
+  const std::int64_t num_q = nb.qb->num_q, dv = p.head_dim_v;
+  float* ot = nb.qb->ot;
+  const std::int64_t squares = dv / kLanes * kLanes;
+  for (std::int64_t e0 = 0; e0 < squares; e0 += kLanes) {
+    VF v[kLanes];
+    HWY_UNROLL(16)
+    for (std::int64_t r = 0; r < kLanes; ++r) {
+      v[r] = r < num_q ? hn::LoadU(df, nb.o + r * dv + e0) : hn::Zero(df);
+    }
+    TransposeSquare(df, v);
+    HWY_UNROLL(16)
+    for (std::int64_t c = 0; c < kLanes; ++c) hn::Store(v[c], df, ot + (e0 + c) * kBlockQ);
+  }
+  for (std::int64_t e = squares; e < dv; ++e) {
+    for (std::int64_t r = 0; r < kLanes; ++r) {
+      ot[e * kBlockQ + r] = r < num_q ? nb.o[r * dv + e] : 0.0f;
+    }
+  }
+}
+
+}  // namespace tiles
+}  // namespace HWY_NAMESPACE
+}  // namespace qkv
+HWY_AFTER_NAMESPACE();
+
+#endif  // QKV_KERNELS_CPU_DECODE_WALK_INL_H_

@@ -1,0 +1,222 @@
+// The decode path's f32 products (decode_walk-inl.h): blocks of a few query rows against many
+// keys, row by row, vectorised along head_dim for the scores and along Dv for the values, with
+// K and V widened to f32 in registers (Highway, one copy per target).
+
+#if defined(QKV_KERNELS_CPU_NARROW_PRODUCTS_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef QKV_KERNELS_CPU_NARROW_PRODUCTS_INL_H_
+#undef QKV_KERNELS_CPU_NARROW_PRODUCTS_INL_H_
+#else
+#define QKV_KERNELS_CPU_NARROW_PRODUCTS_INL_H_
+#endif
+
+#include <cstdint>
+
+#include "hwy/highway.h"
+#include "kernels/cpu/tile_geometry-inl.h"
+#include "kernels/kernel_params.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv {
+namespace HWY_NAMESPACE {
+namespace tiles {
+
+constexpr std::int64_t kNarrowRows = kBlockQ / 4;
+static_assert(kNarrowRows <= kLanes, "FinishNarrow fills one vector of lanes");
+constexpr int kDotRows = kNarrowRows < 4 ? static_cast<int>(kNarrowRows) : 4;
+// Keys per dot-product step: kDotRows x kDotKeys accumulators (16 of AVX-512's 32 registers;
+// 8 of AVX2's 16).
+constexpr int kDotKeys = kLanes >= 16 ? 4 : 2;
+// Keys per value chunk in BSHD (see NarrowTile; 8 measured best of 1, 2, 4, 8, 16, 32).
+constexpr std::int64_t kValueKeys = 8;
+// Software prefetch distances of the widening walk (f32, f16) in BSHD, in keys (see NarrowTile).
+constexpr std::int64_t kScoreAhead = 2;
+constexpr std::int64_t kValueAhead = 16;
+
+// Asks for the cache line holding p toward L2 (prefetcht1 on x86; a no-op where the target has
+// no prefetch).
+HWY_INLINE void PrefetchL2(const void* p) { __builtin_prefetch(p, 0, 2); }
+
+#if HWY_TARGET != HWY_SCALAR  // (one lane: no blocks to add)
+// out[0 : 4] = the sums of the 128-bit blocks of v (a vector of 4 floats per block).
+template <class D>
+HWY_INLINE void StoreBlockSum(D d, hn::Vec<D> v, float* HWY_RESTRICT out) {
+  if constexpr (hn::MaxLanes(D()) > 4) {
+    const hn::Half<D> dh;
+    StoreBlockSum(dh, hn::Add(hn::LowerHalf(dh, v), hn::UpperHalf(dh, v)), out);
+  } else {
+    hn::StoreU(v, d, out);
+  }
+}
+
+// out[r] = sum of the lanes of acc[r], r < 4: a transposing tree (two interleave levels leave
+// each 128-bit block holding the 4 rows' partial sums, then the blocks are added), about 13
+// operations for 4 sums where 4 separate lane sums take about 40.
+HWY_INLINE void StoreLaneSums4(const VF* acc, float* HWY_RESTRICT out) {
+  const DF df;
+  const hn::Repartition<double, DF> dd;
+  // Per block: {a0 + a2, b0 + b2, a1 + a3, b1 + b3} of a = acc[0], b = acc[1]; the same for 2, 3.
+  const VF t01 =
+      hn::Add(hn::InterleaveLower(df, acc[0], acc[1]), hn::InterleaveUpper(df, acc[0], acc[1]));
+  const VF t23 =
+      hn::Add(hn::InterleaveLower(df, acc[2], acc[3]), hn::InterleaveUpper(df, acc[2], acc[3]));
+  // Per block: the sums of its 4 lanes of acc[0], acc[1], acc[2], acc[3].
+  const auto w01 = hn::BitCast(dd, t01), w23 = hn::BitCast(dd, t23);
+  const VF u = hn::Add(hn::BitCast(df, hn::InterleaveLower(dd, w01, w23)),
+                       hn::BitCast(df, hn::InterleaveUpper(dd, w01, w23)));
+  StoreBlockSum(df, u, out);
+}
+
+#endif  // HWY_TARGET != HWY_SCALAR
+
+// st[kk * kBlockQ + r] = q[r] . k[kk] for r < R, kk < K.
+//   q: [R][head_dim] (row stride head_dim)   k: [K][head_dim] (row stride k_row_stride), stored
+//   as T (float, hwy::bfloat16_t or hwy::float16_t; widened to f32 in registers)
+//   ahead: the same rows some keys later, prefetched toward L2 as k is read (null: none)
+template <int R, int K, typename T>
+HWY_INLINE void NarrowDots(const float* HWY_RESTRICT q, const T* HWY_RESTRICT k,
+                           std::int64_t k_row_stride, std::int64_t head_dim,
+                           float* HWY_RESTRICT st, const T* ahead) {
+  const DF df;
+  const std::int64_t vec_end = head_dim / kLanes * kLanes;
+  VF acc[R][K];
+  HWY_UNROLL(4)
+  for (int r = 0; r < R; ++r) {
+    HWY_UNROLL(4)
+    for (int kk = 0; kk < K; ++kk) acc[r][kk] = hn::Zero(df);
+  }
+  for (std::int64_t d = 0; d < vec_end; d += kLanes) {
+    if (ahead != nullptr) {
+      HWY_UNROLL(4)
+      for (int kk = 0; kk < K; ++kk) PrefetchL2(ahead + kk * k_row_stride + d);
+    }
+    VF key[K];
+    HWY_UNROLL(4)
+    for (int kk = 0; kk < K; ++kk) key[kk] = LoadWide(df, k + kk * k_row_stride + d);
+    HWY_UNROLL(4)
+    for (int r = 0; r < R; ++r) {
+      const VF query = hn::LoadU(df, q + r * head_dim + d);
+      HWY_UNROLL(4)
+      for (int kk = 0; kk < K; ++kk) acc[r][kk] = hn::MulAdd(query, key[kk], acc[r][kk]);
+    }
+  }
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (R == 4) {
+    if (vec_end == head_dim) {
+      for (int kk = 0; kk < K; ++kk) {
+        const VF rows[4] = {acc[0][kk], acc[1][kk], acc[2][kk], acc[3][kk]};
+        StoreLaneSums4(rows, st + kk * kBlockQ);
+      }
+      return;
+    }
+  }
+#endif
+  for (int r = 0; r < R; ++r) {
+    for (int kk = 0; kk < K; ++kk) {
+      float s = hn::GetLane(hn::SumOfLanes(df, acc[r][kk]));
+      for (std::int64_t d = vec_end; d < head_dim; ++d) {
+        s += q[r * head_dim + d] * WideElement(k[kk * k_row_stride + d]);
+      }
+      st[kk * kBlockQ + r] = s;
+    }
+  }
+}
+
+// q . k for rows [0, num_q) and K keys at k, into st[kk * kBlockQ + r] (ahead: see NarrowDots;
+// the first row group prefetches).
+template <int K, typename T>
+HWY_INLINE void NarrowDotKeys(const float* q_rows, std::int64_t num_q, const T* k, std::int64_t ks,
+                              std::int64_t d, float* st, const T* ahead) {
+  std::int64_t r = 0;
+  for (; r + kDotRows <= num_q; r += kDotRows) {
+    NarrowDots<kDotRows, K>(q_rows + r * d, k, ks, d, st + r, r == 0 ? ahead : nullptr);
+  }
+  for (; r < num_q; ++r) {
+    NarrowDots<1, K>(q_rows + r * d, k, ks, d, st + r, r == 0 ? ahead : nullptr);
+  }
+}
+
+// o[r][0 : E * kLanes] += sum_j p[j][r] * v[j][0 : E * kLanes], r < R.
+//   p: st[j * kBlockQ + r]   v: [num_k][...] (row stride v_row_stride)   o: row stride o_stride
+//   ahead: rows j < ahead of v are prefetched toward L2 kValueAhead keys before they are read
+template <int R, int E, typename T>
+HWY_INLINE void NarrowValueRows(const float* HWY_RESTRICT st, const T* HWY_RESTRICT v,
+                                std::int64_t v_row_stride, std::int64_t num_k,
+                                float* HWY_RESTRICT o, std::int64_t o_stride, std::int64_t ahead) {
+  const DF df;
+  VF acc[R][E];
+  HWY_UNROLL(4)
+  for (int r = 0; r < R; ++r) {
+    HWY_UNROLL(4)
+    for (int e = 0; e < E; ++e) acc[r][e] = hn::LoadU(df, o + r * o_stride + e * kLanes);
+  }
+  for (std::int64_t j = 0; j < num_k; ++j) {
+    if (j + kValueAhead < ahead) {
+      HWY_UNROLL(4)
+      for (int e = 0; e < E; ++e) PrefetchL2(v + (j + kValueAhead) * v_row_stride + e * kLanes);
+    }
+    VF value[E];
+    HWY_UNROLL(4)
+    for (int e = 0; e < E; ++e) value[e] = LoadWide(df, v + j * v_row_stride + e * kLanes);
+    HWY_UNROLL(4)
+    for (int r = 0; r < R; ++r) {
+      const VF prob = hn::Set(df, st[j * kBlockQ + r]);
+      HWY_UNROLL(4)
+      for (int e = 0; e < E; ++e) acc[r][e] = hn::MulAdd(prob, value[e], acc[r][e]);
+    }
+  }
+  HWY_UNROLL(4)
+  for (int r = 0; r < R; ++r) {
+    HWY_UNROLL(4)
+    for (int e = 0; e < E; ++e) hn::StoreU(acc[r][e], df, o + r * o_stride + e * kLanes);
+  }
+}
+
+// Value columns [0, E * kLanes) of rows [0, num_q) (ahead: see NarrowValueRows; the first row
+// group prefetches).
+template <int E, typename T>
+HWY_INLINE void NarrowValueColumns(std::int64_t num_q, const float* st, const T* v,
+                                   std::int64_t v_row_stride, std::int64_t num_k, float* o,
+                                   std::int64_t o_stride, std::int64_t ahead) {
+  std::int64_t r = 0;
+  for (; r + kDotRows <= num_q; r += kDotRows) {
+    NarrowValueRows<kDotRows, E>(st + r, v, v_row_stride, num_k, o + r * o_stride, o_stride,
+                                 r == 0 ? ahead : 0);
+  }
+  for (; r < num_q; ++r) {
+    NarrowValueRows<1, E>(st + r, v, v_row_stride, num_k, o + r * o_stride, o_stride,
+                          r == 0 ? ahead : 0);
+  }
+}
+
+// o += v[0 : num_k]^T p for rows [0, num_q)   (o: [num_q][Dv], p: st[j * kBlockQ + r]; ahead:
+// see NarrowValueRows).
+template <typename T>
+inline void NarrowValueKeys(const AttentionKernelParams& p, std::int64_t num_q, const T* v,
+                            std::int64_t num_k, const float* HWY_RESTRICT st,
+                            float* HWY_RESTRICT o, std::int64_t ahead) {
+  const std::int64_t vs = p.v_stride[1], dv = p.head_dim_v;
+  constexpr std::int64_t kWide = kQueryVecs * kLanes;
+  std::int64_t e = 0;
+  for (; e + kWide <= dv; e += kWide) {
+    NarrowValueColumns<kQueryVecs>(num_q, st, v + e, vs, num_k, o + e, dv, ahead);
+  }
+  for (; e + kLanes <= dv; e += kLanes) {
+    NarrowValueColumns<1>(num_q, st, v + e, vs, num_k, o + e, dv, ahead);
+  }
+  for (; e < dv; ++e) {  // a head_dim_v that is not a multiple of the lanes
+    for (std::int64_t r = 0; r < num_q; ++r) {
+      float acc = o[r * dv + e];
+      for (std::int64_t j = 0; j < num_k; ++j) {
+        acc += st[j * kBlockQ + r] * WideElement(v[j * vs + e]);
+      }
+      o[r * dv + e] = acc;
+    }
+  }
+}
+
+}  // namespace tiles
+}  // namespace HWY_NAMESPACE
+}  // namespace qkv
+HWY_AFTER_NAMESPACE();
+
+#endif  // QKV_KERNELS_CPU_NARROW_PRODUCTS_INL_H_

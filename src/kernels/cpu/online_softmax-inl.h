@@ -1,0 +1,78 @@
+// The online softmax on a score tile (Highway, one copy per target): running max and sum per query
+// lane, the rescale factor of the tile, probabilities in place.
+
+#if defined(QKV_KERNELS_CPU_ONLINE_SOFTMAX_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef QKV_KERNELS_CPU_ONLINE_SOFTMAX_INL_H_
+#undef QKV_KERNELS_CPU_ONLINE_SOFTMAX_INL_H_
+#else
+#define QKV_KERNELS_CPU_ONLINE_SOFTMAX_INL_H_
+#endif
+
+#include <cstdint>
+
+#include "hwy/highway.h"
+#include "kernels/cpu/fast_exp-inl.h"
+#include "kernels/cpu/tile_geometry-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv {
+namespace HWY_NAMESPACE {
+namespace tiles {
+
+// The max to subtract for a running max m: m itself, or 0 while no key was allowed
+// (we don't want (-inf) - (-inf), which would give NaN).
+HWY_INLINE VF SafeMax(DF df, VF m) {
+  return hn::IfThenElse(hn::Eq(m, hn::Set(df, kNegInf)), hn::Zero(df), m);
+}
+
+// Max of st[0 : num_k][lane0 : lane0 + kLanes] down the keys.
+HWY_INLINE VF ColumnMax(DF df, const float* HWY_RESTRICT st, std::int64_t num_k,
+                        std::int64_t lane0) {
+  VF max = hn::Set(df, kNegInf);
+  for (std::int64_t j = 0; j < num_k; ++j)
+    max = hn::Max(max, hn::Load(df, st + j * kBlockQ + lane0));
+  return max;
+}
+
+// st[j][lanes] = exp(st[j][lanes] - shift) in place; returns the sum down the keys.
+// exp(-inf - shift) = 0: masked pairs drop out exactly.
+HWY_INLINE VF ExpInPlaceAndSum(DF df, float* HWY_RESTRICT st, std::int64_t num_k,
+                               std::int64_t lane0, VF shift) {
+  VF sum = hn::Zero(df);
+  for (std::int64_t j = 0; j < num_k; ++j) {
+    float* s = st + j * kBlockQ + lane0;
+    const VF prob = fastexp::ExpNonPositive(df, hn::Sub(hn::Load(df, s), shift));
+    hn::Store(prob, df, s);
+    sum = hn::Add(sum, prob);
+  }
+  return sum;
+}
+
+// Flash step over one tile: st becomes p = exp(s - m_new) in place; alpha = exp(m_old - m_new);
+// row_sum = row_sum * alpha + sum_j p. Only the first num_vecs query vectors (the flash
+// kernel's decode path uses fewer lanes; the others are left as they are), and with vec_end
+// (VecKeys in tile_geometry-inl.h) only keys [0, vec_end[x]) of vector x: the later ones stay -inf.
+inline void OnlineSoftmaxTile(QueryBlock& qb, std::int64_t num_k, float* HWY_RESTRICT st,
+                              int num_vecs = kQueryVecs, const std::int64_t* vec_end = nullptr) {
+  const DF df;
+  for (int x = 0; x < num_vecs; ++x) {
+    const std::int64_t lane0 = x * kLanes;
+    const std::int64_t keys = vec_end != nullptr ? vec_end[x] : num_k;
+    const VF old_max = hn::Load(df, qb.row_max + lane0);
+    const VF new_max = hn::Max(old_max, ColumnMax(df, st, keys, lane0));
+    const VF shift = SafeMax(df, new_max);
+    // exp(-inf - shift) = 0: the first tile rescales an all-zero accumulator.
+    const VF alpha = fastexp::ExpNonPositive(df, hn::Sub(old_max, shift));
+    const VF sum = ExpInPlaceAndSum(df, st, keys, lane0, shift);
+    hn::Store(new_max, df, qb.row_max + lane0);
+    hn::Store(hn::MulAdd(hn::Load(df, qb.row_sum + lane0), alpha, sum), df, qb.row_sum + lane0);
+    hn::Store(alpha, df, qb.alpha + lane0);
+  }
+}
+
+}  // namespace tiles
+}  // namespace HWY_NAMESPACE
+}  // namespace qkv
+HWY_AFTER_NAMESPACE();
+
+#endif  // QKV_KERNELS_CPU_ONLINE_SOFTMAX_INL_H_

@@ -1,0 +1,171 @@
+// The product paths of the flash and chunked kernels (Highway, one copy per target). A path says
+// how a block's q is packed and how the two tile products run, for wide blocks and for the
+// decode path's narrow ones; the skeletons (flash_forward.cc, chunked_forward.cc,
+// decode_walk-inl.h) take it as a template parameter, chosen once at the kernel's entry
+// (WithProducts, the one list of instantiations). Every member is static:
+//
+//   kPath                    its name (kernels/product_path.h)
+//   StartBlock(p, qb)        q packed into qb.qt, qb.ot zeroed
+//   Scores(p, qb, j0, num_k, st, staging, vec_end)
+//                            st[j][:] = q . k[j0 + j] * scale, raw (the masks come after)
+//   Values(p, qb, j0, num_k, st, alpha, staging, vec_end)
+//                            ot = alpha * ot + v[j0 : j0 + num_k]^T st (alpha null: no rescale)
+//   NarrowQuery(p, nb)       a narrow block's q rows
+//   NarrowScores(p, narrow, count), NarrowValues(p, narrow, count)
+//                            one tile's products for a task's narrow blocks (their nb.part)
+//   NarrowProbs(st, num_k, vecs)  the probabilities as NarrowValues reads them
+//
+// vec_end (TileVecKeys(...).ends(), nullable): query vector x needs keys [0, vec_end[x]) only;
+// its lanes of the later keys may be left as they were until the masks set them to -inf.
+
+#if defined(QKV_KERNELS_CPU_PRODUCTS_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef QKV_KERNELS_CPU_PRODUCTS_INL_H_
+#undef QKV_KERNELS_CPU_PRODUCTS_INL_H_
+#else
+#define QKV_KERNELS_CPU_PRODUCTS_INL_H_
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "hwy/highway.h"
+#include "kernels/cpu/bf16_dot.h"
+#include "kernels/cpu/decode_walk-inl.h"
+#include "kernels/cpu/tile_geometry-inl.h"
+#include "kernels/cpu/tile_products-inl.h"
+#include "kernels/cpu/tile_staging-inl.h"
+#include "kernels/kernel_params.h"
+#include "kernels/product_path.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv {
+namespace HWY_NAMESPACE {
+namespace tiles {
+
+// f32 FMA products on operands stored as T (float, hwy::bfloat16_t, hwy::float16_t): q is packed
+// as q^T * scale in f32, K and V tiles of bf16/f16 are widened (exactly) into the staging tiles,
+// and both products are the micro-kernel of tile_products-inl.h.
+template <typename T>
+struct WideProducts {
+  static constexpr ProductPath kPath = std::is_same_v<T, float>             ? ProductPath::kF32
+                                       : std::is_same_v<T, hwy::bfloat16_t> ? ProductPath::kBf16Widened
+                                                                            : ProductPath::kF16Widened;
+
+  static void StartBlock(const AttentionKernelParams& p, QueryBlock& qb) {
+    PackQuery<T>(p, qb);
+    std::fill(qb.ot, qb.ot + p.head_dim_v * kBlockQ, 0.0f);
+  }
+  static void Scores(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
+                     std::int64_t num_k, float* HWY_RESTRICT st, Staging& staging,
+                     const std::int64_t* vec_end) {
+    const TileRows k = StageRows<T>(qb.k, p.k_stride, p.head_dim, j0, num_k, staging.k);
+    OuterProduct(qb.qt, k.data, num_k, k.row_stride, k.elem_stride, p.head_dim, st, nullptr,
+                 false, vec_end);
+  }
+  static void Values(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
+                     std::int64_t num_k, const float* st, const float* alpha, Staging& staging,
+                     const std::int64_t* vec_end) {
+    const TileRows v = StageRows<T>(qb.v, p.v_stride, p.head_dim_v, j0, num_k, staging.v);
+    OuterProduct(st, v.data, p.head_dim_v, v.elem_stride, v.row_stride, num_k, qb.ot, alpha, true,
+                 nullptr, vec_end);
+  }
+
+  static void NarrowQuery(const AttentionKernelParams& p, NarrowBlock& nb) {
+    NarrowQueryRows<T>(p, *nb.qb, nb.q_rows);
+  }
+  static void NarrowScores(const AttentionKernelParams& p, const NarrowBlock* narrow,
+                           std::int64_t count) {
+    NarrowScoresWide<T>(p, narrow, count);
+  }
+  static void NarrowProbs(float*, std::int64_t, int) {}
+  static void NarrowValues(const AttentionKernelParams& p, const NarrowBlock* narrow,
+                           std::int64_t count) {
+    NarrowValuesWide<T>(p, narrow, count);
+  }
+};
+
+// bf16 on vdpbf16ps (kernels/cpu/bf16_dot.h): on the AVX3 target of a CPU with AVX512-BF16,
+// both tile products of bf16 operands run on pairs of bf16 accumulated in f32. The scores use q
+// unscaled (its bf16 values are exact) and multiply the f32 dot products by scale; the values
+// use the probabilities rounded to bf16 (as FlashAttention does on GPUs; the row sums stay f32).
+// Operands become pair words (tile_staging-inl.h). bf16dot's blocks are 4 vectors of 16 lanes:
+// the path exists where kBlockQ is that (kPairLanes).
+struct PairProducts {
+  static constexpr ProductPath kPath = ProductPath::kBf16Pairs;
+  static constexpr bool kPairLanes = kBlockQ == bf16dot::kLanes;
+
+  static void StartBlock(const AttentionKernelParams& p, QueryBlock& qb) {
+    PackQueryPairs(p, qb);
+    std::fill(qb.ot, qb.ot + p.head_dim_v * kBlockQ, 0.0f);
+  }
+  static void Scores(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
+                     std::int64_t num_k, float* HWY_RESTRICT st, Staging& staging,
+                     const std::int64_t* vec_end) {
+    const std::int64_t words = (p.head_dim + 1) / 2;
+    bf16dot::outer_product(reinterpret_cast<const std::uint32_t*>(qb.qt),
+                           StageKeyPairs(p, qb, j0, num_k, staging.k), num_k, words, 1, words, st,
+                           nullptr, false, p.scale, vec_end);
+  }
+  static void Values(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
+                     std::int64_t num_k, const float* st, const float* alpha, Staging& staging,
+                     const std::int64_t* vec_end) {
+    const std::uint32_t* v = StageValuePairs(p, qb, j0, num_k, staging.v);
+    bf16dot::pack_probs(st, num_k, kQueryVecs, staging.prob_pairs);
+    // The keys each vector needs, in pairs (vec_end is even but for the last, num_k).
+    std::int64_t pair_end[kQueryVecs];
+    for (int x = 0; vec_end != nullptr && x < kQueryVecs; ++x) pair_end[x] = (vec_end[x] + 1) / 2;
+    bf16dot::outer_product(staging.prob_pairs, v, p.head_dim_v, 1, p.head_dim_v, (num_k + 1) / 2,
+                           qb.ot, alpha, true, 1.0f, nullptr,
+                           vec_end != nullptr ? pair_end : nullptr);
+  }
+
+  static void NarrowQuery(const AttentionKernelParams& p, NarrowBlock& nb) {
+    NarrowQueryPairs(p, nb);
+  }
+  static void NarrowScores(const AttentionKernelParams& p, const NarrowBlock* narrow,
+                           std::int64_t count) {
+    NarrowScoresBf16(p, narrow, count);
+  }
+  static void NarrowProbs(float* st, std::int64_t num_k, int vecs) {
+    bf16dot::pack_probs(st, num_k, vecs, reinterpret_cast<std::uint32_t*>(st));
+  }
+  static void NarrowValues(const AttentionKernelParams& p, const NarrowBlock* narrow,
+                           std::int64_t count) {
+    NarrowValuesBf16(p, narrow, count);
+  }
+};
+
+// The path of the flash kernel for dtype on this target and CPU (the chunked kernel always widens:
+// WideningProductPath).
+inline ProductPath FlashProductPath(DType dtype) {
+  if constexpr (PairProducts::kPairLanes) {
+    if (dtype == DType::kBF16 && bf16dot::available()) return ProductPath::kBf16Pairs;
+  }
+  return WideningProductPath(dtype);
+}
+
+// f(Products{}) for the path: the one place that instantiates the skeletons. (kBf16Pairs exists
+// only where kPairLanes holds; FlashProductPath never picks it elsewhere.)
+template <class F>
+void WithProducts(ProductPath path, F&& f) {
+  switch (path) {
+    case ProductPath::kBf16Pairs:
+      if constexpr (PairProducts::kPairLanes) return f(PairProducts{});
+      [[fallthrough]];
+    case ProductPath::kBf16Widened:
+      return f(WideProducts<hwy::bfloat16_t>{});
+    case ProductPath::kF16Widened:
+      return f(WideProducts<hwy::float16_t>{});
+    case ProductPath::kF32:
+      break;
+  }
+  return f(WideProducts<float>{});
+}
+
+}  // namespace tiles
+}  // namespace HWY_NAMESPACE
+}  // namespace qkv
+HWY_AFTER_NAMESPACE();
+
+#endif  // QKV_KERNELS_CPU_PRODUCTS_INL_H_

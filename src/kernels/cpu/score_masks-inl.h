@@ -1,0 +1,93 @@
+// The masks of a score tile (Highway, one copy per target): softcap, additive bias, attend mask,
+// the sparsity predicate, and the causal / window / key-length ranges. Not-allowed pairs become
+// exactly -inf.
+
+#if defined(QKV_KERNELS_CPU_SCORE_MASKS_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef QKV_KERNELS_CPU_SCORE_MASKS_INL_H_
+#undef QKV_KERNELS_CPU_SCORE_MASKS_INL_H_
+#else
+#define QKV_KERNELS_CPU_SCORE_MASKS_INL_H_
+#endif
+
+#include <algorithm>
+#include <cstdint>
+
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/highway.h"
+#include "kernels/cpu/sparse_tiles-inl.h"
+#include "kernels/cpu/tile_geometry-inl.h"
+#include "kernels/kernel_params.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv {
+namespace HWY_NAMESPACE {
+namespace tiles {
+
+// st[j][:] = scores of keys [j0, j0 + num_k) against the block's queries, from raw scores q.k *
+// scale (any product path, wide or decode), with softcap, bias and every mask applied:
+// not-allowed pairs are exactly -inf. sparse_predicate: apply the sparsity pair by pair (tiles
+// SparseTileKeys found partly covered; every tile in chunked).
+inline void MaskScoreTile(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
+                          std::int64_t num_k, float* HWY_RESTRICT st, bool sparse_predicate) {
+  const DF df;
+  if (p.softcap > 0.0f) {
+    // "s = softcap * tanh(s / softcap)"; scale is already folded into q.
+    const VF cap = hn::Set(df, p.softcap), inv_cap = hn::Set(df, 1.0f / p.softcap);
+    for (std::int64_t x = 0; x < num_k * kBlockQ; x += kLanes) {
+      hn::Store(hn::Mul(cap, hn::Tanh(df, hn::Mul(hn::Load(df, st + x), inv_cap))), df, st + x);
+    }
+  }
+  if (p.bias != nullptr) {
+    for (std::int64_t l = 0; l < qb.num_q; ++l) {
+      const float* bias = p.bias + qb.b * p.bias_stride[0] + qb.head[l] * p.bias_stride[1] +
+                          qb.query[l] * p.bias_stride[2] + j0 * p.bias_stride[3];
+      for (std::int64_t j = 0; j < num_k; ++j) st[j * kBlockQ + l] += bias[j * p.bias_stride[3]];
+    }
+  }
+  if (p.mask != nullptr) {
+    for (std::int64_t l = 0; l < qb.num_q; ++l) {
+      const std::uint8_t* mask = p.mask + qb.b * p.mask_stride[0] + qb.head[l] * p.mask_stride[1] +
+                                 qb.query[l] * p.mask_stride[2] + j0 * p.mask_stride[3];
+      for (std::int64_t j = 0; j < num_k; ++j) {
+        if (mask[j * p.mask_stride[3]] == 0) st[j * kBlockQ + l] = kNegInf;
+      }
+    }
+  }
+
+  if (sparse_predicate) ApplySparsity(p, qb, j0, num_k, st);
+
+  // Range masks (causal, window, key lengths). A tile inside every query's range needs none.
+  bool interior = true;
+  for (std::int64_t i = 0; i < qb.num_q; ++i) {
+    interior = interior && qb.lo[i] <= j0 && qb.hi[i] >= j0 + num_k;
+  }
+  if (interior) return;
+  VF lo[kQueryVecs], hi[kQueryVecs];
+  for (int x = 0; x < kQueryVecs; ++x) {
+    // Tile-relative bounds, clamped so they stay exact as floats.
+    HWY_ALIGN float lo_rel[kLanes], hi_rel[kLanes];
+    for (std::int64_t l = 0; l < kLanes; ++l) {
+      const std::int64_t i = x * kLanes + l;
+      lo_rel[l] = static_cast<float>(std::clamp<std::int64_t>(qb.lo[i] - j0, -1, kBlockK + 1));
+      hi_rel[l] = static_cast<float>(std::clamp<std::int64_t>(qb.hi[i] - j0, -1, kBlockK + 1));
+    }
+    lo[x] = hn::Load(df, lo_rel);
+    hi[x] = hn::Load(df, hi_rel);
+  }
+  const VF neg_inf = hn::Set(df, kNegInf);
+  for (std::int64_t j = 0; j < num_k; ++j) {
+    const VF jv = hn::Set(df, static_cast<float>(j));
+    for (int x = 0; x < kQueryVecs; ++x) {
+      float* s = st + j * kBlockQ + x * kLanes;
+      const auto allowed = hn::And(hn::Ge(jv, lo[x]), hn::Lt(jv, hi[x]));
+      hn::Store(hn::IfThenElse(allowed, hn::Load(df, s), neg_inf), df, s);
+    }
+  }
+}
+
+}  // namespace tiles
+}  // namespace HWY_NAMESPACE
+}  // namespace qkv
+HWY_AFTER_NAMESPACE();
+
+#endif  // QKV_KERNELS_CPU_SCORE_MASKS_INL_H_

@@ -1,0 +1,194 @@
+// The tile geometry and a query block's state, shared by the flash, chunked and backward CPU
+// kernels (Highway, one copy per target). The rest of the tile machinery, one concept per file:
+// tile_products-inl.h (the f32 micro-kernel), tile_staging-inl.h (packing q, staging K and V),
+// sparse_tiles-inl.h, score_masks-inl.h, online_softmax-inl.h, query_block-inl.h (a block's start
+// and finish), products-inl.h (the product paths), decode_walk-inl.h (the decode path).
+//
+// Layout idea: scores are kept TRANSPOSED, st[key][query], with the queries of one block along
+// the SIMD lanes. Then everything that is per query (running max, running sum, rescale factor,
+// allowed key range) is lane-wise, softmax needs no horizontal reductions, and K and V are read
+// in their natural layout through scalar broadcasts, so they are never packed or transposed.
+// Only q is packed, once per query block, as q^T * scale.
+//
+//   qt: [D][kBlockQ]    st: [keys][kBlockQ]    ot: [Dv][kBlockQ]  (out^T, unnormalised)
+//
+// Both products are the same rank-1-update micro-kernel (OuterProductRows):
+//   st[j][:] = sum_d  k[j][d] * qt[d][:]          (R keys at a time)
+//   ot[e][:] = alpha * ot[e][:] + sum_j v[j][e] * st[j][:]   (R value dims at a time)
+
+#if defined(QKV_KERNELS_CPU_TILE_GEOMETRY_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef QKV_KERNELS_CPU_TILE_GEOMETRY_INL_H_
+#undef QKV_KERNELS_CPU_TILE_GEOMETRY_INL_H_
+#else
+#define QKV_KERNELS_CPU_TILE_GEOMETRY_INL_H_
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "hwy/highway.h"
+#include "kernels/kernel_params.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv {
+namespace HWY_NAMESPACE {
+namespace tiles {
+
+namespace hn = hwy::HWY_NAMESPACE;
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+
+// Tile geometry for this target (x86 targets have a fixed vector length).
+constexpr std::int64_t kLanes = HWY_LANES(float);
+// Query vectors per block: as many accumulators as the register file holds comfortably
+// (AVX-512: 32 registers -> 4 x 4 accumulators; AVX2: 16 -> 4 x 2).
+constexpr int kQueryVecs = kLanes == 8 ? 2 : 4;
+constexpr std::int64_t kBlockQ = kQueryVecs * kLanes;  // queries per block
+constexpr std::int64_t kBlockK = 128;                  // keys per tile
+constexpr int kRows = 4;                               // micro-kernel rows (keys or value dims)
+constexpr std::int64_t kMaxBlocksPerTask = 8;          // query blocks sharing one K/V walk
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// QueryBlock::lane_anchor of a lane that attends any key of its band (query positions can be
+// negative: bottom-right alignment with Lq > Lk).
+constexpr std::int64_t kAnyKey = std::numeric_limits<std::int64_t>::min();
+
+// kLanes elements of an f32, bf16 or f16 row (T = float, hwy::bfloat16_t, hwy::float16_t) as
+// f32 (exact), and one element.
+template <typename T>
+HWY_INLINE VF LoadWide(DF df, const T* HWY_RESTRICT src) {
+  if constexpr (std::is_same_v<T, float>) {
+    return hn::LoadU(df, src);
+  } else {
+    return hn::PromoteTo(df, hn::LoadU(hn::Rebind<T, DF>(), src));
+  }
+}
+template <typename T>
+HWY_INLINE float WideElement(T x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, hwy::bfloat16_t>) {
+    return bf16_bits_to_f32(x.bits);
+  } else {
+    return f16_bits_to_f32(x.bits);
+  }
+}
+
+// Per-thread state of one query block. The rows of a block come from the flattened
+// (query head in the GQA group, query) space of one kv head: row r is query r % Lq of head
+// kv_head * group + r / Lq. For Lq >= kBlockQ a block lies within one head; for decoding
+// (Lq = 1) the heads of a group share one block, and one K/V walk.
+struct QueryBlock {
+  // Scratch (sized by the caller, see ScratchFloats / ScratchInts).
+  float* qt;         // [D][kBlockQ]   q^T * scale; zero in lanes past num_q
+  float* ot;         // [Dv][kBlockQ]  unnormalised out^T
+  float* row_max;    // [kBlockQ]      running max of the scores
+  float* row_sum;    // [kBlockQ]      running sum of exp(score - row_max)
+  float* alpha;      // [kBlockQ]      rescale factor of the current tile
+  std::int64_t* lo;  // [kBlockQ]      allowed keys of each lane: [lo, hi); lo = hi = 0 if none
+  std::int64_t* hi;
+  std::int64_t* head;   // [kBlockQ]   query head of each lane
+  std::int64_t* query;  // [kBlockQ]   query index of each lane
+  // Sparsity (p.sparse.kind != kNone; see StartSparseBlock), per lane:
+  std::int64_t* band_lo;  // kBand: the lane's band keys [band_lo, band_hi) (all keys for a global
+  std::int64_t* band_hi;  //        query); kBlock: unused
+  std::int64_t* lane_anchor;  // kBand, dilation > 1: the lane's query position (kAnyKey: any)
+  std::int64_t* run_lane;     // kBlock: lanes with the same layout row form runs: run r is lanes
+  std::int64_t* run_row;  //         [run_lane[r], run_lane[r + 1]) reading layout row run_row[r]
+  std::int64_t num_runs;
+  // Hull of the keys the sparsity allows to some lane, and (kBand, dilation 1) the keys it
+  // allows to every lane: tiles inside [exact_begin, exact_end) need no per-pair predicate.
+  std::int64_t sparse_begin, sparse_end, exact_begin, exact_end;
+  std::int64_t band_begin, band_end;  // kBand: hull of the lanes' bands (globals not included)
+  // Position.
+  std::int64_t b, num_q;  // num_q: lanes in use
+  // Union of the allowed key ranges: tiles outside [key_begin, key_end) are skipped.
+  std::int64_t key_begin, key_end;
+  const void* k;  // k[b, 0, kv_head, 0], stored as p.dtype
+  const void* v;  // v[b, 0, kv_head, 0]
+};
+
+// The keys of a tile [j0, j0 + num_k) each query vector of a block needs: vector x computes the
+// tile's keys [0, end[x]) and skips the rest, which lie past every allowed key of its lanes (they
+// could only give -inf scores and zero probabilities). end[x] is the running max over vectors
+// 0..x of their lanes' allowed ends, rounded up to even (the vdpbf16ps value product reads keys
+// in pairs), within [0, num_k]; it never decreases and the last is num_k. On the causal diagonal
+// the leading vectors skip the keys after their queries: of a 64 x 64 diagonal square, 10 of
+// the 16 squares of 16 x 16 are computed. ends() is null when every vector needs every key.
+struct VecKeys {
+  std::int64_t end[kQueryVecs];
+  bool all;
+  const std::int64_t* ends() const { return all ? nullptr : end; }
+};
+inline VecKeys TileVecKeys(const std::int64_t* hi, std::int64_t j0, std::int64_t num_k) {
+  VecKeys keys;
+  keys.all = true;
+  std::int64_t running = 0;
+  for (int x = 0; x < kQueryVecs; ++x) {
+    for (std::int64_t l = x * kLanes; l < (x + 1) * kLanes; ++l) {
+      running = std::max(running, std::min(hi[l] - j0, num_k));
+    }
+    keys.end[x] = x + 1 < kQueryVecs ? std::min(num_k, (running + 1) / 2 * 2) : num_k;
+    keys.all = keys.all && keys.end[x] == num_k;
+  }
+  return keys;
+}
+
+// Scratch one QueryBlock needs: floats, and int64s.
+inline std::int64_t ScratchFloats(const AttentionKernelParams& p) {
+  return (p.head_dim + p.head_dim_v + 3) * kBlockQ;
+}
+constexpr std::int64_t kScratchInts = 9 * kBlockQ + 1;
+
+// Query blocks per kv head of batch entry: the flattened group rows in blocks of kBlockQ.
+inline std::int64_t BlocksPerKvHead(const AttentionKernelParams& p) {
+  const std::int64_t rows = p.num_heads_q / p.num_heads_kv * p.seq_q;
+  return (rows + kBlockQ - 1) / kBlockQ;
+}
+
+inline void BindScratch(const AttentionKernelParams& p, float* floats, std::int64_t* ints,
+                        QueryBlock& qb) {
+  qb.qt = floats;
+  qb.ot = qb.qt + p.head_dim * kBlockQ;
+  qb.row_max = qb.ot + p.head_dim_v * kBlockQ;
+  qb.row_sum = qb.row_max + kBlockQ;
+  qb.alpha = qb.row_sum + kBlockQ;
+  qb.lo = ints;
+  qb.hi = ints + kBlockQ;
+  qb.head = ints + 2 * kBlockQ;
+  qb.query = ints + 3 * kBlockQ;
+  qb.band_lo = ints + 4 * kBlockQ;
+  qb.band_hi = ints + 5 * kBlockQ;
+  qb.lane_anchor = ints + 6 * kBlockQ;
+  qb.run_row = ints + 7 * kBlockQ;
+  qb.run_lane = ints + 8 * kBlockQ;  // kBlockQ + 1 entries
+}
+
+// Keys [lo, hi) that query `query` of batch entry b may attend under causal, window and key
+// lengths (lo = hi = 0: none).
+struct KeyRange {
+  std::int64_t lo, hi;
+};
+inline KeyRange LaneKeys(const AttentionKernelParams& p, std::int64_t b, std::int64_t query) {
+  const std::int64_t key_length = p.key_lengths != nullptr ? p.key_lengths[b] : p.seq_kv;
+  const std::int64_t diag = query + p.diagonal_offset;
+  const std::int64_t lo = p.window_left < 0 ? 0 : std::max<std::int64_t>(0, diag - p.window_left);
+  const std::int64_t hi = p.window_right < 0
+                              ? key_length
+                              : std::min<std::int64_t>(key_length, diag + p.window_right + 1);
+  return hi > lo ? KeyRange{lo, hi} : KeyRange{0, 0};
+}
+
+// Offset (in elements) of lane l's row in a [B, Lq, Hq, ...] operand with these strides (q, out).
+inline std::int64_t LaneRow(const std::int64_t* stride, const QueryBlock& qb, std::int64_t l) {
+  return qb.b * stride[0] + qb.query[l] * stride[1] + qb.head[l] * stride[2];
+}
+
+}  // namespace tiles
+}  // namespace HWY_NAMESPACE
+}  // namespace qkv
+HWY_AFTER_NAMESPACE();
+
+#endif  // QKV_KERNELS_CPU_TILE_GEOMETRY_INL_H_

@@ -1,0 +1,140 @@
+// The f32 tile product: one rank-1-update micro-kernel serves both products of the flash
+// forward (st = K q^T, ot = alpha ot + V^T p; see tile_geometry-inl.h for the layout) and those of
+// the backward (Highway, one copy per target).
+
+#if defined(QKV_KERNELS_CPU_TILE_PRODUCTS_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef QKV_KERNELS_CPU_TILE_PRODUCTS_INL_H_
+#undef QKV_KERNELS_CPU_TILE_PRODUCTS_INL_H_
+#else
+#define QKV_KERNELS_CPU_TILE_PRODUCTS_INL_H_
+#endif
+
+#include <cstdint>
+
+#include "hwy/highway.h"
+#include "kernels/cpu/tile_geometry-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv {
+namespace HWY_NAMESPACE {
+namespace tiles {
+
+// The micro-kernel's inner loop: acc[r][x] += sum_{t in [t0, t1)} b(r, t) * a[t][x lanes] for
+// the query vectors x >= X0 (the others are neither read nor touched).
+template <int R, int X0>
+HWY_INLINE void MulAddVecs(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b,
+                           std::int64_t b_row_stride, std::int64_t b_depth_stride, std::int64_t t0,
+                           std::int64_t t1, VF (&acc)[R][kQueryVecs]) {
+  const DF df;
+  for (std::int64_t t = t0; t < t1; ++t) {
+    VF a_vec[kQueryVecs];
+    HWY_UNROLL(4)
+    for (int x = X0; x < kQueryVecs; ++x) a_vec[x] = hn::Load(df, a + t * kBlockQ + x * kLanes);
+    const float* b_col = b + t * b_depth_stride;
+    HWY_UNROLL(4)
+    for (int r = 0; r < R; ++r) {
+      const VF b_val = hn::Set(df, b_col[r * b_row_stride]);
+      HWY_UNROLL(4)
+      for (int x = X0; x < kQueryVecs; ++x) acc[r][x] = hn::MulAdd(b_val, a_vec[x], acc[r][x]);
+    }
+  }
+}
+
+// MulAddVecs over depth segments: vectors >= X take [t0, depth_end[X]), vectors >= X + 1 then
+// take [depth_end[X], depth_end[X + 1]), and so on, so vector x sums depth [t0, depth_end[x]).
+template <int R, int X>
+HWY_INLINE void MulAddSegments(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b,
+                               std::int64_t b_row_stride, std::int64_t b_depth_stride,
+                               const std::int64_t* depth_end, std::int64_t t0,
+                               VF (&acc)[R][kQueryVecs]) {
+  MulAddVecs<R, X>(a, b, b_row_stride, b_depth_stride, t0, depth_end[X], acc);
+  if constexpr (X + 1 < kQueryVecs) {
+    MulAddSegments<R, X + 1>(a, b, b_row_stride, b_depth_stride, depth_end, depth_end[X], acc);
+  }
+}
+
+// c[r][:] = (alpha ? alpha * c[r][:] : accumulate ? c[r][:] : 0) + sum_t b(r, t) * a[t][:]
+// for r in [0, R), t in [0, depth), where b(r, t) = b[r * b_row_stride + t * b_depth_stride],
+// on the query vectors x >= X0 only (the lanes of the others are left as they are). With
+// depth_end (non-decreasing, each <= depth), vector x sums t in [0, depth_end[x]) only.
+//   a: [depth][kBlockQ]   c: [R][kBlockQ]   alpha: [kBlockQ] or null
+template <int R, int X0>
+HWY_INLINE void OuterProductRows(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b,
+                                 std::int64_t b_row_stride, std::int64_t b_depth_stride,
+                                 std::int64_t depth, const std::int64_t* depth_end,
+                                 float* HWY_RESTRICT c, const float* HWY_RESTRICT alpha,
+                                 bool accumulate) {
+  const DF df;
+  VF acc[R][kQueryVecs];
+  HWY_UNROLL(4)
+  for (int x = X0; x < kQueryVecs; ++x) {
+    const VF scale = alpha != nullptr ? hn::Load(df, alpha + x * kLanes) : hn::Set(df, 1.0f);
+    HWY_UNROLL(4)
+    for (int r = 0; r < R; ++r) {
+      acc[r][x] =
+          accumulate ? hn::Mul(hn::Load(df, c + r * kBlockQ + x * kLanes), scale) : hn::Zero(df);
+    }
+  }
+  if (depth_end == nullptr) {
+    MulAddVecs<R, X0>(a, b, b_row_stride, b_depth_stride, 0, depth, acc);
+  } else {
+    MulAddSegments<R, X0>(a, b, b_row_stride, b_depth_stride, depth_end, 0, acc);
+  }
+  HWY_UNROLL(4)
+  for (int r = 0; r < R; ++r) {
+    HWY_UNROLL(4)
+    for (int x = X0; x < kQueryVecs; ++x) hn::Store(acc[r][x], df, c + r * kBlockQ + x * kLanes);
+  }
+}
+
+// OuterProductRows<R, first_vec> for a run-time first_vec in [0, kQueryVecs).
+template <int R, int X = 0>
+HWY_INLINE void OuterProductRowsFrom(int first_vec, const float* a, const float* b,
+                                     std::int64_t b_row_stride, std::int64_t b_depth_stride,
+                                     std::int64_t depth, const std::int64_t* depth_end, float* c,
+                                     const float* alpha, bool accumulate) {
+  if constexpr (X + 1 < kQueryVecs) {
+    if (first_vec > X) {
+      OuterProductRowsFrom<R, X + 1>(first_vec, a, b, b_row_stride, b_depth_stride, depth,
+                                     depth_end, c, alpha, accumulate);
+      return;
+    }
+  }
+  OuterProductRows<R, X>(a, b, b_row_stride, b_depth_stride, depth, depth_end, c, alpha,
+                         accumulate);
+}
+
+// Runs OuterProductRows over `rows` rows: blocks of kRows, then single rows for the tail, so no
+// row past `rows` is ever read (keys past the tile may be padding garbage or out of bounds).
+// With row_end (non-decreasing, the last = rows), query vector x computes rows [0, row_end[x])
+// only: a block of rows starts at the first vector that still needs its first row. With
+// depth_end, see OuterProductRows. (The causal diagonal: docs/kernels.md, "Causal diagonal".)
+// (Copies with a constant depth for head_dim 64/128 and full key tiles measured no faster:
+// 182/195 vs 185/194 GFLOP/s at L = 4096, D = 64/128, so the one generic loop stays.)
+HWY_INLINE void OuterProduct(const float* a, const float* b, std::int64_t rows,
+                             std::int64_t b_row_stride, std::int64_t b_depth_stride,
+                             std::int64_t depth, float* c, const float* alpha, bool accumulate,
+                             const std::int64_t* row_end = nullptr,
+                             const std::int64_t* depth_end = nullptr) {
+  const auto first_vec = [&](std::int64_t r) {
+    int x = 0;
+    while (row_end != nullptr && x + 1 < kQueryVecs && row_end[x] <= r) ++x;
+    return x;
+  };
+  std::int64_t r = 0;
+  for (; r + kRows <= rows; r += kRows) {
+    OuterProductRowsFrom<kRows>(first_vec(r), a, b + r * b_row_stride, b_row_stride, b_depth_stride,
+                                depth, depth_end, c + r * kBlockQ, alpha, accumulate);
+  }
+  for (; r < rows; ++r) {
+    OuterProductRowsFrom<1>(first_vec(r), a, b + r * b_row_stride, b_row_stride, b_depth_stride,
+                            depth, depth_end, c + r * kBlockQ, alpha, accumulate);
+  }
+}
+
+}  // namespace tiles
+}  // namespace HWY_NAMESPACE
+}  // namespace qkv
+HWY_AFTER_NAMESPACE();
+
+#endif  // QKV_KERNELS_CPU_TILE_PRODUCTS_INL_H_

@@ -1,0 +1,270 @@
+// Operands in the layouts the tile products read (Highway, one copy per target): q packed once per
+// block (q^T * scale, or pair words for the vdpbf16ps products), and K and V rows staged once per
+// (rows, tile) where they are not f32 (widened to f32, or paired along the reduction axis).
+
+#if defined(QKV_KERNELS_CPU_TILE_STAGING_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef QKV_KERNELS_CPU_TILE_STAGING_INL_H_
+#undef QKV_KERNELS_CPU_TILE_STAGING_INL_H_
+#else
+#define QKV_KERNELS_CPU_TILE_STAGING_INL_H_
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "hwy/highway.h"
+#include "kernels/cpu/tile_geometry-inl.h"
+#include "kernels/cpu/transpose-inl.h"
+#include "kernels/kernel_params.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv {
+namespace HWY_NAMESPACE {
+namespace tiles {
+
+// qt[d][l] = q[l][d] * scale for the block's lanes l < num_q, 0 past them (q stored as T). Row by
+// row: the rows lie Hq * D elements apart, often a multiple of 4 KiB, so a walk column by column
+// keeps evicting them from one L1 set. With unit stride along D, squares of kLanes x kLanes are
+// transposed in registers (TransposeSquare); the rest of D element by element.
+template <typename T>
+inline void PackQuery(const AttentionKernelParams& p, QueryBlock& qb) {
+  const DF df;
+  const T* q = static_cast<const T*>(p.q);
+  const VF scale = hn::Set(df, p.scale);
+  const std::int64_t squares = p.q_stride[3] == 1 ? p.head_dim / kLanes * kLanes : 0;
+  for (std::int64_t l0 = 0; l0 < kBlockQ; l0 += kLanes) {
+    const T* rows[kLanes];
+    for (std::int64_t r = 0; r < kLanes; ++r) {
+      const std::int64_t l = l0 + r;
+      rows[r] = l < qb.num_q ? q + LaneRow(p.q_stride, qb, l) : nullptr;
+    }
+    for (std::int64_t d0 = 0; d0 < squares; d0 += kLanes) {
+      VF v[kLanes];
+      HWY_UNROLL(16)
+      for (std::int64_t r = 0; r < kLanes; ++r) {
+        v[r] = rows[r] != nullptr ? hn::Mul(LoadWide(df, rows[r] + d0), scale) : hn::Zero(df);
+      }
+      TransposeSquare(df, v);
+      HWY_UNROLL(16)
+      for (std::int64_t c = 0; c < kLanes; ++c) {
+        hn::Store(v[c], df, qb.qt + (d0 + c) * kBlockQ + l0);
+      }
+    }
+    for (std::int64_t r = 0; r < kLanes; ++r) {
+      for (std::int64_t d = squares; d < p.head_dim; ++d) {
+        qb.qt[d * kBlockQ + l0 + r] =
+            rows[r] != nullptr ? WideElement(rows[r][d * p.q_stride[3]]) * p.scale : 0.0f;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// K and V rows for the tile products. An f32 operand is read where it lies; bf16/f16 rows are
+// widened (exactly) into a per-thread staging tile, once per (rows, tile): the query blocks of a
+// task that share a kv head then reuse it.
+
+// Rows [j0, j0 + num_k) of K or V: row j at data + j * row_stride, element e at + e * elem_stride.
+struct TileRows {
+  const float* data;
+  std::int64_t row_stride, elem_stride;
+};
+
+// A staging tile [kBlockK][dim] and what it holds (rows [j0, j0 + num) below `source`).
+struct StagedRows {
+  float* buffer = nullptr;
+  const void* source = nullptr;
+  std::int64_t j0 = 0, num = 0;
+
+  bool Holds(const void* rows, std::int64_t first, std::int64_t count) const {
+    return source == rows && j0 == first && num == count;
+  }
+};
+
+struct Staging {
+  StagedRows k, v;
+  std::uint32_t* prob_pairs = nullptr;  // bf16: [kBlockK / 2][kBlockQ] pair words
+};
+
+// Floats of the staging tiles (none for f32 operands); bf16 adds the probabilities as pair
+// words for the vdpbf16ps products (PairProducts in products-inl.h).
+inline std::int64_t StagingFloats(const AttentionKernelParams& p) {
+  if (p.dtype == DType::kF32) return 0;
+  return kBlockK * (p.head_dim + p.head_dim_v) +
+         (p.dtype == DType::kBF16 ? kBlockK / 2 * kBlockQ : 0);
+}
+
+inline Staging BindStaging(const AttentionKernelParams& p, float* floats) {
+  Staging s;
+  s.k.buffer = floats;
+  s.v.buffer = floats + kBlockK * p.head_dim;
+  if (p.dtype == DType::kBF16) {
+    s.prob_pairs = reinterpret_cast<std::uint32_t*>(s.v.buffer + kBlockK * p.head_dim_v);
+  }
+  return s;
+}
+
+// dst[0 : n] = the f32 values of src[0 : n].
+template <typename T>
+HWY_INLINE void WidenRow(const T* HWY_RESTRICT src, std::int64_t n, float* HWY_RESTRICT dst) {
+  const DF df;
+  std::int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) hn::StoreU(LoadWide(df, src + i), df, dst + i);
+  for (; i < n; ++i) dst[i] = WideElement(src[i]);
+}
+
+// Rows [j0, j0 + num_k) of the operand whose (b, kv_head) rows start at `rows` (p.k's or p.v's
+// strides, `dim` elements each, stored as T), as f32.
+template <typename T>
+inline TileRows StageRows(const void* rows, const std::int64_t* stride, std::int64_t dim,
+                          std::int64_t j0, std::int64_t num_k, StagedRows& staged) {
+  if constexpr (std::is_same_v<T, float>) {
+    return {static_cast<const float*>(rows) + j0 * stride[1], stride[1], stride[3]};
+  } else {
+    if (!staged.Holds(rows, j0, num_k)) {
+      const T* source = static_cast<const T*>(rows);
+      for (std::int64_t j = 0; j < num_k; ++j) {
+        const std::int64_t at = (j0 + j) * stride[1];
+        float* dst = staged.buffer + j * dim;
+        if (stride[3] != 1) {
+          for (std::int64_t e = 0; e < dim; ++e) dst[e] = WideElement(source[at + e * stride[3]]);
+        } else {
+          WidenRow(source + at, dim, dst);
+        }
+      }
+      staged = {staged.buffer, rows, j0, num_k};
+    }
+    return {staged.buffer, dim, 1};
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pair words for the vdpbf16ps products (kernels/cpu/bf16_dot.h; PairProducts in products-inl.h):
+// two bf16 along the reduction axis in one uint32, each K and V tile once per (rows, tile) in
+// the staging tiles, q once per block in qb.qt.
+
+// The bf16 bits of element `offset` (past the end of a row: 0, the pair's zero padding).
+HWY_INLINE std::uint32_t Bf16Bits(const void* base, std::int64_t offset) {
+  return static_cast<const std::uint16_t*>(base)[offset];
+}
+
+// dst[t * stride] = (q[l][2t], q[l][2t + 1]) for the block's row l, unscaled, first <= t <
+// ceil(D / 2) (an odd D's last pair has +0 as its high half).
+inline void QueryPairs(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t l,
+                       std::uint32_t* dst, std::int64_t stride, std::int64_t first = 0) {
+  const std::int64_t row = LaneRow(p.q_stride, qb, l);
+  for (std::int64_t t = first; t < (p.head_dim + 1) / 2; ++t) {
+    const std::int64_t d = 2 * t;
+    const std::uint32_t hi = d + 1 < p.head_dim ? Bf16Bits(p.q, row + (d + 1) * p.q_stride[3]) : 0;
+    dst[t * stride] = Bf16Bits(p.q, row + d * p.q_stride[3]) | hi << 16;
+  }
+}
+
+// qt[t][l] = (q[l][2t], q[l][2t + 1]) of the block's rows, unscaled, zero past num_q and D
+// (PairProducts::StartBlock). With unit stride along an even D a row already is its
+// pair words: squares of them are transposed in registers as in PackQuery, the rest of the words
+// lane by lane.
+inline void PackQueryPairs(const AttentionKernelParams& p, QueryBlock& qb) {
+  std::uint32_t* qt = reinterpret_cast<std::uint32_t*>(qb.qt);
+  const std::int64_t words = (p.head_dim + 1) / 2;
+#if HWY_TARGET == HWY_SCALAR  // (one lane: no squares; vdpbf16ps never runs on it anyway)
+  const std::int64_t squares = 0;
+#else
+  using DU = hn::RebindToUnsigned<DF>;  // kLanes pair words
+  const DU du;
+  const hn::Repartition<std::uint16_t, DU> du16;  // the same bytes as bf16
+  const bool rows_are_pairs = p.q_stride[3] == 1 && p.head_dim % 2 == 0;
+  const std::int64_t squares = rows_are_pairs ? words / kLanes * kLanes : 0;
+#endif
+  for (std::int64_t l0 = 0; l0 < kBlockQ; l0 += kLanes) {
+    const std::uint16_t* rows[kLanes];
+    for (std::int64_t r = 0; r < kLanes; ++r) {
+      const std::int64_t l = l0 + r;
+      rows[r] = l < qb.num_q ? static_cast<const std::uint16_t*>(p.q) + LaneRow(p.q_stride, qb, l)
+                             : nullptr;
+    }
+#if HWY_TARGET != HWY_SCALAR
+    for (std::int64_t t0 = 0; t0 < squares; t0 += kLanes) {
+      hn::Vec<DU> v[kLanes];
+      HWY_UNROLL(16)
+      for (std::int64_t r = 0; r < kLanes; ++r) {
+        v[r] =
+            rows[r] != nullptr ? hn::BitCast(du, hn::LoadU(du16, rows[r] + 2 * t0)) : hn::Zero(du);
+      }
+      TransposeSquare(du, v);
+      HWY_UNROLL(16)
+      for (std::int64_t c = 0; c < kLanes; ++c) hn::Store(v[c], du, qt + (t0 + c) * kBlockQ + l0);
+    }
+#endif
+    for (std::int64_t r = 0; r < kLanes; ++r) {
+      if (rows[r] != nullptr) {
+        QueryPairs(p, qb, l0 + r, qt + l0 + r, kBlockQ, squares);
+      } else {
+        for (std::int64_t t = squares; t < words; ++t) qt[t * kBlockQ + l0 + r] = 0;
+      }
+    }
+  }
+}
+
+// Keys [j0, j0 + num_k) as pair words along head_dim: [num_k][ceil(D / 2)].
+inline const std::uint32_t* StageKeyPairs(const AttentionKernelParams& p, const QueryBlock& qb,
+                                          std::int64_t j0, std::int64_t num_k, StagedRows& staged) {
+  std::uint32_t* pairs = reinterpret_cast<std::uint32_t*>(staged.buffer);
+  if (staged.Holds(qb.k, j0, num_k)) return pairs;
+  const std::int64_t words = (p.head_dim + 1) / 2;
+  for (std::int64_t j = 0; j < num_k; ++j) {
+    const std::int64_t row = (j0 + j) * p.k_stride[1];
+    std::uint32_t* dst = pairs + j * words;
+    if (p.k_stride[3] == 1 && p.head_dim % 2 == 0) {  // a contiguous row already is its pairs
+      std::memcpy(dst, static_cast<const std::uint16_t*>(qb.k) + row, words * 4);
+      continue;
+    }
+    for (std::int64_t t = 0; t < words; ++t) {
+      const std::int64_t d = 2 * t;
+      const std::uint32_t hi =
+          d + 1 < p.head_dim ? Bf16Bits(qb.k, row + (d + 1) * p.k_stride[3]) : 0;
+      dst[t] = Bf16Bits(qb.k, row + d * p.k_stride[3]) | hi << 16;
+    }
+  }
+  staged = {staged.buffer, qb.k, j0, num_k};
+  return pairs;
+}
+
+// Values [j0, j0 + num_k) as pair words along the keys: [ceil(num_k / 2)][Dv] (an odd tile's
+// last pair holds +0 for the key past the tile, which is never read: it may be padding).
+inline const std::uint32_t* StageValuePairs(const AttentionKernelParams& p, const QueryBlock& qb,
+                                            std::int64_t j0, std::int64_t num_k,
+                                            StagedRows& staged) {
+  std::uint32_t* pairs = reinterpret_cast<std::uint32_t*>(staged.buffer);
+  if (staged.Holds(qb.v, j0, num_k)) return pairs;
+  const std::int64_t dv = p.head_dim_v;
+  for (std::int64_t t = 0; t < (num_k + 1) / 2; ++t) {
+    const std::int64_t lo_row = (j0 + 2 * t) * p.v_stride[1];
+    const bool has_hi = 2 * t + 1 < num_k;
+    std::uint32_t* dst = pairs + t * dv;
+    if (p.v_stride[3] == 1 && has_hi) {  // two contiguous rows: a loop the compiler vectorises
+      const std::uint16_t* lo = static_cast<const std::uint16_t*>(qb.v) + lo_row;
+      const std::uint16_t* hi = lo + p.v_stride[1];
+      for (std::int64_t e = 0; e < dv; ++e) {
+        dst[e] = static_cast<std::uint32_t>(lo[e]) | static_cast<std::uint32_t>(hi[e]) << 16;
+      }
+      continue;
+    }
+    for (std::int64_t e = 0; e < dv; ++e) {
+      const std::uint32_t hi =
+          has_hi ? Bf16Bits(qb.v, lo_row + p.v_stride[1] + e * p.v_stride[3]) : 0;
+      dst[e] = Bf16Bits(qb.v, lo_row + e * p.v_stride[3]) | hi << 16;
+    }
+  }
+  staged = {staged.buffer, qb.v, j0, num_k};
+  return pairs;
+}
+
+}  // namespace tiles
+}  // namespace HWY_NAMESPACE
+}  // namespace qkv
+HWY_AFTER_NAMESPACE();
+
+#endif  // QKV_KERNELS_CPU_TILE_STAGING_INL_H_

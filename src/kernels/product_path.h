@@ -1,0 +1,49 @@
+// The product paths of the flash and chunked CPU kernels: which instructions compute the two
+// tile products (q k^T and p v) for an input dtype. The kernels choose one once per call at their
+// entry (kernels/cpu/products-inl.h); `qkv bench` reports it and the tests name the paths they
+// exercised. docs/kernels.md, "Product paths".
+#pragma once
+
+#include "qkv/tensor.h"
+
+namespace qkv {
+
+enum class ProductPath {
+  kF32,          // f32 operands, Highway FMA
+  kBf16Widened,  // bf16 operands widened to f32 (exact), Highway FMA
+  kF16Widened,   // f16 operands widened to f32 (exact), Highway FMA
+  kBf16Pairs,    // bf16 pairs on vdpbf16ps (AVX512-BF16), f32 accumulation, probabilities in bf16
+};
+
+// The f32 FMA path for dtype (bf16 and f16 widened): the chunked kernel always takes it (its
+// probabilities are written out in f32), and so does the flash backward.
+constexpr ProductPath WideningProductPath(DType dtype) {
+  return dtype == DType::kBF16  ? ProductPath::kBf16Widened
+         : dtype == DType::kF16 ? ProductPath::kF16Widened
+                                : ProductPath::kF32;
+}
+
+// "f32-fma", "bf16-widened-fma", "f16-widened-fma", "bf16-vdpbf16ps".
+constexpr const char* product_path_name(ProductPath path) {
+  switch (path) {
+    case ProductPath::kBf16Widened:
+      return "bf16-widened-fma";
+    case ProductPath::kF16Widened:
+      return "f16-widened-fma";
+    case ProductPath::kBf16Pairs:
+      return "bf16-vdpbf16ps";
+    case ProductPath::kF32:
+      break;
+  }
+  return "f32-fma";
+}
+
+// Whether the path rounds the probabilities to the input dtype before the value product (the
+// vdpbf16ps path does, as FlashAttention does on GPUs; the others keep them in f32).
+constexpr bool rounds_probabilities(ProductPath path) { return path == ProductPath::kBf16Pairs; }
+
+// The path the flash kernel takes for dtype on the Highway target it dispatches to now and this
+// CPU (kernels/cpu/flash_forward.cc).
+ProductPath attention_flash_product_path(DType dtype);
+
+}  // namespace qkv
