@@ -271,7 +271,7 @@ bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) {
          (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
-Result Problem::plain() const {
+Result Problem::plain(ProductPath path) const {
   const Case& c = c_;
   auto& self = const_cast<Problem&>(*this);
   const TensorView qv = view(self.q, c.seq_q, c.num_heads_q, c.head_dim);
@@ -283,6 +283,7 @@ Result Problem::plain() const {
   const float scale = c.scale.value_or(1.0f / std::sqrt(static_cast<float>(c.head_dim)));
   const std::int64_t offset = c.align == Align::kBottomRight ? c.seq_kv - c.seq_q : 0;
   const AttentionParams p = params();
+  const bool round_probs = rounds_probabilities(path);
   std::vector<float> s(static_cast<std::size_t>(c.seq_kv));
   for (std::int64_t b = 0; b < c.batch; ++b) {
     for (std::int64_t h = 0; h < c.num_heads_q; ++h) {
@@ -310,7 +311,7 @@ Result Problem::plain() const {
             dot += static_cast<float*>(qv.data)[qv.offset(b, i, h, d)] *
                    static_cast<float*>(kv.data)[kv.offset(b, j, hk, d)];
           }
-          float x = round_to(c.dtype, dot) * scale;
+          float x = dot * scale;
           if (c.softcap > 0) x = c.softcap * std::tanh(x / c.softcap);
           if (!bias.empty()) {
             const auto& a = p.bias;
@@ -328,13 +329,18 @@ Result Problem::plain() const {
           s[j] = s[j] == kNegInf ? 0.0f : std::exp(s[j] - max);
           sum += s[j];
         }
-        for (std::int64_t j = 0; j < c.seq_kv; ++j) s[j] = round_to(c.dtype, s[j] / sum);
+        // Where the path rounds the probabilities, exp(s - max) is rounded before it weights v
+        // and the f32 sum divides after (as the kernel's online softmax does); else p = e / sum.
+        const float inv = round_probs ? 1.0f / sum : 1.0f;
+        for (std::int64_t j = 0; j < c.seq_kv; ++j) {
+          s[j] = round_probs ? round_to(c.dtype, s[j]) : s[j] / sum;
+        }
         for (std::int64_t e = 0; e < head_dim_v(); ++e) {
           float acc = 0.0f;
           for (std::int64_t j = 0; j < c.seq_kv; ++j) {
             if (s[j] != 0.0f) acc += s[j] * static_cast<float*>(vv.data)[vv.offset(b, j, hk, e)];
           }
-          static_cast<float*>(ov.data)[ov.offset(b, i, h, e)] = acc;
+          static_cast<float*>(ov.data)[ov.offset(b, i, h, e)] = acc * inv;
         }
       }
     }

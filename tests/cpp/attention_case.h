@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/product_path.h"
 #include "qkv/attention.h"
 
 namespace qkv::testing {
@@ -55,10 +56,15 @@ class Problem {
   // The same with any AttentionParams (e.g. params() plus a sparsity); kernel and threads set
   // in `params` are used as given.
   Result run_with(const AttentionParams& params, bool with_probs) const;
-  // Naive loops of the same semantics in the case's precision (the tolerance yardstick): f32
-  // arithmetic; for bf16/f16 storage, the scores and the probabilities are also stored in that
-  // type, as a plain low-precision implementation (torch's math attention) does.
-  Result plain() const;
+  // Naive loops of the same semantics in the precision of the path the flash kernel takes for
+  // the case's dtype on this CPU (the tolerance yardstick, DESIGN.md section 5): the inputs as
+  // stored (bf16/f16 values), f32 scores, softmax and accumulation; where the path rounds the
+  // probabilities to bf16 before they weight v (bf16-vdpbf16ps), the same rounding of
+  // exp(s - max). Nothing else is rounded: rounding the scores too made the bf16 tolerance
+  // about 100x the path's real error.
+  Result plain() const { return plain(attention_flash_product_path(c_.dtype)); }
+  // The same for the given path (the chunked kernel's is WideningProductPath(dtype)).
+  Result plain(ProductPath path) const;
   const Case& spec() const { return c_; }
   AttentionParams params() const;
 

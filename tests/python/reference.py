@@ -87,9 +87,10 @@ def attention(q, k, v, scale=None, softcap=0.0, causal=False, align="bottom-righ
               store=None, dropout=None):
     """Returns (out (B, Lq, Hq, Dv), lse (B, Hq, Lq), weights (B, Hq, Lq, Lk)) in `dtype`.
 
-    store: None, or a rounding function (round_bf16, round_f16) applied to the score matrix
-    q.k and to the probabilities before they multiply v, as a plain implementation that
-    stores them in that type does (the tolerance yardstick for bf16/f16 inputs).
+    store: None, or a rounding function (round_bf16, round_f16) applied to the probabilities
+    before they multiply v, as the vdpbf16ps product path does (the tolerance yardstick for
+    bf16/f16 inputs; the scores stay in `dtype`: rounding them too made the yardstick about
+    100x looser than any path's error).
     dropout: None, or (keep (B, Hq, Lq, Lk) bool, dropout_p): the probabilities that weight v
     are weights * keep / (1 - dropout_p); lse and weights stay the softmax's."""
     keep = store if store is not None else (lambda x: x)
@@ -116,7 +117,7 @@ def attention(q, k, v, scale=None, softcap=0.0, causal=False, align="bottom-righ
     kh = np.repeat(k.transpose(0, 2, 1, 3), group, axis=1)         # (B, Hq, Lk, D)
     vh = np.repeat(v.transpose(0, 2, 1, 3), group, axis=1)         # (B, Hq, Lk, Dv)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        s = keep(qh @ kh.swapaxes(-1, -2)).astype(dtype) * scale   # (B, Hq, Lq, Lk)
+        s = (qh @ kh.swapaxes(-1, -2)).astype(dtype) * scale        # (B, Hq, Lq, Lk)
         if softcap > 0:
             cap = dtype(softcap)
             s = cap * np.tanh(s / cap)
@@ -149,7 +150,7 @@ def attention_backward(q, k, v, dout, scale=None, softcap=0.0, causal=False,
         dU = dS (1 - tanh(u / softcap)^2) with softcap (u = scale q.k), else dS
         dq = scale dU k   dk = scale dU^T q   dbias = dS
     (with dropout, z = keep / (1 - p): dv = (P z)^T dout, dS = P (z dP - D)).
-    store: as for attention(): a plain low-precision implementation's rounding of the scores and
+    store: as for attention(): a plain low-precision implementation's rounding of the
     probabilities (the forward's out and the P of the products then carry it)."""
     out, _, weights = attention(q, k, v, scale, softcap, causal, align, window, key_lengths,
                                 mask, bias, dtype, store, dropout)
