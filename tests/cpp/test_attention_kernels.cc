@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "attention_case.h"
+#include "bf16_skip.h"
 #include "every_target.h"
 #include "kernels/cpu/bf16_dot.h"
 #include "kernels/kernels.h"
@@ -230,15 +231,34 @@ TEST(KernelTargets, EveryTargetMatchesReference) {
   });
 }
 
-// bf16 takes vdpbf16ps where the CPU has AVX512-BF16 (the sweeps above); the widening path
-// serves every other CPU: forced here on the best target.
+// The flash kernel takes vdpbf16ps for bf16 where bf16dot::preferred() (AMD CPUs with
+// AVX512-BF16) and widens to f32 everywhere else; the sweeps above run whichever this CPU takes.
+// The other path is forced here: the widening one (any CPU), and the pairs wherever the CPU has
+// AVX512-BF16 (an Intel CPU would otherwise never run them).
 TEST(KernelTargets, Bf16WithoutVdpbf16ps) {
   bf16dot::set_enabled(false);
+  ASSERT_EQ(attention_flash_product_path(DType::kBF16), ProductPath::kBf16Widened);
   for (const Case& c : with_dtype(kernel_cases(), DType::kBF16)) {
     SCOPED_TRACE(c.name());
     check_against_reference(Problem(c));
   }
   bf16dot::set_enabled(true);
+}
+
+// bf16dot::set_forced for a scope.
+struct ForcedPairs {
+  ForcedPairs() { bf16dot::set_forced(true); }
+  ~ForcedPairs() { bf16dot::set_forced(false); }
+};
+
+TEST(KernelTargets, Bf16OnVdpbf16psWhereverAvailable) {
+  QKV_SKIP_WITHOUT_BF16();
+  const ForcedPairs forced;
+  ASSERT_EQ(attention_flash_product_path(DType::kBF16), ProductPath::kBf16Pairs);
+  for (const Case& c : with_dtype(kernel_cases(), DType::kBF16)) {
+    SCOPED_TRACE(c.name());
+    check_against_reference(Problem(c));
+  }
 }
 
 TEST(KernelThreads, BitIdenticalWhateverTheThreadCount) {
@@ -256,6 +276,13 @@ TEST(KernelThreads, BitIdenticalWhateverTheThreadCount) {
       for (Kernel kernel : {Kernel::kFlash, Kernel::kChunked, Kernel::kReference}) {
         AttentionParams params = problem.params();
         params.kernel = kernel;
+        expect_same_bits_on_any_thread_count(problem, params);
+      }
+      if (dtype == DType::kBF16 && bf16dot::available()) {  // the pairs, forced (see above)
+        const ForcedPairs forced;
+        SCOPED_TRACE("bf16-vdpbf16ps");
+        AttentionParams params = problem.params();
+        params.kernel = Kernel::kFlash;
         expect_same_bits_on_any_thread_count(problem, params);
       }
     }

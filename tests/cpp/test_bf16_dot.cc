@@ -261,6 +261,21 @@ TEST(Bf16Dot, SetEnabledSwitchesAvailable) {
   EXPECT_TRUE(bf16dot::available());
 }
 
+// preferred(): the vendor rule (AMD), or forced; never without available().
+TEST(Bf16Dot, PreferredFollowsTheVendorUnlessForced) {
+  QKV_SKIP_WITHOUT_BF16();
+  __builtin_cpu_init();
+  EXPECT_EQ(bf16dot::preferred(), static_cast<bool>(__builtin_cpu_is("amd")));
+  bf16dot::set_forced(true);
+  const bool forced = bf16dot::preferred();
+  bf16dot::set_enabled(false);
+  const bool forced_but_disabled = bf16dot::preferred();
+  bf16dot::set_enabled(true);
+  bf16dot::set_forced(false);
+  EXPECT_TRUE(forced);
+  EXPECT_FALSE(forced_but_disabled);
+}
+
 // Each step adds 2^-11 * 2^-11 twice = 2^-21 to every lane of chains starting at 1 + 0.01 i,
 // exact in f32 (even one product at a time) while the values stay in [1, 2): the sum is known in
 // closed form.

@@ -1,4 +1,4 @@
-// available() and set_enabled() of the AVX512-BF16 micro-kernel (bf16_dot.h). They run before
+// available(), preferred() and their switches of the AVX512-BF16 micro-kernel (bf16_dot.h). They run before
 // anyone knows whether the CPU has AVX-512, so they live here, compiled with the default flags,
 // not in bf16_dot_avx512.cc.
 #include <atomic>
@@ -9,6 +9,7 @@ namespace qkv::bf16dot {
 namespace {
 
 std::atomic<bool> g_enabled{true};
+std::atomic<bool> g_forced{false};
 
 bool cpu_runs_avx512_bf16() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -23,6 +24,15 @@ bool cpu_runs_avx512_bf16() {
 #endif
 }
 
+bool cpu_prefers_pairs() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd");
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 bool available() {
@@ -31,5 +41,12 @@ bool available() {
 }
 
 void set_enabled(bool enabled) { g_enabled.store(enabled, std::memory_order_relaxed); }
+
+bool preferred() {
+  static const bool vendor = cpu_prefers_pairs();
+  return available() && (vendor || g_forced.load(std::memory_order_relaxed));
+}
+
+void set_forced(bool forced) { g_forced.store(forced, std::memory_order_relaxed); }
 
 }  // namespace qkv::bf16dot

@@ -26,6 +26,16 @@ bool available();
 // set_enabled(true). Not meant to be flipped while kernels run on other threads.
 void set_enabled(bool enabled);
 
+// Whether the flash kernel takes these products for bf16 (FlashProductPath in products-inl.h):
+// available(), and the CPU is one where they outrun f32 FMA on the widened operands. Measured
+// (docs/kernels.md, "Product paths"): on AMD Zen 4 the vdpbf16ps peak is 2.0x the FMA peak and
+// the pairs are the faster path; on an Intel Xeon with AVX512-BF16 (family 6 model 207, no AMX)
+// it is 0.49x, and the widened FMA path ran 1.72-1.76x faster than the pairs (1.31x decoding).
+// So: AMD yes, other vendors no (a CPUID fact, so the choice, and every result bit, is the same
+// in every run on one CPU). set_forced(true) takes the pairs wherever available() (tests).
+bool preferred();
+void set_forced(bool forced);
+
 // The functions below run AVX512-BF16 instructions: call them only when available().
 
 // c[r][l] = init(r, l) + out_scale * sum_{t < depth} dot2(a[t][l], b(r, t))

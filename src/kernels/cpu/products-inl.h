@@ -136,11 +136,12 @@ struct PairProducts {
   }
 };
 
-// The path of the flash kernel for dtype on this target and CPU (the chunked kernel always widens:
+// The path of the flash kernel for dtype on this target and CPU: the vdpbf16ps pairs for bf16
+// where bf16dot::preferred() (AMD: faster than FMA there, slower on Intel) (the chunked kernel always widens:
 // WideningProductPath).
 inline ProductPath FlashProductPath(DType dtype) {
   if constexpr (PairProducts::kPairLanes) {
-    if (dtype == DType::kBF16 && bf16dot::available()) return ProductPath::kBf16Pairs;
+    if (dtype == DType::kBF16 && bf16dot::preferred()) return ProductPath::kBf16Pairs;
   }
   return WideningProductPath(dtype);
 }
