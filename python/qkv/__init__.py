@@ -333,14 +333,18 @@ class SentenceEmbedder:
         vectors = embedder.encode(["first text", "second text"])   # (2, 384) float32
 
     max_length: tokens per text with [CLS]/[SEP] (0: the model's own setting); batch_size:
-    texts per forward pass; normalize: None = as modules.json says. One embedder may be shared
-    by threads: calls run at once, without the GIL.
+    texts per forward pass; normalize: None = as modules.json says; dtype: "f32" or "bf16",
+    the encoder's matrix products (as `qkv embed --dtype`; LayerNorm, softmax and every sum stay
+    float32). One embedder may be shared by threads: calls run at once, without the GIL.
     """
 
     def __init__(self, model_dir: Union[str, os.PathLike], *, max_length: int = 0,
-                 batch_size: int = 32, normalize: Optional[bool] = None):
+                 batch_size: int = 32, normalize: Optional[bool] = None, dtype: str = "f32"):
+        if dtype not in ("f32", "bf16"):
+            raise ValueError(f"dtype: expected 'f32' or 'bf16', got {dtype!r}")
         self._impl = _qkv.SentenceEmbedder(os.fspath(model_dir), _int("max_length", max_length),
-                                           _int("batch_size", batch_size), normalize)
+                                           _int("batch_size", batch_size), normalize,
+                                           dtype == "bf16")
 
     @property
     def dimension(self) -> int:

@@ -46,9 +46,11 @@ EncoderLayer::EncoderLayer(const EncoderLayerConfig& c, const EncoderLayerWeight
       .attention =
           named("attention",
                 [&] {
-                  return MultiHeadAttention(
-                      {.embed_dim = E, .num_heads = c.num_heads, .num_kv_heads = c.num_kv_heads},
-                      w.attention);
+                  return MultiHeadAttention({.embed_dim = E,
+                                             .num_heads = c.num_heads,
+                                             .num_kv_heads = c.num_kv_heads,
+                                             .matmul_dtype = c.matmul_dtype},
+                                            w.attention);
                 }),
       .norm1 = named("norm1", [&] { return LayerNorm(w.norm1_gamma, w.norm1_beta, E, c.eps); }),
       .norm2 = named("norm2", [&] { return LayerNorm(w.norm2_gamma, w.norm2_beta, E, c.eps); }),
@@ -58,11 +60,15 @@ EncoderLayer::EncoderLayer(const EncoderLayerConfig& c, const EncoderLayerWeight
                                     .bias = w.ff1_bias,
                                     .in_features = E,
                                     .out_features = c.d_ff,
-                                    .activation = c.activation});
+                                    .activation = c.activation,
+                                    .dtype = c.matmul_dtype});
                    }),
       .ff2 = named("ff2", [&] {
-        return Linear(
-            {.weight = w.ff2_weight, .bias = w.ff2_bias, .in_features = c.d_ff, .out_features = E});
+        return Linear({.weight = w.ff2_weight,
+                       .bias = w.ff2_bias,
+                       .in_features = c.d_ff,
+                       .out_features = E,
+                       .dtype = c.matmul_dtype});
       })});
 }
 

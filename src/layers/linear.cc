@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "core/aligned_buffer.h"
+#include "core/float16.h"
 #include "core/parallel.h"
 #include "qkv/error.h"
 
@@ -58,6 +59,7 @@ struct Linear::Impl {
   std::int64_t in_features = 0;
   std::int64_t out_features = 0;
   Activation activation = Activation::kNone;
+  DType dtype = DType::kF32;  // of W and of the src oneDNN reads
   std::vector<float> bias;  // [out_features] or empty
   memory::desc bias_md;     // [1, N] or zero desc
   dnnl::primitive_attr attr, linear_attr;  // with the activation post-op; without it
@@ -75,13 +77,22 @@ struct Linear::Impl {
 
   dnnl::matmul::primitive_desc make_pd(std::int64_t rows, std::int64_t x_stride,
                                        bool fused = true) const {
-    const memory::desc src_md(Dims{rows, in_features}, memory::data_type::f32, Dims{x_stride, 1});
-    const memory::desc weights_md(Dims{in_features, out_features}, memory::data_type::f32,
+    // bf16: x is rounded into a contiguous bf16 copy first (run), so the src is dense.
+    const memory::desc src_md = dtype == DType::kBF16
+                                    ? memory::desc(Dims{rows, in_features}, memory::data_type::bf16,
+                                                   memory::format_tag::ab)
+                                    : memory::desc(Dims{rows, in_features}, memory::data_type::f32,
+                                                   Dims{x_stride, 1});
+    const memory::desc weights_md(Dims{in_features, out_features}, weight_type(),
                                   memory::format_tag::any);
     const memory::desc dst_md(Dims{rows, out_features}, memory::data_type::f32,
                               memory::format_tag::ab);
     const dnnl::matmul::desc desc(src_md, weights_md, bias_md, dst_md);
     return dnnl::matmul::primitive_desc(desc, fused ? attr : linear_attr, cpu_engine());
+  }
+
+  memory::data_type weight_type() const {
+    return dtype == DType::kBF16 ? memory::data_type::bf16 : memory::data_type::f32;
   }
 
   // A copy of W in layout `md`, reordering one if none matches. Called with `mutex` held.
@@ -110,7 +121,7 @@ struct Linear::Impl {
     }
     return plain;
   }
-  // W[N, K] row-major as oneDNN's weights[K, N]: strides {1, K}.
+  // W[N, K] row-major (f32) as oneDNN's weights[K, N]: strides {1, K}.
   memory::desc plain_md() const {
     return memory::desc(Dims{in_features, out_features}, memory::data_type::f32,
                         Dims{1, in_features});
@@ -183,6 +194,10 @@ Linear::Linear(const LinearParams& params) : impl_(std::make_unique<Impl>()) {
                 " elements, expected " + std::to_string(in * out) + " for weight shape " +
                 linear_shape(out, in));
   }
+  if (params.dtype != DType::kF32 && params.dtype != DType::kBF16) {
+    throw Error(std::string("Linear: dtype ") + dtype_name(params.dtype) +
+                " is not a product type (f32 or bf16)");
+  }
   if (!params.bias.empty() && static_cast<std::int64_t>(params.bias.size()) != out) {
     throw Error("Linear: bias has " + std::to_string(params.bias.size()) +
                 " elements, expected out_features = " + std::to_string(out));
@@ -191,6 +206,7 @@ Linear::Linear(const LinearParams& params) : impl_(std::make_unique<Impl>()) {
   m.in_features = in;
   m.out_features = out;
   m.activation = params.activation;
+  m.dtype = params.dtype;
   if (!params.bias.empty()) {
     m.bias.assign(params.bias.begin(), params.bias.end());
     m.bias_md = memory::desc(Dims{1, out}, memory::data_type::f32, memory::format_tag::ab);
@@ -221,6 +237,7 @@ Linear& Linear::operator=(Linear&&) noexcept = default;
 std::int64_t Linear::in_features() const { return impl_->in_features; }
 std::int64_t Linear::out_features() const { return impl_->out_features; }
 Activation Linear::activation() const { return impl_->activation; }
+DType Linear::dtype() const { return impl_->dtype; }
 
 void Linear::forward(const float* x, std::int64_t rows, float* y, std::int64_t x_stride) const {
   run(x, rows, y, x_stride, /*fused=*/true);
@@ -245,7 +262,19 @@ void Linear::run(const float* x, std::int64_t rows, float* y, std::int64_t x_str
   if (x == nullptr || y == nullptr) throw Error("Linear::forward: x and y must not be null");
   try {
     const std::shared_ptr<const Impl::Entry> e = m.entry(rows, x_stride, fused);
-    memory src(e->src_md, cpu_engine(), const_cast<float*>(x));
+    // bf16: x rounded into this thread's buffer (grow-only; concurrent calls never share one).
+    thread_local std::vector<std::uint16_t> x_bf16;
+    void* src_data = const_cast<float*>(x);
+    if (m.dtype == DType::kBF16) {
+      const std::int64_t in = m.in_features;
+      if (x_bf16.size() < static_cast<std::size_t>(rows * in)) x_bf16.resize(rows * in);
+      std::uint16_t* dst = x_bf16.data();
+      parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
+        for (std::int64_t i = 0; i < in; ++i) dst[r * in + i] = f32_to_bf16_bits(x[r * x_stride + i]);
+      });
+      src_data = dst;
+    }
+    memory src(e->src_md, cpu_engine(), src_data);
     memory dst(e->dst_md, cpu_engine(), y);
     std::unordered_map<int, memory> args = {
         {DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, e->weights}, {DNNL_ARG_DST, dst}};
@@ -287,6 +316,10 @@ void Linear::backward(const float* x, std::int64_t rows, const float* dy, float*
   }
   if (dbias != nullptr && m.bias.empty()) {
     throw Error("Linear::backward: dbias given, but the layer has no bias");
+  }
+  if (m.dtype != DType::kF32) {
+    throw Error(std::string("Linear::backward: the layer computes in ") + dtype_name(m.dtype) +
+                " (inference only); training needs dtype f32");
   }
   try {
     dnnl::primitive_attr attr, linear_attr;  // with the activation post-op; without it

@@ -158,14 +158,21 @@ MultiHeadAttention::MultiHeadAttention(const MultiHeadAttentionConfig& config,
   if (m.kdim < 0 || m.vdim < 0) throw Error("MultiHeadAttention: kdim and vdim must be >= 0");
   const std::int64_t kvw = Hkv * m.head_dim;
   m.kv_width = kvw;
+  m.matmul_dtype = config.matmul_dtype;
 
   m.canonicalize(weights);
-  m.out_proj.emplace(
-      LinearParams{.weight = m.out_w, .bias = m.out_b, .in_features = E, .out_features = E});
+  m.out_proj.emplace(LinearParams{.weight = m.out_w,
+                                  .bias = m.out_b,
+                                  .in_features = E,
+                                  .out_features = E,
+                                  .dtype = m.matmul_dtype});
   if (m.kdim == E && m.vdim == E) {  // self-attention: one GEMM for [Wq; Wk; Wv]
     const auto [w, b] = m.fused_qkv();
-    m.qkv_proj.emplace(LinearParams{
-        .weight = w, .bias = b, .in_features = E, .out_features = E + 2 * kvw});
+    m.qkv_proj.emplace(LinearParams{.weight = w,
+                                    .bias = b,
+                                    .in_features = E,
+                                    .out_features = E + 2 * kvw,
+                                    .dtype = m.matmul_dtype});
   }
 }
 

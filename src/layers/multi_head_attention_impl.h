@@ -50,6 +50,7 @@ inline AttentionParams core_params(const MhaOptions& options,
 struct MultiHeadAttention::Impl {
   std::int64_t embed_dim = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, kdim = 0, vdim = 0;
   std::int64_t kv_width = 0;  // Hkv * head_dim
+  DType matmul_dtype = DType::kF32;  // of every projection
 
   QkvPacking packing = QkvPacking::kSeparate;  // of the weights given (parameters() keeps it)
   // Canonical weights (torch [out, in] layout); biases are empty or full.
@@ -79,12 +80,21 @@ struct MultiHeadAttention::Impl {
     std::call_once(cross_built, [this] { build_cross(); });
   }
   void build_cross() {
-    q_proj.emplace(LinearParams{
-        .weight = q_w, .bias = q_b, .in_features = embed_dim, .out_features = embed_dim});
-    k_proj.emplace(
-        LinearParams{.weight = k_w, .bias = k_b, .in_features = kdim, .out_features = kv_width});
-    v_proj.emplace(
-        LinearParams{.weight = v_w, .bias = v_b, .in_features = vdim, .out_features = kv_width});
+    q_proj.emplace(LinearParams{.weight = q_w,
+                                .bias = q_b,
+                                .in_features = embed_dim,
+                                .out_features = embed_dim,
+                                .dtype = matmul_dtype});
+    k_proj.emplace(LinearParams{.weight = k_w,
+                                .bias = k_b,
+                                .in_features = kdim,
+                                .out_features = kv_width,
+                                .dtype = matmul_dtype});
+    v_proj.emplace(LinearParams{.weight = v_w,
+                                .bias = v_b,
+                                .in_features = vdim,
+                                .out_features = kv_width,
+                                .dtype = matmul_dtype});
   }
 
   // Runs the core on q [B, Lq, H, hd], k/v [B, Lk, Hkv, hd] into ctx [B, Lq, E], then the

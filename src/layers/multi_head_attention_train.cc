@@ -122,6 +122,10 @@ void MultiHeadAttention::forward_train(const float* x, std::int64_t batch, std::
   Impl& m = *impl_;
   m.check_self("forward_train");
   m.check_call("forward_train", x, out, batch, seq);
+  if (m.matmul_dtype != DType::kF32) {
+    throw Error(std::string("MultiHeadAttention::forward_train: matmul_dtype ") +
+                dtype_name(m.matmul_dtype) + " is for inference only; training needs f32");
+  }
   if (options.attn_weights != nullptr || !options.mask.empty() || !options.bias.empty()) {
     throw Error("MultiHeadAttention::forward_train: attn_weights, mask and bias are not "
                 "available in training (causal, window and key_lengths are)");

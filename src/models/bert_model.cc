@@ -50,7 +50,8 @@ LayerNorm read_layer_norm(const WeightReader& reader, const std::string& name, s
 
 // One BertLayer: self-attention (separate Q/K/V), attention.output (dense + LayerNorm),
 // intermediate (dense + act), output (dense + LayerNorm): a Post-LN encoder layer.
-EncoderLayer read_layer(const WeightReader& reader, const BertConfig& config, std::int64_t index) {
+EncoderLayer read_layer(const WeightReader& reader, const BertConfig& config, std::int64_t index,
+                        DType matmul_dtype) {
   const std::string at = "encoder.layer." + std::to_string(index) + ".";
   const std::int64_t e = config.hidden_size, f = config.intermediate_size;
   const std::vector<float> q_w = reader.read(at + "attention.self.query.weight", {e, e});
@@ -77,6 +78,7 @@ EncoderLayer read_layer(const WeightReader& reader, const BertConfig& config, st
       .activation = activation_of(config.hidden_act),
       .norm_first = false,
       .eps = static_cast<float>(config.layer_norm_eps),
+      .matmul_dtype = matmul_dtype,
   };
   EncoderLayerWeights weights;
   weights.attention.packing = QkvPacking::kSeparate;
@@ -112,8 +114,8 @@ BertModel::BertModel(const BertConfig& config, std::vector<float> word_embedding
       embeddings_norm_(std::move(embeddings_norm)),
       encoder_(std::move(encoder)) {}
 
-BertModel BertModel::from_safetensors(const BertConfig& config,
-                                      const io::SafetensorsFile& weights) {
+BertModel BertModel::from_safetensors(const BertConfig& config, const io::SafetensorsFile& weights,
+                                      DType matmul_dtype) {
   const WeightReader reader(weights);
   const std::int64_t e = config.hidden_size;
   std::vector<float> token_types =
@@ -124,7 +126,7 @@ BertModel BertModel::from_safetensors(const BertConfig& config,
   // first missing layer is reported before gigabytes are set aside for the rest.
   layers.reserve(static_cast<std::size_t>(std::min<std::int64_t>(config.num_hidden_layers, 256)));
   for (std::int64_t i = 0; i < config.num_hidden_layers; ++i) {
-    layers.push_back(read_layer(reader, config, i));
+    layers.push_back(read_layer(reader, config, i, matmul_dtype));
   }
   return BertModel(
       config, reader.read("embeddings.word_embeddings.weight", {config.vocab_size, e}),

@@ -87,7 +87,7 @@ SentenceEmbedder SentenceEmbedder::load(const std::string& dir, const EmbedderOp
   }
 
   const io::SafetensorsFile weights(dir + "/model.safetensors");
-  BertModel model = BertModel::from_safetensors(config, weights);
+  BertModel model = BertModel::from_safetensors(config, weights, options.matmul_dtype);
   return SentenceEmbedder(std::move(tokenizer), std::move(model), pooling, normalize, max_length,
                           options.batch_size);
 }

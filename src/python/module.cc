@@ -357,10 +357,11 @@ std::vector<double> time_attention(nb::handle q, nb::handle k, nb::handle v, nb:
 class PyEmbedder {
  public:
   PyEmbedder(const std::string& model_dir, std::int64_t max_length, std::int64_t batch_size,
-             std::optional<bool> normalize)
-      : embedder_(
-            load(model_dir,
-                 {.max_length = max_length, .batch_size = batch_size, .normalize = normalize})) {}
+             std::optional<bool> normalize, bool bf16)
+      : embedder_(load(model_dir, {.max_length = max_length,
+                                   .batch_size = batch_size,
+                                   .normalize = normalize,
+                                   .matmul_dtype = bf16 ? DType::kBF16 : DType::kF32})) {}
 
   // (std::vector of move-only layers claims to be copyable: say it is not, for nanobind.)
   PyEmbedder(const PyEmbedder&) = delete;
@@ -461,8 +462,8 @@ void define_module(nb::module_& m) {
   m.def("_data_address", &data_address, "array"_a);
 
   nb::class_<PyEmbedder>(m, "SentenceEmbedder")
-      .def(nb::init<const std::string&, std::int64_t, std::int64_t, std::optional<bool>>(),
-           "model_dir"_a, "max_length"_a, "batch_size"_a, "normalize"_a.none())
+      .def(nb::init<const std::string&, std::int64_t, std::int64_t, std::optional<bool>, bool>(),
+           "model_dir"_a, "max_length"_a, "batch_size"_a, "normalize"_a.none(), "bf16"_a)
       .def_prop_ro("dimension", &PyEmbedder::dimension)
       .def_prop_ro("max_length", &PyEmbedder::max_length)
       .def_prop_ro("normalize", &PyEmbedder::normalize)

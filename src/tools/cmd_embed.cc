@@ -48,6 +48,10 @@ the real tokens) -> L2 normalisation when modules.json lists a Normalize module.
                      so that a batch pads only to its own longest text
   --normalize        L2-normalise the embeddings (default: as modules.json says)
   --no-normalize     do not normalise
+  --dtype T          f32 (default) or bf16: the type of the encoder's matrix products (weights
+                     rounded to bf16 once, activations before each product; oneDNN runs them
+                     on AMX where the CPU has it). Embeddings, LayerNorm, softmax, GELU,
+                     pooling and every accumulation stay f32
   --threads N        worker threads; 0 = all cores (default)
   --quiet            no progress output on stderr
   --help             this text
@@ -113,6 +117,15 @@ Options parse_options(std::vector<std::string> argv) {
     } else if (name == "--normalize" || name == "--no-normalize") {
       if (o.embedder.normalize) throw UsageError("--normalize and --no-normalize exclude each other");
       o.embedder.normalize = name == "--normalize";
+    } else if (name == "--dtype") {
+      const std::string value = value_of(name);
+      if (value == "f32") {
+        o.embedder.matmul_dtype = DType::kF32;
+      } else if (value == "bf16") {
+        o.embedder.matmul_dtype = DType::kBF16;
+      } else {
+        throw UsageError("--dtype: expected f32 or bf16, got '" + value + "'");
+      }
     } else if (name == "--threads") {
       o.threads = static_cast<int>(bounded(name, 0, 4096));
     } else if (name == "--quiet") {

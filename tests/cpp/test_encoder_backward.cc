@@ -159,5 +159,29 @@ TEST(EncoderBackward, SetParametersRoundTrip) {
   expect_error([&] { layer.set_parameters(p); }, "EncoderLayer::set_parameters: ");
 }
 
+// matmul_dtype bf16 runs forward close to f32 (the products' operands rounded to bf16) and
+// refuses training.
+TEST(EncoderBackward, Bf16MatmulsAreInferenceOnly) {
+  EncoderLayerConfig c{.embed_dim = 8, .num_heads = 2, .d_ff = 16, .norm_first = true};
+  const EncoderLayerData d(c, 60);
+  const EncoderLayer f32(c, d.weights());
+  c.matmul_dtype = DType::kBF16;
+  const EncoderLayer bf16(c, d.weights());
+  auto x = random_floats(2 * 5 * 8, 61);
+  std::vector<float> a = x, b = x;
+  f32.forward(a.data(), 2, 5);
+  bf16.forward(b.data(), 2, 5);
+  double diff = 0, size = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, std::abs(static_cast<double>(a[i]) - b[i]));
+    size = std::max(size, std::abs(static_cast<double>(a[i])));
+  }
+  EXPECT_GT(diff, 0.0) << "bf16 products gave the f32 bits";
+  EXPECT_LT(diff, 2e-2 * std::max(1.0, size));
+  EncoderLayerTape tape;
+  expect_error([&] { bf16.forward_train(x.data(), 2, 5, {}, tape); },
+               "EncoderLayer::forward_train: matmul_dtype bf16 is for inference only");
+}
+
 }  // namespace
 }  // namespace qkv::testing

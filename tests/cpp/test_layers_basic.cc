@@ -8,6 +8,7 @@
 #include <limits>
 #include <vector>
 
+#include "core/float16.h"
 #include "expect_error.h"
 #include "layers_reference.h"
 #include "qkv/layers/activation.h"
@@ -167,6 +168,56 @@ TEST(LayersLinear, PrimitiveCachePerRowsCount) {
   std::vector<float> y(out);
   moved.forward(x.data(), 1, y.data());
   expect_close(y, linear_ref(to_f64(x), 1, in, to_f64(w), to_f64(b), out), 2e-5, "moved");
+}
+
+// dtype bf16: x and W rounded to bf16, products and sums in f32. Against the float64 product of
+// the rounded operands: f32 accumulation error only. The f32 layer on the unrounded operands
+// must be much farther from that (so the rounding really happened).
+void check_linear_bf16(const LinearCase& c) {
+  const std::int64_t stride = c.x_stride ? c.x_stride : c.in;
+  const std::vector<float> w = random_floats(c.out * c.in, 31 + c.in);
+  const std::vector<float> b = c.bias ? random_floats(c.out, 32) : std::vector<float>{};
+  const std::vector<float> x = random_floats(c.rows * stride, 33 + c.rows, -2.0f, 2.0f);
+  const auto rounded = [](std::vector<float> v) {
+    for (float& e : v) e = round_to_bf16(e);
+    return v;
+  };
+  const LinearParams params{
+      .weight = w, .bias = b, .in_features = c.in, .out_features = c.out, .activation = c.act};
+  LinearParams bf16_params = params;
+  bf16_params.dtype = DType::kBF16;
+  const Linear bf16(bf16_params), f32(params);
+  EXPECT_EQ(bf16.dtype(), DType::kBF16);
+  std::vector<float> y(c.rows * c.out, 42.0f), y32(c.rows * c.out);
+  bf16.forward(x.data(), c.rows, y.data(), c.x_stride);
+  f32.forward(x.data(), c.rows, y32.data(), c.x_stride);
+  const Vec ref = linear_ref(to_f64(rounded(x)), c.rows, c.in, to_f64(rounded(w)), to_f64(b),
+                             c.out, c.act, stride);
+  const std::string what = "bf16 rows=" + std::to_string(c.rows) + " in=" + std::to_string(c.in) +
+                           " out=" + std::to_string(c.out) + " act=" + activation_name(c.act);
+  expect_close(y, ref, 2e-6 * std::sqrt(static_cast<double>(c.in)) + 1e-6, what);
+  double f32_err = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) f32_err = std::max(f32_err, std::abs(y32[i] - ref[i]));
+  EXPECT_GT(f32_err, 1e-4) << what << ": the f32 layer is as close to the rounded operands";
+  // The weights read back are the bf16 values, as f32.
+  EXPECT_EQ(bf16.weight(), rounded(w)) << what;
+}
+
+TEST(LayersLinear, Bf16ProductsOfTheRoundedOperands) {
+  for (Activation act : kAllActivations) check_linear_bf16({17, 96, 65, act, true, 0});
+  check_linear_bf16({1, 5, 7, Activation::kNone, false, 0});
+  check_linear_bf16({300, 384, 1536, Activation::kGeluErf, true, 0});
+  check_linear_bf16({17, 5, 7, Activation::kNone, true, 9});  // strided x
+}
+
+TEST(LayersLinear, Bf16IsInferenceOnly) {
+  const std::vector<float> w(12, 0.5f), x(6, 1.0f), dy(8, 1.0f);
+  std::vector<float> dx(6), dw(12);
+  const Linear linear({.weight = w, .in_features = 3, .out_features = 4, .dtype = DType::kBF16});
+  expect_error([&] { linear.backward(x.data(), 2, dy.data(), dx.data(), dw.data(), nullptr); },
+               "the layer computes in bf16 (inference only); training needs dtype f32");
+  expect_error([&] { Linear({.weight = w, .in_features = 3, .out_features = 4, .dtype = DType::kF16}); },
+               "dtype f16 is not a product type (f32 or bf16)");
 }
 
 TEST(LayersLinear, ValidationErrors) {

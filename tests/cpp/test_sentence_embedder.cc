@@ -97,6 +97,32 @@ TEST_F(MiniLmTest, EmbeddingsMatchSentenceTransformers) {
   expect_close_rows(out, fixture_.embeddings, embedder.dimension(), fixture_.texts);
 }
 
+// --dtype bf16 (issue 16): the encoder's products in bf16, against sentence-transformers' f32
+// embeddings; cosine >= 0.999 on every fixture text.
+TEST_F(MiniLmTest, Bf16MatmulsStayWithinCosine0999) {
+  const SentenceEmbedder embedder =
+      SentenceEmbedder::load(dir_, {.batch_size = 8, .matmul_dtype = DType::kBF16});
+  std::vector<float> out(fixture_.texts.size() * embedder.dimension());
+  embedder.embed(fixture_.texts, out.data());
+  const std::int64_t dim = embedder.dimension();
+  double worst = 1, sum = 0;
+  for (std::size_t i = 0; i < fixture_.texts.size(); ++i) {
+    double dot = 0, na = 0, nb = 0;
+    for (std::int64_t c = 0; c < dim; ++c) {
+      const double a = out[i * dim + c], b = fixture_.embeddings[i][c];
+      dot += a * b;
+      na += a * a;
+      nb += b * b;
+    }
+    const double cosine = dot / std::sqrt(na * nb);
+    EXPECT_GE(cosine, 0.999) << "text " << i << ": " << fixture_.texts[i];
+    worst = std::min(worst, cosine);
+    sum += cosine;
+  }
+  std::printf("  bf16 matmuls: worst cosine %.6f, mean %.6f over %zu texts\n", worst,
+              sum / fixture_.texts.size(), fixture_.texts.size());
+}
+
 TEST_F(MiniLmTest, PooledBeforeNormalizeMatches) {
   const SentenceEmbedder embedder =
       SentenceEmbedder::load(dir_, {.batch_size = 64, .normalize = false});

@@ -245,7 +245,7 @@ def test_progress_output_for_many_texts(cli, rng):
 def test_help(cli):
     out = cli.ok("embed", "--help")
     for option in ["--model", "--text", "--input", "--out", "--max-length", "--batch-size",
-                   "--normalize", "--no-normalize", "--threads", "--quiet"]:
+                   "--normalize", "--no-normalize", "--dtype", "--threads", "--quiet"]:
         assert option in out
 
 
@@ -370,6 +370,8 @@ def test_vocab_size_mismatch(cli, model_dir):
     (["--model", "model", "--text", "a", "--out", "e.npy", "--normalize", "--no-normalize"],
      ["exclude"]),
     (["--model", "model", "--text", "a", "--out", "e.npy", "--bogus"], ["--bogus"]),
+    (["--model", "model", "--text", "a", "--out", "e.npy", "--dtype", "f16"],
+     ["--dtype", "expected f32 or bf16", "'f16'"]),
     (["--model", "model", "--text", "a", "--out", "."], ["--out", "directory"]),
 ])
 def test_bad_options(cli, model_dir, args, expect):
@@ -401,3 +403,18 @@ def test_minilm_matches_sentence_transformers(cli):
                                            * np.linalg.norm(expected, axis=1))
     assert cosine.min() >= 0.99999, cosine.min()
     assert np.abs(actual - expected).max() <= 1e-4
+
+
+def test_minilm_bf16_matmuls_within_cosine_0999(cli):
+    directory = real_model_dir()
+    fixture = json.loads(FIXTURE.read_text())
+    args = []
+    for text in fixture["texts"]:
+        args += ["--text", text]
+    cli.ok("embed", "--model", directory, *args, "--out", "e.npy", "--dtype", "bf16")
+    actual = cli.load("e.npy")
+    expected = np.array(fixture["embeddings"], np.float64)
+    cosine = (actual * expected).sum(1) / (np.linalg.norm(actual, axis=1)
+                                           * np.linalg.norm(expected, axis=1))
+    assert cosine.min() >= 0.999, cosine.min()
+    assert cosine.min() < 0.99999  # the products really ran in bf16

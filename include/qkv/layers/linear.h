@@ -8,6 +8,11 @@
 // created per (rows, x_stride) seen and cached; bias and activation are fused as post-ops.
 // forward() may be called on one object from several threads at once (the primitive cache is
 // guarded; each thread passes oneDNN a scratchpad of its own).
+//
+// dtype kBF16 (inference): W is stored as bf16 and x is rounded to bf16 (nearest even) before
+// each product; oneDNN accumulates in f32 and adds the f32 bias, and y stays f32. oneDNN runs
+// it on AMX where the CPU has it, on AVX512-BF16 or by conversion elsewhere. backward() needs
+// kF32.
 #pragma once
 
 #include <cstdint>
@@ -16,6 +21,7 @@
 #include <vector>
 
 #include "qkv/layers/activation.h"
+#include "qkv/tensor.h"
 
 namespace qkv {
 
@@ -25,6 +31,7 @@ struct LinearParams {
   std::int64_t in_features = 0;
   std::int64_t out_features = 0;
   Activation activation = Activation::kNone;  // fused as a oneDNN post-op
+  DType dtype = DType::kF32;  // of the products: kF32, or kBF16 (see above)
 };
 
 class Linear {
@@ -38,6 +45,7 @@ class Linear {
   std::int64_t in_features() const;
   std::int64_t out_features() const;
   Activation activation() const;
+  DType dtype() const;
 
   // x: [rows, in_features] with row stride x_stride (>= in_features; 0 = in_features)
   // y: [rows, out_features] contiguous; must not overlap x. rows == 0 does nothing.

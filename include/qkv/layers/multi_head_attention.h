@@ -36,6 +36,9 @@ struct MultiHeadAttentionConfig {
   std::int64_t num_kv_heads = 0;  // 0 = num_heads (GQA when smaller; must divide num_heads)
   std::int64_t kdim = 0;          // 0 = embed_dim: feature size of the key memory
   std::int64_t vdim = 0;          // 0 = embed_dim: feature size of the value memory
+  // The projections' products (LinearParams::dtype): kF32, or kBF16 for inference (the core
+  // attention, softmax and accumulation stay f32; forward_train refuses it).
+  DType matmul_dtype = DType::kF32;
 };
 
 // Spans are copied at construction. (Every member has a default initializer so designated

@@ -32,8 +32,12 @@ namespace qkv::models {
 class BertModel {
  public:
   // Builds the model from `config` and the tensors of `weights`; throws qkv::Error naming the
-  // file and tensor when one is missing or has the wrong shape or dtype.
-  static BertModel from_safetensors(const BertConfig& config, const io::SafetensorsFile& weights);
+  // file and tensor when one is missing or has the wrong shape or dtype. matmul_dtype: the
+  // layers' products (EncoderLayerConfig::matmul_dtype): f32, or bf16 (weights rounded to bf16
+  // once; activations before each product; embeddings, LayerNorm, softmax, GELU and
+  // accumulation in f32).
+  static BertModel from_safetensors(const BertConfig& config, const io::SafetensorsFile& weights,
+                                    DType matmul_dtype = DType::kF32);
 
   const BertConfig& config() const { return config_; }
   std::int64_t hidden_size() const { return config_.hidden_size; }

@@ -39,6 +39,7 @@ struct EmbedderOptions {
   std::int64_t max_length = 0;
   std::int64_t batch_size = 32;       // texts per forward pass
   std::optional<bool> normalize = {};  // nullopt: as modules.json says
+  DType matmul_dtype = DType::kF32;    // the model's products: f32 or bf16 (BertModel)
 };
 
 class SentenceEmbedder {

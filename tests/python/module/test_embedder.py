@@ -35,6 +35,18 @@ def test_matches_sentence_transformers(embedder, fixture):
     assert np.abs(actual - expected).max() <= 1e-4
 
 
+def test_bf16_matmuls_within_cosine_0999(model_dir, fixture):
+    texts = fixture["texts"]
+    actual = qkv.SentenceEmbedder(model_dir, dtype="bf16").encode(texts)
+    expected = np.array(fixture["embeddings"], np.float64)
+    cosine = (actual * expected).sum(1) / (np.linalg.norm(actual, axis=1)
+                                           * np.linalg.norm(expected, axis=1))
+    assert cosine.min() >= 0.999, cosine.min()
+    assert cosine.min() < 0.99999  # the products really ran in bf16
+    with pytest.raises(ValueError, match="dtype: expected 'f32' or 'bf16', got 'f16'"):
+        qkv.SentenceEmbedder(model_dir, dtype="f16")
+
+
 def test_one_text_and_batch_sizes(embedder, fixture):
     texts = fixture["texts"]
     batched = embedder.encode(texts)
