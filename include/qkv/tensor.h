@@ -12,13 +12,14 @@
 
 namespace qkv {
 
-// Element types. f32 is computed today; bf16 and f16 are storage types for later kernels
-// (accumulation is always f32). kBool / kU8 are mask types, kI32 / kI64 index types.
-enum class DType : std::uint8_t { kF32, kBF16, kF16, kBool, kU8, kI32, kI64 };
+// Element types. f32, bf16 and f16 are attention's operand types (accumulation is f32); f64
+// runs on the reference kernel only (gradient checks: docs/training.md). kBool / kU8 are mask
+// types, kI32 / kI64 index types.
+enum class DType : std::uint8_t { kF32, kBF16, kF16, kBool, kU8, kI32, kI64, kF64 };
 
 // Bytes per element of `dtype`.
 int dtype_size(DType dtype);
-// "f32", "bf16", "f16", "bool", "u8", "i32", "i64".
+// "f32", "bf16", "f16", "bool", "u8", "i32", "i64", "f64".
 const char* dtype_name(DType dtype);
 
 struct TensorView {

@@ -20,6 +20,8 @@ int dtype_size(DType dtype) {
       return 4;
     case DType::kI64:
       return 8;
+    case DType::kF64:
+      return 8;
   }
   return 0;
 }
@@ -40,6 +42,8 @@ const char* dtype_name(DType dtype) {
       return "i32";
     case DType::kI64:
       return "i64";
+    case DType::kF64:
+      return "f64";
   }
   return "?";
 }

@@ -343,6 +343,7 @@ const char* descr_of(DType dtype) {
       return "<i8";
     case DType::kBF16:
     case DType::kF16:
+    case DType::kF64:  // (.npy files of attention are f32: the CLI never writes f64)
       break;
   }
   return nullptr;
@@ -603,6 +604,8 @@ const char* npy_type_name(DType dtype) {
       return "int32";
     case DType::kI64:
       return "int64";
+    case DType::kF64:
+      return "float64";
   }
   return "?";
 }

@@ -31,7 +31,8 @@ struct AttentionKernelParams {
   std::int64_t batch, seq_q, seq_kv, num_heads_q, num_heads_kv, head_dim, head_dim_v;
 
   // Operands and their strides in elements, in logical order. q, k and v are stored as `dtype`
-  // (f32, bf16 or f16; kernels accumulate in f32); out, lse and probs are f32.
+  // (f32, bf16 or f16; kernels accumulate in f32); out, lse and probs are f32. dtype f64 runs on
+  // the reference kernel only: out, lse and probs are then the f64 ones below (these are null).
   //   q: [B, Lq, Hq, D]   k: [B, Lk, Hkv, D]   v: [B, Lk, Hkv, Dv]   out: [B, Lq, Hq, Dv]
   DType dtype;
   const void* q;
@@ -43,6 +44,9 @@ struct AttentionKernelParams {
   std::int64_t lse_stride[3];
   float* probs;  // nullable; [B, Hq, Lq, Lk]
   std::int64_t probs_stride[4];
+  double* out_f64 = nullptr;  // dtype f64: out, lse (nullable) and probs (nullable), same strides
+  double* lse_f64 = nullptr;
+  double* probs_f64 = nullptr;
 
   // Scores.
   float scale;    // > 0
@@ -77,6 +81,12 @@ struct AttentionKernelParams {
 inline float load_element(const void* base, DType dtype, std::int64_t offset) {
   if (dtype == DType::kF32) return static_cast<const float*>(base)[offset];
   return half_bits_to_f32(dtype, static_cast<const std::uint16_t*>(base)[offset]);
+}
+
+// The same for any of them and f64, as f64 (exact): the reference kernels read through it.
+inline double load_element_f64(const void* base, DType dtype, std::int64_t offset) {
+  if (dtype == DType::kF64) return static_cast<const double*>(base)[offset];
+  return load_element(base, dtype, offset);
 }
 
 // `base` advanced by `offset` elements of `dtype`.

@@ -29,6 +29,7 @@ const char* resolved_kernel_name(const AttentionParams& params, const AttentionO
 
 const char* resolved_product_path(const AttentionParams& params, const AttentionOutputs& outputs,
                                   DType dtype) {
+  if (dtype == DType::kF64) return "reference-f64";
   switch (ops::resolve_kernel(params.kernel, !outputs.probs.empty(), params.dropout_p > 0.0f)) {
     case Kernel::kChunked:
       return product_path_name(WideningProductPath(dtype));

@@ -14,15 +14,18 @@
 namespace qkv {
 namespace {
 
-// f32, present, of `want` shape, written by several threads.
+// Of `dtype` (f32; f64 for f64 inputs), present, of `want` shape, written by several threads.
 void require_gradient(const char* name, const TensorView& view,
-                      const std::array<std::int64_t, 4>& want, const char* want_text) {
+                      const std::array<std::int64_t, 4>& want, const char* want_text,
+                      DType dtype = DType::kF32) {
+  const std::string type = dtype_name(dtype);
   if (view.empty()) {
-    throw Error(std::string(name) + ": required (f32, shape " + want_text + " = " +
+    throw Error(std::string(name) + ": required (" + type + ", shape " + want_text + " = " +
                 shape_string(want) + ")");
   }
   ops::require_data(name, view);
-  ops::require_dtype(name, view, DType::kF32, "expected f32");
+  ops::require_dtype(name, view, dtype,
+                     dtype == DType::kF64 ? "expected f64 (q, k and v are f64)" : "expected f32");
   ops::require_shape(name, view, want, want_text);
   ops::require_writable_strides(name, view);
 }
@@ -34,10 +37,15 @@ void backward(const TensorView& q, const TensorView& k, const TensorView& v,
               const BlockPositions* block) {
   if (out.empty() || lse.empty()) {
     throw Error(std::string(out.empty() ? "out" : "lse") +
-                ": required (the forward's output for these inputs; f32)");
+                ": required (the forward's output for these inputs; f32, f64 for f64 inputs)");
   }
   if (params.kernel == Kernel::kChunked) {
     throw Error("kernel: the backward has no chunked kernel; use kernel auto, flash or reference");
+  }
+  const bool f64 = q.dtype == DType::kF64;  // (f64: the reference kernel, f64 gradients)
+  if (f64 && block != nullptr) {
+    throw Error("q: a block's backward needs the flash kernel, which takes f32, bf16 or f16, "
+                "not f64");
   }
   if (block != nullptr && params.kernel == Kernel::kReference) {
     throw Error("kernel: a block's backward needs the flash kernel (the reference recomputes "
@@ -51,13 +59,18 @@ void backward(const TensorView& q, const TensorView& k, const TensorView& v,
   const std::int64_t heads_q = p.num_heads_q, heads_kv = p.num_heads_kv;
   const std::int64_t dim = p.head_dim, dim_v = p.head_dim_v;
 
-  if (dout.empty()) throw Error("dout: required (f32, the shape of out)");
+  const DType grad_dtype = f64 ? DType::kF64 : DType::kF32;
+  if (dout.empty()) {
+    throw Error(std::string("dout: required (") + dtype_name(grad_dtype) + ", the shape of out)");
+  }
   ops::require_data("dout", dout);
-  ops::require_dtype("dout", dout, DType::kF32, "expected f32");
+  ops::require_dtype("dout", dout, grad_dtype,
+                     f64 ? "expected f64 (q, k and v are f64)" : "expected f32");
   ops::require_shape("dout", dout, {batch, seq_q, heads_q, dim_v}, "(B, Lq, Hq, Dv)");
-  require_gradient("dq", grads.dq, {batch, seq_q, heads_q, dim}, "(B, Lq, Hq, D)");
-  require_gradient("dk", grads.dk, {batch, seq_kv, heads_kv, dim}, "(B, Lk, Hkv, D)");
-  require_gradient("dv", grads.dv, {batch, seq_kv, heads_kv, dim_v}, "(B, Lk, Hkv, Dv)");
+  require_gradient("dq", grads.dq, {batch, seq_q, heads_q, dim}, "(B, Lq, Hq, D)", grad_dtype);
+  require_gradient("dk", grads.dk, {batch, seq_kv, heads_kv, dim}, "(B, Lk, Hkv, D)", grad_dtype);
+  require_gradient("dv", grads.dv, {batch, seq_kv, heads_kv, dim_v}, "(B, Lk, Hkv, Dv)",
+                   grad_dtype);
   AttentionBackwardKernelParams g{};
   if (!grads.dbias.empty()) {
     if (params.bias.empty()) throw Error("dbias: needs a bias (params.bias is empty)");
@@ -75,18 +88,25 @@ void backward(const TensorView& q, const TensorView& k, const TensorView& v,
   ops::require_no_overlap(written, read);
 
   g.forward = p;
-  g.dout = static_cast<const float*>(dout.data);
-  g.dq = static_cast<float*>(grads.dq.data);
-  g.dk = static_cast<float*>(grads.dk.data);
-  g.dv = static_cast<float*>(grads.dv.data);
+  if (f64) {
+    g.dout_f64 = static_cast<const double*>(dout.data);
+    g.dq_f64 = static_cast<double*>(grads.dq.data);
+    g.dk_f64 = static_cast<double*>(grads.dk.data);
+    g.dv_f64 = static_cast<double*>(grads.dv.data);
+  } else {
+    g.dout = static_cast<const float*>(dout.data);
+    g.dq = static_cast<float*>(grads.dq.data);
+    g.dk = static_cast<float*>(grads.dk.data);
+    g.dv = static_cast<float*>(grads.dv.data);
+  }
   for (int d = 0; d < 4; ++d) {
     g.dout_stride[d] = dout.strides[d];
     g.dq_stride[d] = grads.dq.strides[d];
     g.dk_stride[d] = grads.dk.strides[d];
     g.dv_stride[d] = grads.dv.strides[d];
   }
-  // auto: flash.
-  if (params.kernel == Kernel::kReference) {
+  // auto: flash (f64: the reference).
+  if (params.kernel == Kernel::kReference || f64) {
     attention_backward_reference(g);
   } else {
     attention_backward_flash_cpu(g);
@@ -96,7 +116,7 @@ void backward(const TensorView& q, const TensorView& k, const TensorView& v,
 }  // namespace
 
 const char* backward_product_path(const AttentionParams& params, DType dtype) {
-  return params.kernel == Kernel::kReference ? "reference-f64"
+  return params.kernel == Kernel::kReference || dtype == DType::kF64 ? "reference-f64"
                                              : product_path_name(WideningProductPath(dtype));
 }
 

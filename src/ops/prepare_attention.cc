@@ -17,7 +17,7 @@ namespace qkv::ops {
 namespace {
 
 // The dtypes attention() takes for q, k and v.
-const char* const kDtypeHint = "expected f32, bf16 or f16";
+const char* const kDtypeHint = "expected f32, bf16, f16 or f64";
 
 // The bias may hold -inf (a mask), but +inf or NaN would turn a softmax row into NaN.
 void require_no_nan_or_pos_inf(const TensorView& bias) {
@@ -80,10 +80,14 @@ void prepare_attention(const TensorView& q, const TensorView& k, const TensorVie
   const std::int64_t head_dim = shape.head_dim, seq_kv = shape.seq_kv;
 
   const std::array<std::int64_t, 4> score_shape = {batch, num_heads_q, seq_q, seq_kv};
+  // f64 inputs (gradient checks) run on the reference kernel and give f64 outputs.
+  const bool f64 = q.dtype == DType::kF64;
+  const DType out_dtype = f64 ? DType::kF64 : DType::kF32;
+  const char* const out_hint = f64 ? "expected f64 (q, k and v are f64)" : "expected f32";
   const TensorView& lse = outputs.lse;
   if (!lse.empty()) {
     require_data("lse", lse);
-    require_dtype("lse", lse, DType::kF32, "expected f32");
+    require_dtype("lse", lse, out_dtype, out_hint);
     require_shape("lse", lse, {batch, num_heads_q, seq_q, 1}, "(B, Hq, Lq, 1)");
     require_writable_strides("lse", lse);
   }
@@ -92,14 +96,18 @@ void prepare_attention(const TensorView& q, const TensorView& k, const TensorVie
     throw Error("dropout_p: must be in [0, 1), got " + std::to_string(params.dropout_p));
   }
   const bool dropout = params.dropout_p > 0.0f;
-  const Kernel kernel = resolve_kernel(params.kernel, !probs.empty(), dropout);
+  if (f64 && params.kernel != Kernel::kAuto && params.kernel != Kernel::kReference) {
+    throw Error("kernel: f64 inputs run on the reference kernel only (gradient checks); use "
+                "kernel auto or reference");
+  }
+  const Kernel kernel = f64 ? Kernel::kReference : resolve_kernel(params.kernel, !probs.empty(), dropout);
   if (dropout && kernel == Kernel::kChunked) {
     throw Error("dropout_p: not available from the chunked kernel; use kernel auto, flash or "
                 "reference");
   }
   prepared.kernel = kernel;
   if (!probs.empty()) {
-    require_dtype("probs", probs, DType::kF32, "expected f32");
+    require_dtype("probs", probs, out_dtype, out_hint);
     require_shape("probs", probs, score_shape, "(B, Hq, Lq, Lk)");
     require_writable_strides("probs", probs);
     if (kernel == Kernel::kFlash) {
@@ -153,6 +161,12 @@ void prepare_attention(const TensorView& q, const TensorView& k, const TensorVie
   if (!probs.empty()) {
     p.probs = static_cast<float*>(probs.data);
     for (int d = 0; d < 4; ++d) p.probs_stride[d] = probs.strides[d];
+  }
+  if (f64) {  // the same memory as doubles (kernel_params.h)
+    p.out_f64 = static_cast<double*>(out.data);
+    p.lse_f64 = static_cast<double*>(lse.data);
+    p.probs_f64 = static_cast<double*>(probs.data);
+    p.out = p.lse = p.probs = nullptr;
   }
   p.scale = scale;
   p.softcap = params.softcap;

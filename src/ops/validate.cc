@@ -82,7 +82,7 @@ AttentionShape validate_operands(const TensorView& q, const TensorView& k, const
     require_data(name, *view);
     require_positive_sizes(name, *view);
   }
-  const bool half = q.dtype == DType::kBF16 || q.dtype == DType::kF16;
+  const bool half = q.dtype == DType::kBF16 || q.dtype == DType::kF16 || q.dtype == DType::kF64;
   if (!(q.dtype == DType::kF32 || (half_inputs && half))) {
     require_dtype("q", q, DType::kF32, dtype_hint);
   }
@@ -92,7 +92,11 @@ AttentionShape validate_operands(const TensorView& q, const TensorView& k, const
                   dtype_name(q.dtype) + " (q, k and v must share one dtype)");
     }
   }
-  require_dtype("out", out, DType::kF32, "expected f32");
+  if (q.dtype == DType::kF64) {
+    require_dtype("out", out, DType::kF64, "expected f64 (q, k and v are f64)");
+  } else {
+    require_dtype("out", out, DType::kF32, "expected f32");
+  }
   require_same("q", q, 0, "k", k, 0, "batch (dim 0)");
   require_same("k", k, 0, "v", v, 0, "batch (dim 0)");
   require_same("k", k, 1, "v", v, 1, "seq_kv (dim 1)");

@@ -40,8 +40,9 @@ struct AttentionShape {
 };
 
 // q: [B, Lq, Hq, D]  k: [B, Lk, Hkv, D]  v: [B, Lk, Hkv, Dv]  out: [B, Lq, Hq, Dv]
-// Each present, sizes >= 1, consistent, Hq a multiple of Hkv, out writable and f32. q, k and v
-// share one dtype: f32, or bf16/f16 when `half_inputs` (else the error ends with `dtype_hint`).
+// Each present, sizes >= 1, consistent, Hq a multiple of Hkv, out writable and f32 (f64 for f64
+// inputs). q, k and v share one dtype: f32, or bf16/f16/f64 when `half_inputs` (else the error
+// ends with `dtype_hint`).
 AttentionShape validate_operands(const TensorView& q, const TensorView& k, const TensorView& v,
                                  const TensorView& out, bool half_inputs,
                                  const std::string& dtype_hint);

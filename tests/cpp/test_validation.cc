@@ -78,7 +78,14 @@ TEST(Validation, Dtypes) {
   expect_error([](Valid& p) { p.kv.dtype = DType::kI32; }, {"k: dtype i32"});
   expect_error([](Valid& p) { p.vv.dtype = DType::kBF16; },
                {"v: dtype bf16", "differs from q's f32"});
-  expect_error([](Valid& p) { p.qv.dtype = DType::kI64; }, {"q: dtype i64", "f32, bf16 or f16"});
+  expect_error([](Valid& p) { p.qv.dtype = DType::kI64; },
+               {"q: dtype i64", "f32, bf16, f16 or f64"});
+  // f64 q, k, v (the reference kernel's gradient-check path) need f64 outputs.
+  expect_error(
+      [](Valid& p) {
+        p.qv.dtype = p.kv.dtype = p.vv.dtype = DType::kF64;
+      },
+      {"out: dtype f32", "expected f64 (q, k and v are f64)"});
   expect_error([](Valid& p) { p.outputs.out.dtype = DType::kBF16; },
                {"out: dtype bf16", "expected f32"});
   expect_error(

@@ -30,7 +30,17 @@ struct Scratch {
   std::vector<double> s, capped, z, out, dq, dk, dv;
 };
 
-void backward_one_group(const AttentionBackwardKernelParams& g, std::int64_t b,
+// dout read and dq, dk, dv written as T: f32 (g.dout, ...), or f64 for f64 inputs (g.dout_f64).
+template <typename T>
+struct Grads {
+  const T* dout;
+  T* dq;
+  T* dk;
+  T* dv;
+};
+
+template <typename T>
+void backward_one_group(const AttentionBackwardKernelParams& g, const Grads<T>& o, std::int64_t b,
                         std::int64_t kv_head, Scratch& w, double* dbias_acc) {
   const AttentionKernelParams& p = g.forward;
   const std::int64_t lk = p.seq_kv, dim = p.head_dim, dim_v = p.head_dim_v;
@@ -38,12 +48,12 @@ void backward_one_group(const AttentionBackwardKernelParams& g, std::int64_t b,
   std::fill(w.dk.begin(), w.dk.end(), 0.0);
   std::fill(w.dv.begin(), w.dv.end(), 0.0);
   auto k_at = [&](std::int64_t j, std::int64_t d) {
-    return static_cast<double>(load_element(
-        p.k, p.dtype, b * p.k_stride[0] + j * p.k_stride[1] + kv_head * p.k_stride[2] + d * p.k_stride[3]));
+    return load_element_f64(
+        p.k, p.dtype, b * p.k_stride[0] + j * p.k_stride[1] + kv_head * p.k_stride[2] + d * p.k_stride[3]);
   };
   auto v_at = [&](std::int64_t j, std::int64_t e) {
-    return static_cast<double>(load_element(
-        p.v, p.dtype, b * p.v_stride[0] + j * p.v_stride[1] + kv_head * p.v_stride[2] + e * p.v_stride[3]));
+    return load_element_f64(
+        p.v, p.dtype, b * p.v_stride[0] + j * p.v_stride[1] + kv_head * p.v_stride[2] + e * p.v_stride[3]);
   };
   for (std::int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
     for (std::int64_t i = 0; i < p.seq_q; ++i) {
@@ -55,9 +65,9 @@ void backward_one_group(const AttentionBackwardKernelParams& g, std::int64_t b,
         max = std::fmax(max, w.s[j]);
       }
       std::fill(w.dq.begin(), w.dq.end(), 0.0);
-      float* dq = g.dq + b * g.dq_stride[0] + i * g.dq_stride[1] + h * g.dq_stride[2];
+      T* dq = o.dq + b * g.dq_stride[0] + i * g.dq_stride[1] + h * g.dq_stride[2];
       if (max == kNegInf) {  // no allowed key: zero gradients (dq here, nothing for dk, dv)
-        for (std::int64_t d = 0; d < dim; ++d) dq[d * g.dq_stride[3]] = 0.0f;
+        for (std::int64_t d = 0; d < dim; ++d) dq[d * g.dq_stride[3]] = T{0};
         continue;
       }
       double sum = 0.0;
@@ -66,7 +76,7 @@ void backward_one_group(const AttentionBackwardKernelParams& g, std::int64_t b,
         sum += w.s[j];
       }
       for (std::int64_t j = 0; j < lk; ++j) w.s[j] /= sum;
-      const float* dout = g.dout + b * g.dout_stride[0] + i * g.dout_stride[1] + h * g.dout_stride[2];
+      const T* dout = o.dout + b * g.dout_stride[0] + i * g.dout_stride[1] + h * g.dout_stride[2];
       auto dout_at = [&](std::int64_t e) { return static_cast<double>(dout[e * g.dout_stride[3]]); };
       // The dropout factor z_j: keep / (1 - p), or 1 without dropout.
       const std::uint64_t drop_row =
@@ -108,18 +118,17 @@ void backward_one_group(const AttentionBackwardKernelParams& g, std::int64_t b,
                           static_cast<double>(p.scale);
         for (std::int64_t d = 0; d < dim; ++d) {
           w.dq[d] += du * k_at(j, d);
-          w.dk[j * dim + d] +=
-              du * static_cast<double>(load_element(p.q, p.dtype, q_row + d * p.q_stride[3]));
+          w.dk[j * dim + d] += du * load_element_f64(p.q, p.dtype, q_row + d * p.q_stride[3]);
         }
       }
-      for (std::int64_t d = 0; d < dim; ++d) dq[d * g.dq_stride[3]] = static_cast<float>(w.dq[d]);
+      for (std::int64_t d = 0; d < dim; ++d) dq[d * g.dq_stride[3]] = static_cast<T>(w.dq[d]);
     }
   }
   for (std::int64_t j = 0; j < lk; ++j) {
-    float* dk = g.dk + b * g.dk_stride[0] + j * g.dk_stride[1] + kv_head * g.dk_stride[2];
-    float* dv = g.dv + b * g.dv_stride[0] + j * g.dv_stride[1] + kv_head * g.dv_stride[2];
-    for (std::int64_t d = 0; d < dim; ++d) dk[d * g.dk_stride[3]] = static_cast<float>(w.dk[j * dim + d]);
-    for (std::int64_t e = 0; e < dim_v; ++e) dv[e * g.dv_stride[3]] = static_cast<float>(w.dv[j * dim_v + e]);
+    T* dk = o.dk + b * g.dk_stride[0] + j * g.dk_stride[1] + kv_head * g.dk_stride[2];
+    T* dv = o.dv + b * g.dv_stride[0] + j * g.dv_stride[1] + kv_head * g.dv_stride[2];
+    for (std::int64_t d = 0; d < dim; ++d) dk[d * g.dk_stride[3]] = static_cast<T>(w.dk[j * dim + d]);
+    for (std::int64_t e = 0; e < dim_v; ++e) dv[e * g.dv_stride[3]] = static_cast<T>(w.dv[j * dim_v + e]);
   }
 }
 
@@ -147,9 +156,16 @@ void attention_backward_reference(const AttentionBackwardKernelParams& g) {
     w.dk.resize(p.seq_kv * p.head_dim);
     w.dv.resize(p.seq_kv * p.head_dim_v);
   }
+  const Grads<float> f32{g.dout, g.dq, g.dk, g.dv};
+  const Grads<double> f64{g.dout_f64, g.dq_f64, g.dk_f64, g.dv_f64};
   parallel_for(num_tasks, num_threads, [&](std::int64_t task, int thread) {
-    backward_one_group(g, task / p.num_heads_kv, task % p.num_heads_kv, scratch[thread],
-                       dbias_acc.empty() ? nullptr : dbias_acc.data());
+    const std::int64_t b = task / p.num_heads_kv, kv_head = task % p.num_heads_kv;
+    double* acc = dbias_acc.empty() ? nullptr : dbias_acc.data();
+    if (p.dtype == DType::kF64) {
+      backward_one_group(g, f64, b, kv_head, scratch[thread], acc);
+    } else {
+      backward_one_group(g, f32, b, kv_head, scratch[thread], acc);
+    }
   });
   if (g.dbias != nullptr) {
     std::int64_t index = 0;

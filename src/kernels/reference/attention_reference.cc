@@ -16,9 +16,18 @@
 namespace qkv {
 namespace {
 
+// Where out, lse and probs go: f32 (p.out, ...), or f64 for f64 inputs (p.out_f64, ...).
+template <typename T>
+struct Outputs {
+  T* out;
+  T* lse;
+  T* probs;
+};
+
 // One (b, h): scores [Lq, Lk] in f64 scratch, then softmax and the weighted sum of v.
-void reference_one_head(const AttentionKernelParams& p, std::int64_t b, std::int64_t h,
-                        double* scores) {
+template <typename T>
+void reference_one_head(const AttentionKernelParams& p, const Outputs<T>& o, std::int64_t b,
+                        std::int64_t h, double* scores) {
   constexpr double kNegInf = -std::numeric_limits<double>::infinity();
   const std::int64_t kv_head = h / (p.num_heads_q / p.num_heads_kv);
   const std::int64_t lk = p.seq_kv;
@@ -51,7 +60,7 @@ void reference_one_head(const AttentionKernelParams& p, std::int64_t b, std::int
         p.dropout_p > 0.0f
             ? dropout_row(p.dropout_seed, p.dropout_offset, b, h, i, p.num_heads_q, p.seq_q)
             : 0;
-    float* out = p.out + b * p.out_stride[0] + i * p.out_stride[1] + h * p.out_stride[2];
+    T* out = o.out + b * p.out_stride[0] + i * p.out_stride[1] + h * p.out_stride[2];
     for (std::int64_t e = 0; e < p.head_dim_v; ++e) {
       double acc = 0.0;
       for (std::int64_t j = 0; j < lk; ++j) {
@@ -62,20 +71,18 @@ void reference_one_head(const AttentionKernelParams& p, std::int64_t b, std::int
           weight *= static_cast<double>(p.dropout_scale);
         }
         const std::int64_t v_row = b * p.v_stride[0] + j * p.v_stride[1] + kv_head * p.v_stride[2];
-        acc += weight * static_cast<double>(load_element(p.v, p.dtype, v_row + e * p.v_stride[3]));
+        acc += weight * load_element_f64(p.v, p.dtype, v_row + e * p.v_stride[3]);
       }
-      out[e * p.out_stride[3]] = static_cast<float>(acc * inv_sum);
+      out[e * p.out_stride[3]] = static_cast<T>(acc * inv_sum);
     }
-    if (p.lse != nullptr) {
-      p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] =
-          sum > 0.0 ? static_cast<float>(max + std::log(sum))
-                    : -std::numeric_limits<float>::infinity();
+    if (o.lse != nullptr) {
+      o.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] =
+          sum > 0.0 ? static_cast<T>(max + std::log(sum)) : -std::numeric_limits<T>::infinity();
     }
-    if (p.probs != nullptr) {
-      float* probs =
-          p.probs + b * p.probs_stride[0] + h * p.probs_stride[1] + i * p.probs_stride[2];
+    if (o.probs != nullptr) {
+      T* probs = o.probs + b * p.probs_stride[0] + h * p.probs_stride[1] + i * p.probs_stride[2];
       for (std::int64_t j = 0; j < lk; ++j) {
-        probs[j * p.probs_stride[3]] = max == kNegInf ? 0.0f : static_cast<float>(row[j] * inv_sum);
+        probs[j * p.probs_stride[3]] = max == kNegInf ? T{0} : static_cast<T>(row[j] * inv_sum);
       }
     }
   }
@@ -89,9 +96,16 @@ void attention_reference(const AttentionKernelParams& p) {
   // Scratch, sized once before the parallel loop: one f64 score matrix [Lq, Lk] per thread.
   AlignedBuffer scratch(static_cast<std::size_t>(num_threads) * p.seq_q * p.seq_kv *
                         sizeof(double));
+  const Outputs<float> f32{p.out, p.lse, p.probs};
+  const Outputs<double> f64{p.out_f64, p.lse_f64, p.probs_f64};
   parallel_for(num_tasks, num_threads, [&](std::int64_t task, int thread) {
     double* scores = scratch.as<double>() + static_cast<std::int64_t>(thread) * p.seq_q * p.seq_kv;
-    reference_one_head(p, task / p.num_heads_q, task % p.num_heads_q, scores);
+    const std::int64_t b = task / p.num_heads_q, h = task % p.num_heads_q;
+    if (p.dtype == DType::kF64) {
+      reference_one_head(p, f64, b, h, scores);
+    } else {
+      reference_one_head(p, f32, b, h, scores);
+    }
   });
 }
 

@@ -36,8 +36,8 @@ inline double score(const AttentionKernelParams& p, std::int64_t b, std::int64_t
   const std::int64_t k_row = b * p.k_stride[0] + j * p.k_stride[1] + kv_head * p.k_stride[2];
   double dot = 0.0;
   for (std::int64_t d = 0; d < p.head_dim; ++d) {
-    dot += static_cast<double>(load_element(p.q, p.dtype, q_row + d * p.q_stride[3])) *
-           static_cast<double>(load_element(p.k, p.dtype, k_row + d * p.k_stride[3]));
+    dot += load_element_f64(p.q, p.dtype, q_row + d * p.q_stride[3]) *
+           load_element_f64(p.k, p.dtype, k_row + d * p.k_stride[3]);
   }
   double s = dot * static_cast<double>(p.scale);
   *capped = 0.0;
