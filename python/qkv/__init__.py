@@ -81,12 +81,18 @@ def _input(name: str, x: Any) -> Tuple[Any, bool]:
     return x, False
 
 
-def _empty(framework: str, shape: Tuple[int, ...]) -> Any:
-    """A float32 array for an output: torch for torch inputs, else numpy (jax converts after)."""
+def _empty(framework: str, shape: Tuple[int, ...], f64: bool = False) -> Any:
+    """A float32 array for an output (float64 with f64): torch for torch inputs, else numpy (jax
+    converts after)."""
     if framework == "torch":
         import torch
-        return torch.empty(shape, dtype=torch.float32)
-    return np.empty(shape, np.float32)
+        return torch.empty(shape, dtype=torch.float64 if f64 else torch.float32)
+    return np.empty(shape, np.float64 if f64 else np.float32)
+
+
+def _is_f64(x: Any) -> bool:
+    """Whether x holds float64 (the reference kernel's gradient-check path: float64 outputs)."""
+    return str(getattr(x, "dtype", "")) in ("float64", "torch.float64")
 
 
 def _result(framework: str, x: Any) -> Any:
@@ -159,6 +165,8 @@ def attention(q: Array, k: Array, v: Array, *, layout: str = "bshd", causal: boo
         lse: (B, Hq, Lq)    weights: (B, Hq, Lq, Lk)
     Hq must be a multiple of Hkv (GQA / MQA: query head h reads kv head h // (Hq // Hkv)).
     q, k, v: float32, bfloat16 or float16 (one dtype), any strides; accumulation is float32.
+    float64 q, k, v run on the reference kernel (kernel "auto" or "reference") and give float64
+    outputs: the gradient-check path (docs/training.md).
 
     For query row i and key j:  s = (q_i . k_j) * scale  (scale: 1/sqrt(D) by default);
     if softcap > 0: s = softcap * tanh(s / softcap);  s += bias;  s = -inf where not allowed;
@@ -187,6 +195,7 @@ def attention(q: Array, k: Array, v: Array, *, layout: str = "bshd", causal: boo
     (nothing is written when an error is raised).
     """
     framework = _framework(q)
+    f64 = _is_f64(q)
     bhsd = layout == "bhsd"
     q_shape = _shape("q", q, "(B, Hq, Lq, D) for layout 'bhsd'" if bhsd else "(B, Lq, Hq, D)")
     v_shape = _shape("v", v, "(B, Hkv, Lk, Dv) for layout 'bhsd'" if bhsd else "(B, Lk, Hkv, Dv)")
@@ -194,12 +203,13 @@ def attention(q: Array, k: Array, v: Array, *, layout: str = "bshd", causal: boo
     if out is None:
         out_shape = ((batch, heads_q, seq_q, v_shape[3]) if bhsd
                      else (batch, seq_q, heads_q, v_shape[3]))
-        out = _empty(framework, out_shape)
-    lse = _empty(framework, (batch, heads_q, seq_q)) if return_lse else None
+        out = _empty(framework, out_shape, f64)
+    lse = _empty(framework, (batch, heads_q, seq_q), f64) if return_lse else None
     weights = None
     if return_weights:
         k_shape = _shape("k", k, "(B, Hkv, Lk, D)" if bhsd else "(B, Lk, Hkv, D)")
-        weights = _empty(framework, (batch, heads_q, seq_q, k_shape[2] if bhsd else k_shape[1]))
+        weights = _empty(framework, (batch, heads_q, seq_q, k_shape[2] if bhsd else k_shape[1]),
+                         f64)
     q, k, v, bits, mask, bias, left, right = _shared(q, k, v, mask, bias, sparsity, window)
     _qkv.attention(q, k, v, _input("out", out)[0], None if lse is None else _input("lse", lse)[0],
                    None if weights is None else _input("weights", weights)[0], mask, bias,
@@ -228,14 +238,15 @@ def attention_backward(q: Array, k: Array, v: Array, out: Array, lse: Array, dou
     (float32; lse (B, Hq, Lq)); dout: dL/d(out), float32, out's shape. Returns (dq, dk, dv),
     float32 in q's framework and layout (dk, dv summed over the query heads of each kv head),
     and dbias (the bias's shape, summed over the dimensions it broadcasts over) as a fourth
-    when return_dbias. kernel: "auto" (flash; the reference when dbias is asked for),
+    when return_dbias. float64 q, k, v (with float64 out, lse, dout) give float64 dq, dk, dv from
+    the reference kernel (dbias stays float32, as the bias). kernel: "auto" (flash; the reference when dbias is asked for),
     "flash" or "reference" (the float64 oracle). Same bits on any num_threads. dropout_p,
     seed, offset: the forward's (the same mask).
     """
     framework = _framework(q)
     shapes = [_shape(name, x, "(B, L, H, D)" if layout != "bhsd" else "(B, H, L, D)")
               for name, x in (("q", q), ("k", k), ("v", v))]
-    dq, dk, dv = (_empty(framework, shape) for shape in shapes)
+    dq, dk, dv = (_empty(framework, shape, _is_f64(q)) for shape in shapes)
     dbias = None
     if return_dbias:
         if bias is None:

@@ -16,7 +16,9 @@ does. It is the torch.library custom op torch.ops.qkv.sdpa_forward (out and the 
 with a fake (meta) implementation, so torch.compile traces it as one node, and an autograd
 formula: loss.backward() flows through qkv's attention backward (torch.ops.qkv.sdpa_backward:
 grads for query, key, value and a float attn_mask). CPU tensors only; float32, bfloat16 and
-float16 (computed with float32 accumulation; gradients come back in the inputs' dtype).
+float16 (computed with float32 accumulation; gradients come back in the inputs' dtype), and
+float64, computed in float64 by qkv's reference kernel, so torch.autograd.gradcheck works (an
+attn_mask's gradient stays float32-precise: qkv's bias is float32).
 dropout_p > 0 drops probabilities by qkv's counter-based mask (docs/training.md), keyed by a
 seed drawn from torch's default generator per call (torch.manual_seed makes it repeatable) and
 reused by the backward; the mask is not torch's own (no CPU kernel shares one).
@@ -32,7 +34,9 @@ import qkv
 
 __all__ = ["scaled_dot_product_attention"]
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# The dtypes qkv computes and returns as they are (the others return float32, converted back).
+_NATIVE_OUT = (torch.float32, torch.float64)
 
 
 def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -45,7 +49,7 @@ def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              f"least 3: (N, ..., H, L, E)")
         if t.dtype not in _DTYPES:
             raise TypeError(f"{name}: dtype {t.dtype} is not supported by qkv; expected "
-                            f"float32, bfloat16 or float16")
+                            f"float32, bfloat16, float16 or float64")
     if not (query.dtype == key.dtype == value.dtype):
         raise TypeError(f"query, key and value must share one dtype, got {query.dtype}, "
                         f"{key.dtype} and {value.dtype}")
@@ -95,7 +99,8 @@ def _sdpa_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attn_mask: Optional[torch.Tensor], dropout_p: float, is_causal: bool,
                   scale: Optional[float], enable_gqa: bool,
                   seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(out in query's dtype, lse float32 (B, Hq, L) over the inputs folded to 4-D)."""
+    """(out in query's dtype, lse (B, Hq, L) over the inputs folded to 4-D: float32, float64
+    for float64 inputs)."""
     _check(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     mask, bias = _mask_and_bias(query, key, attn_mask)
     out, lse = qkv.attention(_as_4d(query), _as_4d(key), _as_4d(value), layout="bhsd",
@@ -103,15 +108,16 @@ def _sdpa_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              scale=scale, num_threads=torch.get_num_threads(),
                              dropout_p=dropout_p, seed=seed, return_lse=True)
     out = out.reshape(*query.shape[:-1], value.shape[-1])
-    return (out if query.dtype == torch.float32 else out.to(query.dtype)), lse
+    return (out if query.dtype in _NATIVE_OUT else out.to(query.dtype)), lse
 
 
 @_sdpa_forward.register_fake
 def _sdpa_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                        seed):
     batch = _as_4d(query).shape[0]
+    lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     return (query.new_empty((*query.shape[:-1], value.shape[-1])),
-            query.new_empty((batch, query.shape[-3], query.shape[-2]), dtype=torch.float32))
+            query.new_empty((batch, query.shape[-3], query.shape[-2]), dtype=lse_dtype))
 
 
 @torch.library.custom_op("qkv::sdpa_backward", mutates_args=(), device_types="cpu")
@@ -123,7 +129,8 @@ def _sdpa_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tenso
     """(d query, d key, d value in their dtypes, d attn_mask: its shape and dtype when
     mask_grad, else an empty tensor)."""
     mask, bias = _mask_and_bias(query, key, attn_mask)
-    as32 = lambda t: t if t.dtype == torch.float32 else t.to(torch.float32)  # noqa: E731
+    # out and grad_out as qkv reads them: float32, or float64 for float64 inputs.
+    as32 = lambda t: t if t.dtype in _NATIVE_OUT else t.to(torch.float32)  # noqa: E731
     grads = qkv.attention_backward(
         _as_4d(query), _as_4d(key), _as_4d(value), _as_4d(as32(out)), lse,
         _as_4d(as32(grad_out)).contiguous(), layout="bhsd", causal=is_causal, align="top_left",

@@ -50,6 +50,7 @@ struct AttentionKernelParams {
 
   // Scores.
   float scale;    // > 0
+  double scale_f64 = 0.0;  // dtype f64: the scale in f64 (1/sqrt(D) unrounded by default)
   float softcap;  // 0 = off
 
   // Allowed pairs: j in [i' - window_left, i' + window_right] with i' = i + diagonal_offset,

@@ -169,6 +169,10 @@ void prepare_attention(const TensorView& q, const TensorView& k, const TensorVie
     p.out = p.lse = p.probs = nullptr;
   }
   p.scale = scale;
+  if (f64) {
+    p.scale_f64 = params.scale ? static_cast<double>(*params.scale)
+                               : 1.0 / std::sqrt(static_cast<double>(head_dim));
+  }
   p.softcap = params.softcap;
   p.diagonal_offset = diagonal;
   const Window window = effective_window(params, seq_q, seq_kv, diagonal);

@@ -78,6 +78,7 @@ Held<Array> view_of(const char* name, nb::handle object, const Expect& expect, b
 
 std::optional<DType> dtype_of(const nb::dlpack::dtype& dtype, bool bf16_bits) {
   if (is(dtype, Code::Float, 32)) return DType::kF32;
+  if (is(dtype, Code::Float, 64)) return DType::kF64;
   if (is(dtype, Code::Bfloat, 16) || (bf16_bits && is(dtype, Code::UInt, 16))) {
     return DType::kBF16;
   }

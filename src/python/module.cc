@@ -50,8 +50,11 @@ Operands operands(nb::handle q, nb::handle k, nb::handle v, nb::handle out,
     throw nb::value_error(("layout: expected 'bshd' or 'bhsd', got '" + layout + "'").c_str());
   }
   const bool bhsd = layout == "bhsd";
-  const std::initializer_list<DType> kInputs = {DType::kF32, DType::kBF16, DType::kF16};
-  const char* const kInputNames = "float32, bfloat16 or float16";
+  // (float64: the reference kernel's gradient-check path; the library checks that every
+  // output is float64 too.)
+  const std::initializer_list<DType> kInputs = {DType::kF32, DType::kBF16, DType::kF16,
+                                                DType::kF64};
+  const char* const kInputNames = "float32, bfloat16, float16 or float64";
   Operands o{
       input_view("q", q,
                  {4, 4, bhsd ? "4: (B, Hq, Lq, D) for layout 'bhsd'" : "4: (B, Lq, Hq, D)", kInputs,
@@ -69,8 +72,8 @@ Operands operands(nb::handle q, nb::handle k, nb::handle v, nb::handle out,
                   {4,
                    4,
                    bhsd ? "4: (B, Hq, Lq, Dv) for layout 'bhsd'" : "4: (B, Lq, Hq, Dv)",
-                   {DType::kF32},
-                   "float32"}),
+                   {DType::kF32, DType::kF64},
+                   "float32 (float64 for float64 inputs)"}),
       bhsd};
   if (bhsd) {
     for (TensorView* view : {&o.q.view, &o.k.view, &o.v.view, &o.out.view}) {
@@ -238,6 +241,11 @@ void attention_params(nb::handle mask, nb::handle bias, nb::handle key_lengths,
   if (sparsity) out.params.sparsity = sparsity->get();
 }
 
+// Outputs (and the backward's out, lse, dout): float32, or float64 for float64 inputs (the
+// library checks which).
+const std::initializer_list<DType> kFloatOut = {DType::kF32, DType::kF64};
+const char* const kFloatOutNames = "float32 (float64 for float64 inputs)";
+
 // lse as the library takes it: a (B, Hq, Lq) array seen as [B, Hq, Lq, 1].
 TensorView lse_view(TensorView view) {
   view.sizes = {view.sizes[1], view.sizes[2], view.sizes[3], 1};  // [1, B, Hq, Lq] ->
@@ -261,12 +269,12 @@ void attention_binding(nb::handle q, nb::handle k, nb::handle v, nb::handle out,
   AttentionOutputs outputs{.out = o.out.view};
   std::optional<Held<OutArray>> lse_held, weights_held;
   if (!lse.is_none()) {
-    lse_held = output_view("lse", lse, {3, 3, "3: (B, Hq, Lq)", {DType::kF32}, "float32"});
+    lse_held = output_view("lse", lse, {3, 3, "3: (B, Hq, Lq)", kFloatOut, kFloatOutNames});
     outputs.lse = lse_view(lse_held->view);
   }
   if (!weights.is_none()) {
     weights_held =
-        output_view("weights", weights, {4, 4, "4: (B, Hq, Lq, Lk)", {DType::kF32}, "float32"});
+        output_view("weights", weights, {4, 4, "4: (B, Hq, Lq, Lk)", kFloatOut, kFloatOutNames});
     outputs.probs = weights_held->view;
   }
   call_library(o, [&] { attention(o.q.view, o.k.view, o.v.view, outputs, py.params); });
@@ -290,11 +298,11 @@ void attention_backward_binding(nb::handle q, nb::handle k, nb::handle v, nb::ha
   const bool bhsd = o.bhsd;
   auto bshd = [&](TensorView view) { return bhsd ? view.permuted({0, 2, 1, 3}) : view; };
   const Held<InArray> lse_held =
-      input_view("lse", lse, {3, 3, "3: (B, Hq, Lq)", {DType::kF32}, "float32"});
+      input_view("lse", lse, {3, 3, "3: (B, Hq, Lq)", kFloatOut, kFloatOutNames});
   const Held<InArray> dout_held = input_view(
       "dout", dout, {4, 4, bhsd ? "4: (B, Hq, Lq, Dv) for layout 'bhsd'" : "4: (B, Lq, Hq, Dv)",
-                     {DType::kF32}, "float32"});
-  const Expect f32_4d{4, 4, "4: the shape of q, k or v", {DType::kF32}, "float32"};
+                     kFloatOut, kFloatOutNames});
+  const Expect f32_4d{4, 4, "4: the shape of q, k or v", kFloatOut, kFloatOutNames};
   Held<OutArray> dq_held = output_view("dq", dq, f32_4d), dk_held = output_view("dk", dk, f32_4d),
                  dv_held = output_view("dv", dv, f32_4d);
   AttentionGrads grads{.dq = bshd(dq_held.view), .dk = bshd(dk_held.view), .dv = bshd(dv_held.view)};

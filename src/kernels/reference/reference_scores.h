@@ -39,7 +39,7 @@ inline double score(const AttentionKernelParams& p, std::int64_t b, std::int64_t
     dot += load_element_f64(p.q, p.dtype, q_row + d * p.q_stride[3]) *
            load_element_f64(p.k, p.dtype, k_row + d * p.k_stride[3]);
   }
-  double s = dot * static_cast<double>(p.scale);
+  double s = dot * (p.dtype == DType::kF64 ? p.scale_f64 : static_cast<double>(p.scale));
   *capped = 0.0;
   if (p.softcap > 0.0f) {
     *capped = std::tanh(s / p.softcap);

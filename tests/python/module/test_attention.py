@@ -181,7 +181,9 @@ def test_out_is_written_in_place_and_returned(rng):
 
 @pytest.mark.parametrize("bad_out,error,fragment", [
     (np.zeros((2, 5, 4, 7), np.float32), ValueError, "out: shape (2, 5, 4, 7) must be (2, 5, 4, 8)"),
-    (np.zeros((2, 5, 4, 8), np.float64), TypeError, "out: dtype float64 is not supported"),
+    (np.zeros((2, 5, 4, 8), np.float64), ValueError,
+     "out: dtype f64 is not supported (expected f32)"),
+    (np.zeros((2, 5, 4, 8), np.int32), TypeError, "out: dtype int32 is not supported"),
     (np.zeros((2, 5, 4), np.float32), ValueError, "out: shape (2, 5, 4) has 3 dims"),
 ])
 def test_bad_out_raises_and_writes_nothing(rng, bad_out, error, fragment):
@@ -226,8 +228,11 @@ def bad_inputs(rng):
     p = make_problem(rng)
     q, k, v = p["q"], p["k"], p["v"]
     return {
-        "q_float64": ((q.astype(np.float64), k, v), {}, TypeError,
-                      "q: dtype float64 is not supported; expected float32, bfloat16 or float16"),
+        "q_int64": ((q.astype(np.int64), k, v), {}, TypeError,
+                    "q: dtype int64 is not supported; expected float32, bfloat16, float16 or "
+                    "float64"),
+        "mixed_float64": ((q.astype(np.float64), k, v), {}, ValueError,
+                          "k: dtype f32 differs from q's f64"),
         "k_int32": ((q, k.astype(np.int32), v), {}, TypeError, "k: dtype int32 is not supported"),
         "mixed_dtypes": ((q, k.astype(np.float16), v), {}, ValueError,
                          "k: dtype f16 differs from q's f32"),

@@ -47,6 +47,42 @@ def test_matches_numpy_backward(rng, case, kernel):
         check_close(a, r64, r32, name)
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_float64_matches_numpy_float64(rng, case):
+    """float64 inputs: the reference kernel in float64 end to end, against the float64 numpy
+    forward and backward to 1e-12 (the float32 path is ~1e-6 off)."""
+    problem = CASES[case](rng)
+    options = options_of(problem)
+    q, k, v = (problem[name].astype(np.float64) for name in ("q", "k", "v"))
+    out, lse = qkv.attention(q, k, v, return_lse=True, **options)
+    assert out.dtype == lse.dtype == np.float64
+    numpy_options = {key: problem[key] for key in OPTIONS + ("align",) if key in problem}
+    out64, lse64, _ = ref.attention(q, k, v, **numpy_options, dtype=np.float64)
+    np.testing.assert_allclose(out, out64, rtol=0, atol=1e-12)
+    finite = np.isfinite(lse64)
+    np.testing.assert_array_equal(np.isfinite(lse), finite)
+    np.testing.assert_allclose(lse[finite], lse64[finite], rtol=0, atol=1e-12)
+    dout = rng.standard_normal(out.shape)
+    grads = qkv.attention_backward(q, k, v, out, lse, dout, **options)
+    want = ref.attention_backward(q, k, v, dout=dout, **numpy_options, dtype=np.float64)
+    for name, got, expected in zip(("dq", "dk", "dv"), grads, want[:3]):
+        assert got.dtype == np.float64, name
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-11, err_msg=name)
+
+
+def test_float64_errors(rng):
+    q = rng.standard_normal((1, 3, 2, 4))
+    with pytest.raises(ValueError, match="f64 inputs run on the reference kernel only"):
+        qkv.attention(q, q, q, kernel="flash")
+    with pytest.raises(ValueError, match="out: dtype f32"):
+        qkv.attention(q, q, q, out=np.empty((1, 3, 2, 4), np.float32))
+    with pytest.raises(ValueError, match="differs from q's f64"):
+        qkv.attention(q, q.astype(np.float32), q)
+    out, lse = qkv.attention(q, q, q, return_lse=True)
+    with pytest.raises(ValueError, match="dout: dtype f32"):
+        qkv.attention_backward(q, q, q, out, lse, np.ones((1, 3, 2, 4), np.float32))
+
+
 def test_bhsd_and_torch(rng):
     problem = CASES["combined"](rng)
     options = options_of(problem)
@@ -74,5 +110,5 @@ def test_errors(rng):
         qkv.attention_backward(q, k, v, out, lse, dout, return_dbias=True)
     with pytest.raises(ValueError, match="no chunked kernel"):
         qkv.attention_backward(q, k, v, out, lse, dout, kernel="chunked")
-    with pytest.raises(TypeError, match="dout"):
+    with pytest.raises(ValueError, match="dout: dtype f64 is not supported .expected f32."):
         qkv.attention_backward(q, k, v, out, lse, dout.astype(np.float64))
