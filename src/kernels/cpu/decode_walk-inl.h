@@ -220,23 +220,27 @@ void NarrowScoresWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
   const TilePart hull = NarrowHull(narrow, count, p.seq_kv);
   const std::int64_t ks = p.k_stride[1], d = p.head_dim;
   const bool heads_inner = HeadsInner(p);
-  const std::int64_t score_chunk = heads_inner ? 1 : kBlockK;
+  // With heads inner, kDotKeys keys of every block in turn (the keys stay outermost across the
+  // blocks), the same rows kScoreAhead keys later prefetched as they are read.
+  const std::int64_t score_chunk = heads_inner ? kDotKeys : kBlockK;
   for (std::int64_t j = hull.lo; j < hull.hi; j += score_chunk) {
     for (std::int64_t n = 0; n < count; ++n) {
       const NarrowBlock& nb = narrow[n];
       const std::int64_t a = std::max(j, nb.part.lo), b = std::min(j + score_chunk, nb.part.hi);
       const T* k = static_cast<const T*>(nb.qb->k) + a * ks;
       float* st = nb.st + (a - nb.part.lo) * kBlockQ;
-      // With heads inner: the rows kScoreAhead keys later, while the block reads that far.
-      const T* ahead =
-          heads_inner && a + kScoreAhead < nb.qb->key_end ? k + kScoreAhead * ks : nullptr;
+      const auto ahead = [&](std::int64_t x, std::int64_t keys) -> const T* {
+        const bool inside = a + x + kScoreAhead + keys <= nb.qb->key_end;
+        return heads_inner && inside ? k + (x + kScoreAhead) * ks : nullptr;
+      };
       std::int64_t x = 0;
       for (; x + kDotKeys <= b - a; x += kDotKeys) {
         NarrowDotKeys<kDotKeys>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x * kBlockQ,
-                                static_cast<const T*>(nullptr));
+                                ahead(x, kDotKeys));
       }
       for (; x < b - a; ++x) {
-        NarrowDotKeys<1>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x * kBlockQ, ahead);
+        NarrowDotKeys<1>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x * kBlockQ,
+                         ahead(x, 1));
       }
     }
   }
@@ -263,10 +267,11 @@ void NarrowValuesWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
 }
 
 // One key tile for every narrow block of a task. In BSHD the rows of neighbouring kv heads for
-// one key are neighbours in memory, so the walk goes keys outermost: the scores one key at a
-// time for all blocks (K is then read as one ascending stream, which the hardware prefetchers
-// follow; a 4-key dot product block by block read 512-byte runs on 4 pages at once and was ~15%
-// slower at Lk = 32768), the values kValueKeys keys at a time (o does not fit in registers: it
+// one key are neighbours in memory, so the walk goes keys outermost: the scores kDotKeys keys at
+// a time for all blocks (K is then read as one ascending stream, which the hardware prefetchers
+// follow; a 4-key dot product block by block over a whole tile read 512-byte runs on 4 pages at
+// once and was ~15% slower at Lk = 32768; 4 keys per block per step, with the prefetch 8 keys
+// ahead, beat one key per step: kScoreAhead), the values kValueKeys keys at a time (o does not fit in registers: it
 // is loaded and stored once per chunk). In BHSD each head's rows are already one ascending run,
 // read a whole tile at a time per block (key-outermost was slower there). Each block's
 // arithmetic is the same either way; only the order of blocks interleaves. In BSHD the walk
