@@ -213,57 +213,60 @@ inline bool HeadsInner(const AttentionKernelParams& p) {
   return p.k_stride[2] < p.k_stride[1] && p.v_stride[2] < p.v_stride[1];
 }
 
+// f(nb, a, b) for each narrow block's keys [a, b) (non-empty) in each chunk of `chunk` keys of
+// the blocks' hull, chunks outermost (keys outermost across the blocks: NarrowTile).
+template <class F>
+void ForEachChunk(const AttentionKernelParams& p, const NarrowBlock* narrow, std::int64_t count,
+                  std::int64_t chunk, F&& f) {
+  const TilePart hull = NarrowHull(narrow, count, p.seq_kv);
+  for (std::int64_t j = hull.lo; j < hull.hi; j += chunk) {
+    for (std::int64_t n = 0; n < count; ++n) {
+      const NarrowBlock& nb = narrow[n];
+      const std::int64_t a = std::max(j, nb.part.lo), b = std::min(j + chunk, nb.part.hi);
+      if (b > a) f(nb, a, b);
+    }
+  }
+}
+
 // The scores of every narrow block's part, on f32 products (K stored as T, widened in registers).
 template <typename T>
 void NarrowScoresWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
                       std::int64_t count) {
-  const TilePart hull = NarrowHull(narrow, count, p.seq_kv);
   const std::int64_t ks = p.k_stride[1], d = p.head_dim;
   const bool heads_inner = HeadsInner(p);
   // With heads inner, kDotKeys keys of every block in turn (the keys stay outermost across the
   // blocks), the same rows kScoreAhead keys later prefetched as they are read.
   const std::int64_t score_chunk = heads_inner ? kDotKeys : kBlockK;
-  for (std::int64_t j = hull.lo; j < hull.hi; j += score_chunk) {
-    for (std::int64_t n = 0; n < count; ++n) {
-      const NarrowBlock& nb = narrow[n];
-      const std::int64_t a = std::max(j, nb.part.lo), b = std::min(j + score_chunk, nb.part.hi);
-      const T* k = static_cast<const T*>(nb.qb->k) + a * ks;
-      float* st = nb.st + (a - nb.part.lo) * kBlockQ;
-      const auto ahead = [&](std::int64_t x, std::int64_t keys) -> const T* {
-        const bool inside = a + x + kScoreAhead + keys <= nb.qb->key_end;
-        return heads_inner && inside ? k + (x + kScoreAhead) * ks : nullptr;
-      };
-      std::int64_t x = 0;
-      for (; x + kDotKeys <= b - a; x += kDotKeys) {
-        NarrowDotKeys<kDotKeys>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x * kBlockQ,
-                                ahead(x, kDotKeys));
-      }
-      for (; x < b - a; ++x) {
-        NarrowDotKeys<1>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x * kBlockQ,
-                         ahead(x, 1));
-      }
+  ForEachChunk(p, narrow, count, score_chunk,
+               [&](const NarrowBlock& nb, std::int64_t a, std::int64_t b) {
+    const T* k = static_cast<const T*>(nb.qb->k) + a * ks;
+    float* st = nb.st + (a - nb.part.lo) * kBlockQ;
+    const auto ahead = [&](std::int64_t x, std::int64_t keys) -> const T* {
+      const bool inside = a + x + kScoreAhead + keys <= nb.qb->key_end;
+      return heads_inner && inside ? k + (x + kScoreAhead) * ks : nullptr;
+    };
+    std::int64_t x = 0;
+    for (; x + kDotKeys <= b - a; x += kDotKeys) {
+      NarrowDotKeys<kDotKeys>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x * kBlockQ,
+                              ahead(x, kDotKeys));
     }
-  }
+    for (; x < b - a; ++x) {
+      NarrowDotKeys<1>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x * kBlockQ, ahead(x, 1));
+    }
+  });
 }
 
 // The values of every narrow block's part, on f32 products (V stored as T).
 template <typename T>
 void NarrowValuesWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
                       std::int64_t count) {
-  const TilePart hull = NarrowHull(narrow, count, p.seq_kv);
   const std::int64_t vs = p.v_stride[1];
   const bool heads_inner = HeadsInner(p);
-  const std::int64_t value_chunk = heads_inner ? kValueKeys : kBlockK;
-  for (std::int64_t j = hull.lo; j < hull.hi; j += value_chunk) {
-    for (std::int64_t n = 0; n < count; ++n) {
-      const NarrowBlock& nb = narrow[n];
-      const std::int64_t a = std::max(j, nb.part.lo), b = std::min(j + value_chunk, nb.part.hi);
-      if (b <= a) continue;
-      NarrowValueKeys(p, nb.qb->num_q, static_cast<const T*>(nb.qb->v) + a * vs, b - a,
-                      nb.st + (a - nb.part.lo) * kBlockQ, nb.o,
-                      heads_inner ? nb.qb->key_end - a : 0);
-    }
-  }
+  ForEachChunk(p, narrow, count, heads_inner ? kValueKeys : kBlockK,
+               [&](const NarrowBlock& nb, std::int64_t a, std::int64_t b) {
+    NarrowValueKeys(p, nb.qb->num_q, static_cast<const T*>(nb.qb->v) + a * vs, b - a,
+                    nb.st + (a - nb.part.lo) * kBlockQ, nb.o, heads_inner ? nb.qb->key_end - a : 0);
+  });
 }
 
 // One key tile for every narrow block of a task. In BSHD the rows of neighbouring kv heads for

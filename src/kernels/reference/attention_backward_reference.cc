@@ -115,7 +115,7 @@ void backward_one_group(const AttentionBackwardKernelParams& g, const Grads<T>& 
           dbias_acc[index] += ds;
         }
         const double du = (p.softcap > 0.0f ? ds * (1.0 - w.capped[j] * w.capped[j]) : ds) *
-                          (p.dtype == DType::kF64 ? p.scale_f64 : static_cast<double>(p.scale));
+                          reference::scale(p);
         for (std::int64_t d = 0; d < dim; ++d) {
           w.dq[d] += du * k_at(j, d);
           w.dk[j * dim + d] += du * load_element_f64(p.q, p.dtype, q_row + d * p.q_stride[3]);

@@ -27,6 +27,11 @@ inline bool pair_allowed(const AttentionKernelParams& p, std::int64_t b, std::in
   return true;
 }
 
+// The score scale in f64: the unrounded one for f64 inputs, else the kernels' f32 scale.
+inline double scale(const AttentionKernelParams& p) {
+  return p.dtype == DType::kF64 ? p.scale_f64 : static_cast<double>(p.scale);
+}
+
 // The score of an allowed pair, s = softcap(scale q_i . k_j) + bias, in f64; `capped` gets
 // tanh(u / softcap) (the softcap's derivative is 1 - capped^2), 0 without softcap.
 inline double score(const AttentionKernelParams& p, std::int64_t b, std::int64_t h,
@@ -39,7 +44,7 @@ inline double score(const AttentionKernelParams& p, std::int64_t b, std::int64_t
     dot += load_element_f64(p.q, p.dtype, q_row + d * p.q_stride[3]) *
            load_element_f64(p.k, p.dtype, k_row + d * p.k_stride[3]);
   }
-  double s = dot * (p.dtype == DType::kF64 ? p.scale_f64 : static_cast<double>(p.scale));
+  double s = dot * scale(p);
   *capped = 0.0;
   if (p.softcap > 0.0f) {
     *capped = std::tanh(s / p.softcap);
