@@ -14,18 +14,17 @@
 namespace qkv {
 namespace {
 
-// Of `dtype` (f32; f64 for f64 inputs), present, of `want` shape, written by several threads.
+// Of the output dtype for `input` (ops::output_dtype), present, of `want` shape, written by
+// several threads.
 void require_gradient(const char* name, const TensorView& view,
                       const std::array<std::int64_t, 4>& want, const char* want_text,
-                      DType dtype = DType::kF32) {
-  const std::string type = dtype_name(dtype);
+                      DType input) {
   if (view.empty()) {
-    throw Error(std::string(name) + ": required (" + type + ", shape " + want_text + " = " +
-                shape_string(want) + ")");
+    throw Error(std::string(name) + ": required (" + dtype_name(ops::output_dtype(input)) +
+                ", shape " + want_text + " = " + shape_string(want) + ")");
   }
   ops::require_data(name, view);
-  ops::require_dtype(name, view, dtype,
-                     dtype == DType::kF64 ? "expected f64 (q, k and v are f64)" : "expected f32");
+  ops::require_output_dtype(name, view, input);
   ops::require_shape(name, view, want, want_text);
   ops::require_writable_strides(name, view);
 }
@@ -59,22 +58,21 @@ void backward(const TensorView& q, const TensorView& k, const TensorView& v,
   const std::int64_t heads_q = p.num_heads_q, heads_kv = p.num_heads_kv;
   const std::int64_t dim = p.head_dim, dim_v = p.head_dim_v;
 
-  const DType grad_dtype = f64 ? DType::kF64 : DType::kF32;
   if (dout.empty()) {
-    throw Error(std::string("dout: required (") + dtype_name(grad_dtype) + ", the shape of out)");
+    throw Error(std::string("dout: required (") + dtype_name(ops::output_dtype(q.dtype)) +
+                ", the shape of out)");
   }
   ops::require_data("dout", dout);
-  ops::require_dtype("dout", dout, grad_dtype,
-                     f64 ? "expected f64 (q, k and v are f64)" : "expected f32");
+  ops::require_output_dtype("dout", dout, q.dtype);
   ops::require_shape("dout", dout, {batch, seq_q, heads_q, dim_v}, "(B, Lq, Hq, Dv)");
-  require_gradient("dq", grads.dq, {batch, seq_q, heads_q, dim}, "(B, Lq, Hq, D)", grad_dtype);
-  require_gradient("dk", grads.dk, {batch, seq_kv, heads_kv, dim}, "(B, Lk, Hkv, D)", grad_dtype);
-  require_gradient("dv", grads.dv, {batch, seq_kv, heads_kv, dim_v}, "(B, Lk, Hkv, Dv)",
-                   grad_dtype);
+  require_gradient("dq", grads.dq, {batch, seq_q, heads_q, dim}, "(B, Lq, Hq, D)", q.dtype);
+  require_gradient("dk", grads.dk, {batch, seq_kv, heads_kv, dim}, "(B, Lk, Hkv, D)", q.dtype);
+  require_gradient("dv", grads.dv, {batch, seq_kv, heads_kv, dim_v}, "(B, Lk, Hkv, Dv)", q.dtype);
   AttentionBackwardKernelParams g{};
   if (!grads.dbias.empty()) {
     if (params.bias.empty()) throw Error("dbias: needs a bias (params.bias is empty)");
-    require_gradient("dbias", grads.dbias, params.bias.sizes, "the bias's shape");
+    // (f32 whatever q's dtype: the bias is f32.)
+    require_gradient("dbias", grads.dbias, params.bias.sizes, "the bias's shape", DType::kF32);
     ops::broadcast_strides("dbias", grads.dbias, {batch, heads_q, seq_q, seq_kv}, g.dbias_stride);
     g.dbias = static_cast<float*>(grads.dbias.data);
     for (int d = 0; d < 4; ++d) g.dbias_sizes[d] = grads.dbias.sizes[d];

@@ -82,12 +82,10 @@ void prepare_attention(const TensorView& q, const TensorView& k, const TensorVie
   const std::array<std::int64_t, 4> score_shape = {batch, num_heads_q, seq_q, seq_kv};
   // f64 inputs (gradient checks) run on the reference kernel and give f64 outputs.
   const bool f64 = q.dtype == DType::kF64;
-  const DType out_dtype = f64 ? DType::kF64 : DType::kF32;
-  const char* const out_hint = f64 ? "expected f64 (q, k and v are f64)" : "expected f32";
   const TensorView& lse = outputs.lse;
   if (!lse.empty()) {
     require_data("lse", lse);
-    require_dtype("lse", lse, out_dtype, out_hint);
+    require_output_dtype("lse", lse, q.dtype);
     require_shape("lse", lse, {batch, num_heads_q, seq_q, 1}, "(B, Hq, Lq, 1)");
     require_writable_strides("lse", lse);
   }
@@ -107,7 +105,7 @@ void prepare_attention(const TensorView& q, const TensorView& k, const TensorVie
   }
   prepared.kernel = kernel;
   if (!probs.empty()) {
-    require_dtype("probs", probs, out_dtype, out_hint);
+    require_output_dtype("probs", probs, q.dtype);
     require_shape("probs", probs, score_shape, "(B, Hq, Lq, Lk)");
     require_writable_strides("probs", probs);
     if (kernel == Kernel::kFlash) {

@@ -73,6 +73,13 @@ void broadcast_strides(const char* name, const TensorView& view,
   }
 }
 
+DType output_dtype(DType input) { return input == DType::kF64 ? DType::kF64 : DType::kF32; }
+
+void require_output_dtype(const char* name, const TensorView& view, DType input) {
+  require_dtype(name, view, output_dtype(input),
+                input == DType::kF64 ? "expected f64 (q, k and v are f64)" : "expected f32");
+}
+
 AttentionShape validate_operands(const TensorView& q, const TensorView& k, const TensorView& v,
                                  const TensorView& out, bool half_inputs,
                                  const std::string& dtype_hint) {
@@ -92,11 +99,7 @@ AttentionShape validate_operands(const TensorView& q, const TensorView& k, const
                   dtype_name(q.dtype) + " (q, k and v must share one dtype)");
     }
   }
-  if (q.dtype == DType::kF64) {
-    require_dtype("out", out, DType::kF64, "expected f64 (q, k and v are f64)");
-  } else {
-    require_dtype("out", out, DType::kF32, "expected f32");
-  }
+  require_output_dtype("out", out, q.dtype);
   require_same("q", q, 0, "k", k, 0, "batch (dim 0)");
   require_same("k", k, 0, "v", v, 0, "batch (dim 0)");
   require_same("k", k, 1, "v", v, 1, "seq_kv (dim 1)");

@@ -39,6 +39,12 @@ struct AttentionShape {
   std::int64_t batch, seq_q, seq_kv, num_heads_q, num_heads_kv, head_dim, head_dim_v;
 };
 
+// Attention's float outputs (out, lse, probs; the backward's out, lse, dout and gradients) are
+// f64 for f64 q, k, v (the reference kernel's gradient-check path) and f32 otherwise:
+// require_output_dtype checks one against the inputs' dtype, naming it.
+DType output_dtype(DType input);
+void require_output_dtype(const char* name, const TensorView& view, DType input);
+
 // q: [B, Lq, Hq, D]  k: [B, Lk, Hkv, D]  v: [B, Lk, Hkv, Dv]  out: [B, Lq, Hq, Dv]
 // Each present, sizes >= 1, consistent, Hq a multiple of Hkv, out writable and f32 (f64 for f64
 // inputs). q, k and v share one dtype: f32, or bf16/f16/f64 when `half_inputs` (else the error
