@@ -14,7 +14,7 @@ find_package(nanobind CONFIG REQUIRED)
 set(QKV_PYTHON_PACKAGE_DIR ${PROJECT_BINARY_DIR}/python/qkv)
 # STABLE_ABI: one abi3 wheel for every CPython >= 3.12; older Pythons get a version-specific one.
 nanobind_add_module(_qkv STABLE_ABI NB_STATIC src/python/module.cc src/python/arrays.cc
-  src/python/options.cc)
+  src/python/options.cc src/python/layers.cc)
 target_include_directories(_qkv PRIVATE src)
 target_link_libraries(_qkv PRIVATE qkv::qkv)
 if(QKV_BUILD_DISTRIBUTED)  # qkv.ring_attention (an mpi4py communicator)

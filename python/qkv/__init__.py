@@ -5,6 +5,7 @@
     out, lse = qkv.attention(q, k, v, window=(256, 0), return_lse=True)
     emb = qkv.SentenceEmbedder(model_dir).encode(["a sentence", "another"])
     import qkv.torch                                      # PyTorch's SDPA, computed by qkv
+    layer = qkv.EncoderLayer(weights, num_heads=8)        # train an encoder layer from numpy
 
 Arrays go in as zero-copy views with their own strides (DLPack or the buffer protocol): f32, and
 bf16/f16 where the framework has them (torch.bfloat16, jax bfloat16, numpy with ml_dtypes).
@@ -18,15 +19,16 @@ from __future__ import annotations
 
 import operator
 import os
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from . import _qkv
-from ._qkv import Sparsity
+from ._qkv import EncoderLayerTape, Sparsity
 
 __all__ = ["attention", "attention_backward", "linear_attention", "longformer", "bigbird", "block_layout",
-           "bigbird_layout", "Sparsity", "SentenceEmbedder"]
+           "bigbird_layout", "Sparsity", "SentenceEmbedder", "EncoderLayer", "EncoderLayerTape",
+           "cross_entropy", "AdamW"]
 __version__ = "0.1.0"
 
 try:  # numpy has no bfloat16 of its own; ml_dtypes' is the one JAX and others use.
@@ -384,3 +386,217 @@ class SentenceEmbedder:
             raise ValueError(f"batch_size: must be >= 1, got {size}")
         vectors = self._impl.encode(items, size)
         return vectors[0] if single else vectors
+
+
+# ---------------------------------------------------------------------------------------------
+# Training (src/python/layers.cc; docs/python.md, "Training an encoder layer"). numpy in,
+# numpy out: every array is copied in (any strides) and every result is a new float32 array.
+
+def _float(name: str, value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}") from None
+
+
+def _dict(name: str, value: Any) -> Dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name}: expected a dict of name -> float32 array, got "
+                        f"{type(value).__name__}")
+    return dict(value)
+
+
+class EncoderLayer:
+    """One transformer encoder layer that trains (qkv::EncoderLayer; docs/training.md):
+
+        Post-LN (norm_first=False):  x = LN1(x + Drop(MHA(x)));  x = LN2(x + Drop(FFN(x)))
+        Pre-LN  (norm_first=True):   x = x + Drop(MHA(LN1(x)));  x = x + Drop(FFN(LN2(x)))
+        FFN(h) = ff2(Drop(act(ff1(h))))
+
+        layer = qkv.EncoderLayer(weights, num_heads=4)
+        y, tape = layer.forward_train(x)                  # x: (B, L, E) float32
+        dx, grads = layer.backward(tape, dy)              # dy = dL/dy; grads: {name: array}
+
+    weights: {name: float32 array} in torch's [out, in] layout (E = embed_dim, hd = E //
+    num_heads, Hkv = num_kv_heads or num_heads):
+        attention.q_weight (E, E)   attention.k_weight, attention.v_weight (Hkv * hd, E)
+        attention.out_weight (E, E)  norm1_gamma, norm1_beta, norm2_gamma, norm2_beta (E,)
+        ff1_weight (d_ff, E)  ff2_weight (E, d_ff)
+    and, each optional (left out: the layer has no such bias), attention.q_bias (E,),
+    attention.k_bias, attention.v_bias (Hkv * hd,), attention.out_bias (E,), ff1_bias (d_ff,),
+    ff2_bias (E,). With qkv_packing="fused_blocks" the three projections are one
+    attention.qkv_weight (E + 2 Hkv hd, E) = [Wq; Wk; Wv] (torch.nn.MultiheadAttention's
+    in_proj_weight) and attention.qkv_bias; "fused_per_head" (Hkv == num_heads) has its rows
+    per head [q_h; k_h; v_h]. embed_dim and d_ff come from norm1_gamma and ff1_weight; every
+    other shape is checked against them. The arrays are copied.
+
+    num_kv_heads: 0 = num_heads (GQA when smaller; it must divide num_heads). activation:
+    "gelu" (erf), "gelu_tanh" or "relu". eps: LayerNorm's. dropout in [0, 1): after the
+    attention, the activation and the FFN, and on the attention probabilities, in training
+    mode only, from a counter-based mask keyed by (seed, step, site, element): the same seed
+    gives the same masks, on any thread count. The layer starts in training mode (as torch
+    modules do); eval() turns dropout off, train() turns it on again and restarts the steps.
+    """
+
+    def __init__(self, weights: Mapping[str, Array], *, num_heads: int, num_kv_heads: int = 0,
+                 activation: str = "gelu", norm_first: bool = False, eps: float = 1e-5,
+                 dropout: float = 0.0, seed: int = 0, qkv_packing: str = "separate"):
+        self._seed = _seed("seed", seed)
+        self._impl = _qkv.EncoderLayer(_dict("weights", weights), _int("num_heads", num_heads),
+                                       _int("num_kv_heads", num_kv_heads), activation,
+                                       bool(norm_first), _float("eps", eps),
+                                       _float("dropout", dropout), self._seed, qkv_packing)
+
+    @property
+    def embed_dim(self) -> int:
+        return self._impl.embed_dim
+
+    @property
+    def num_heads(self) -> int:
+        return self._impl.num_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._impl.num_kv_heads
+
+    @property
+    def d_ff(self) -> int:
+        return self._impl.d_ff
+
+    @property
+    def norm_first(self) -> bool:
+        return self._impl.norm_first
+
+    @property
+    def activation(self) -> str:
+        return self._impl.activation
+
+    @property
+    def dropout(self) -> float:
+        return self._impl.dropout
+
+    @property
+    def qkv_packing(self) -> str:
+        return self._impl.qkv_packing
+
+    @property
+    def training(self) -> bool:
+        """Whether dropout applies (forward and forward_train advance its step)."""
+        return self._impl.training
+
+    def train(self, seed: Optional[int] = None) -> "EncoderLayer":
+        """Training mode: dropout on, its step counter back at 0, with `seed` (None: the last
+        one given). Returns the layer."""
+        if seed is not None:
+            self._seed = _seed("seed", seed)
+        self._impl.set_training(True, self._seed)
+        return self
+
+    def eval(self) -> "EncoderLayer":
+        """Inference mode: no dropout. Returns the layer."""
+        self._impl.set_training(False, self._seed)
+        return self
+
+    def forward(self, x: Array, *, causal: bool = False,
+                key_lengths: Optional[Union[Array, Sequence[int]]] = None) -> np.ndarray:
+        """y = layer(x): x (B, L, E) float32 (not modified) -> y (B, L, E) float32.
+
+        causal: token i attends tokens <= i. key_lengths: (B,) ints, the valid tokens of each
+        sequence (padding is never attended; padded rows are computed but meaningless). In
+        training mode with dropout > 0 this applies dropout too (call eval() first for
+        inference)."""
+        return self._impl.forward(x, bool(causal), _lengths(key_lengths))
+
+    def forward_train(self, x: Array, *, causal: bool = False,
+                      key_lengths: Optional[Union[Array, Sequence[int]]] = None
+                      ) -> Tuple[np.ndarray, EncoderLayerTape]:
+        """forward() that also returns the tape backward needs: (y, tape). The tape belongs
+        to this layer and to its current parameters (set_parameters makes it stale)."""
+        return self._impl.forward_train(x, bool(causal), _lengths(key_lengths))
+
+    def backward(self, tape: EncoderLayerTape, dy: Array) -> Tuple[np.ndarray, Dict[str, np.ndarray]]:
+        """Given forward_train's tape and dy = dL/dy (B, L, E) float32: (dx, grads), dx =
+        dL/dx (B, L, E) and grads {name: dL/d(parameter)} with parameters()'s names and
+        shapes (new arrays each call: nothing accumulates). Dropout replays the tape's
+        masks."""
+        return self._impl.backward(tape, dy)
+
+    def parameters(self) -> Dict[str, np.ndarray]:
+        """{name: float32 array}: copies of the current parameters, with the names the layer
+        was built with (weights' names; fused packings keep attention.qkv_*)."""
+        return self._impl.parameters()
+
+    def set_parameters(self, params: Mapping[str, Array]) -> None:
+        """Replaces every parameter: params has exactly parameters()'s names and shapes
+        (float32; copied). Tapes made before it can no longer be used by backward."""
+        self._impl.set_parameters(_dict("params", params))
+
+
+def cross_entropy(logits: Array, targets: Array, *, ignore_index: int = -100
+                  ) -> Tuple[float, np.ndarray]:
+    """Mean cross-entropy over class logits (qkv::cross_entropy; torch.nn.functional.
+    cross_entropy with reduction="mean"): logits (rows, classes) float32, targets (rows,)
+    int32 or int64, each in [0, classes) or ignore_index (such a row counts for nothing).
+    Returns (loss, dlogits): loss = mean over counted rows of -log softmax(logits)[target] (0
+    when none counts), computed in float64; dlogits = dloss/dlogits (rows, classes) float32
+    ((softmax - onehot) / count, 0 on ignored rows)."""
+    return _qkv.cross_entropy(logits, targets, _int("ignore_index", ignore_index))
+
+
+class AdamW:
+    """AdamW (torch.optim.AdamW's update; qkv::AdamW) over a dict of float32 arrays:
+
+        p -= lr * weight_decay * p
+        m = beta1 m + (1 - beta1) g        v = beta2 v + (1 - beta2) g^2
+        p -= lr * (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps)      (t = steps)
+
+        optimizer = qkv.AdamW(lr=1e-3)
+        params = layer.parameters()
+        ...; dx, grads = layer.backward(tape, dy)
+        optimizer.step(params, grads)          # updates params' arrays in place
+        layer.set_parameters(params)
+
+    The moments are kept per name; every step must have the names and shapes of the first.
+    """
+
+    def __init__(self, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01):
+        try:
+            beta1, beta2 = betas
+        except (TypeError, ValueError):
+            raise TypeError(f"betas: expected (beta1, beta2), got {betas!r}") from None
+        self._impl = _qkv.AdamW(_float("lr", lr), _float("betas", beta1), _float("betas", beta2),
+                                _float("eps", eps), _float("weight_decay", weight_decay))
+
+    @property
+    def lr(self) -> float:
+        return self._impl.lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._impl.lr = _float("lr", value)
+
+    @property
+    def betas(self) -> Tuple[float, float]:
+        return (self._impl.beta1, self._impl.beta2)
+
+    @property
+    def eps(self) -> float:
+        return self._impl.eps
+
+    @property
+    def weight_decay(self) -> float:
+        return self._impl.weight_decay
+
+    @property
+    def steps(self) -> int:
+        """The steps taken (t of the bias corrections)."""
+        return self._impl.steps
+
+    def step(self, params: Mapping[str, Array], grads: Mapping[str, Array]) -> None:
+        """One step: every array of params (writable float32, any shape and strides) is
+        updated IN PLACE from grads[name] (float32, the same shape; grads must have exactly
+        params' names). Names are taken in sorted order. Everything is checked before any
+        array changes (TypeError for dtypes, ValueError for names, shapes, read-only arrays).
+        Returns None."""
+        self._impl.step(_dict("params", params), _dict("grads", grads))

@@ -18,6 +18,7 @@
 
 #include "core/int_math.h"
 #include "python/arrays.h"
+#include "python/layers.h"
 #include "python/options.h"
 #if QKV_WITH_MPI
 #include "python/ring.h"
@@ -476,6 +477,8 @@ void define_module(nb::module_& m) {
       .def_prop_ro("max_length", &PyEmbedder::max_length)
       .def_prop_ro("normalize", &PyEmbedder::normalize)
       .def("encode", &PyEmbedder::encode, "texts"_a, "batch_size"_a);
+
+  define_layers(m);  // EncoderLayer, cross_entropy, AdamW (layers.cc)
 
 #if QKV_WITH_MPI
   define_ring(m);
