@@ -7,14 +7,14 @@
 // Layout idea: scores are kept TRANSPOSED, st[key][query], with the queries of one block along
 // the SIMD lanes. Then everything that is per query (running max, running sum, rescale factor,
 // allowed key range) is lane-wise, softmax needs no horizontal reductions, and K and V are read
-// in their natural layout through scalar broadcasts, so they are never packed or transposed.
-// Only q is packed, once per query block, as q^T * scale.
+// through scalar broadcasts. q is packed once per query block, as q^T * scale; an f32 K is read
+// where it lies, and V is staged as columns vt[Dv][keys] once per tile (tile_staging-inl.h).
 //
 //   qt: [D][kBlockQ]    st: [keys][kBlockQ]    ot: [Dv][kBlockQ]  (out^T, unnormalised)
 //
 // Both products are the same rank-1-update micro-kernel (OuterProductRows):
 //   st[j][:] = sum_d  k[j][d] * qt[d][:]          (R keys at a time)
-//   ot[e][:] = alpha * ot[e][:] + sum_j v[j][e] * st[j][:]   (R value dims at a time)
+//   ot[e][:] = alpha * ot[e][:] + sum_j vt[e][j] * st[j][:]  (R value dims at a time)
 
 #if defined(QKV_KERNELS_CPU_TILE_GEOMETRY_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef QKV_KERNELS_CPU_TILE_GEOMETRY_INL_H_

@@ -62,9 +62,10 @@ inline void PackQuery(const AttentionKernelParams& p, QueryBlock& qb) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// K and V rows for the tile products. An f32 operand is read where it lies; bf16/f16 rows are
-// widened (exactly) into a per-thread staging tile, once per (rows, tile): the query blocks of a
-// task that share a kv head then reuse it.
+// K and V for the tile products. An f32 K is read where it lies, bf16/f16 K rows are widened
+// (exactly) into a per-thread staging tile (StageRows), and V of every dtype is staged as f32
+// columns (StageColumns), once per (rows, tile): the query blocks of a task that share a kv head
+// then reuse it.
 
 // Rows [j0, j0 + num_k) of K or V: row j at data + j * row_stride, element e at + e * elem_stride.
 struct TileRows {
@@ -88,10 +89,9 @@ struct Staging {
   std::uint32_t* prob_pairs = nullptr;  // bf16: [kBlockK / 2][kBlockQ] pair words
 };
 
-// Floats of the staging tiles (none for f32 operands); bf16 adds the probabilities as pair
+// Floats of the staging tiles (an f32 K uses none of its part); bf16 adds the probabilities as pair
 // words for the vdpbf16ps products (PairProducts in products-inl.h).
 inline std::int64_t StagingFloats(const AttentionKernelParams& p) {
-  if (p.dtype == DType::kF32) return 0;
   return kBlockK * (p.head_dim + p.head_dim_v) +
          (p.dtype == DType::kBF16 ? kBlockK / 2 * kBlockQ : 0);
 }
@@ -138,6 +138,50 @@ inline TileRows StageRows(const void* rows, const std::int64_t* stride, std::int
     }
     return {staged.buffer, dim, 1};
   }
+}
+
+// Rows [j0, j0 + num_k) of V (p.v's strides, `dim` elements each, stored as T) as f32 columns:
+// staged.buffer[e * kBlockK + j] = v[j0 + j][e], once per (rows, tile), whatever T. The value
+// product then reads each column as one ascending run (TileRows: row stride 1, element stride
+// kBlockK). Read where they lie, V's rows are Hkv * Dv elements apart (BSHD): each pass of the
+// micro-kernel over kRows columns touched num_k lines, often 4 KiB apart and so in one or two
+// L1 sets, evicted before the next pass read their neighbouring columns (docs/kernels.md,
+// "V staged as columns").
+template <typename T>
+inline TileRows StageColumns(const void* rows, const std::int64_t* stride, std::int64_t dim,
+                             std::int64_t j0, std::int64_t num_k, StagedRows& staged) {
+  if (!staged.Holds(rows, j0, num_k)) {
+    const T* source = static_cast<const T*>(rows) + j0 * stride[1];
+    float* dst = staged.buffer;
+    const auto element = [&](std::int64_t j, std::int64_t e) {
+      return WideElement(source[j * stride[1] + e * stride[3]]);
+    };
+    std::int64_t j = 0;
+    if (stride[3] == 1) {  // squares of kLanes keys x kLanes columns, transposed in registers
+      const DF df;
+      for (; j + kLanes <= num_k; j += kLanes) {
+        std::int64_t e = 0;
+        for (; e + kLanes <= dim; e += kLanes) {
+          VF square[kLanes];
+          for (std::int64_t r = 0; r < kLanes; ++r) {
+            square[r] = LoadWide(df, source + (j + r) * stride[1] + e);
+          }
+          TransposeSquare(df, square);
+          for (std::int64_t c = 0; c < kLanes; ++c) {
+            hn::StoreU(square[c], df, dst + (e + c) * kBlockK + j);
+          }
+        }
+        for (; e < dim; ++e) {
+          for (std::int64_t r = 0; r < kLanes; ++r) dst[e * kBlockK + j + r] = element(j + r, e);
+        }
+      }
+    }
+    for (; j < num_k; ++j) {
+      for (std::int64_t e = 0; e < dim; ++e) dst[e * kBlockK + j] = element(j, e);
+    }
+    staged = {staged.buffer, rows, j0, num_k};
+  }
+  return {staged.buffer, 1, kBlockK};
 }
 
 // ---------------------------------------------------------------------------------------------
