@@ -131,17 +131,6 @@ std::vector<std::pair<std::string, nb::object>> named_arrays(const char* argumen
   return items;
 }
 
-// Runs `call` without the GIL; qkv::Error becomes ValueError.
-template <typename Call>
-auto without_gil(Call&& call) {
-  try {
-    nb::gil_scoped_release release;
-    return call();
-  } catch (const Error& error) {
-    throw nb::value_error(error.what());
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
 // EncoderLayer's parameters by name.
 

@@ -385,12 +385,7 @@ class PyEmbedder {
     const std::int64_t dim = embedder_.dimension();
     auto* rows = new std::vector<float>(texts.size() * static_cast<std::size_t>(dim));
     nb::capsule owner(rows, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
-    try {
-      nb::gil_scoped_release release;
-      embedder_.embed(texts, rows->data(), {}, batch_size);
-    } catch (const Error& error) {
-      throw nb::value_error(error.what());
-    }
+    without_gil([&] { embedder_.embed(texts, rows->data(), {}, batch_size); });
     const std::size_t shape[2] = {texts.size(), static_cast<std::size_t>(dim)};
     return nb::ndarray<nb::numpy, float>(rows->data(), 2, shape, owner);
   }

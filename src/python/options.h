@@ -1,5 +1,5 @@
-// Argument conversions the bindings share (module.cc, ring.cc): choices given as strings, and
-// key lengths given as an integer array.
+// Argument conversions the bindings share (module.cc, ring.cc, layers.cc): choices given as
+// strings, and key lengths given as an integer array; and how they call the library.
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "qkv/attention.h"
+#include "qkv/error.h"
 
 namespace qkv::python {
 
@@ -32,6 +33,18 @@ T parse_choice(const char* name, const std::string& value,
   }
   throw nb::value_error(
       (std::string(name) + ": expected " + expected + ", got '" + value + "'").c_str());
+}
+
+// Runs `call` without the GIL (other Python threads run meanwhile) and returns its result;
+// qkv::Error becomes ValueError.
+template <typename Call>
+auto without_gil(Call&& call) {
+  try {
+    nb::gil_scoped_release release;
+    return call();
+  } catch (const Error& error) {
+    throw nb::value_error(error.what());
+  }
 }
 
 // "bottom_right" or "top_left" (the CLI's spellings, "bottom-right", are taken too).

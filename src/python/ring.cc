@@ -85,18 +85,6 @@ nb::dict stats_dict(const RingStats& s) {
   return d;
 }
 
-// Runs `call` without the GIL (other Python threads run while the ring waits); qkv::Error
-// becomes ValueError.
-template <typename Call>
-RingStats without_gil(Call&& call) {
-  try {
-    nb::gil_scoped_release release;
-    return call();
-  } catch (const Error& error) {
-    throw nb::value_error(error.what());
-  }
-}
-
 const std::initializer_list<DType> kInputs = {DType::kF32, DType::kBF16, DType::kF16};
 const char* const kInputNames = "float32, bfloat16 or float16";
 
