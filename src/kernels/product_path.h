@@ -13,6 +13,7 @@ enum class ProductPath {
   kBf16Widened,  // bf16 operands widened to f32 (exact), Highway FMA
   kF16Widened,   // f16 operands widened to f32 (exact), Highway FMA
   kBf16Pairs,    // bf16 pairs on vdpbf16ps (AVX512-BF16), f32 accumulation, probabilities in bf16
+  kBf16Amx,      // bf16 on AMX tiles (tdpbf16ps), f32 accumulation, probabilities in bf16
 };
 
 // The f32 FMA path for dtype (bf16 and f16 widened): the chunked kernel always takes it (its
@@ -23,7 +24,7 @@ constexpr ProductPath WideningProductPath(DType dtype) {
                                 : ProductPath::kF32;
 }
 
-// "f32-fma", "bf16-widened-fma", "f16-widened-fma", "bf16-vdpbf16ps".
+// "f32-fma", "bf16-widened-fma", "f16-widened-fma", "bf16-vdpbf16ps", "bf16-amx".
 constexpr const char* product_path_name(ProductPath path) {
   switch (path) {
     case ProductPath::kBf16Widened:
@@ -32,6 +33,8 @@ constexpr const char* product_path_name(ProductPath path) {
       return "f16-widened-fma";
     case ProductPath::kBf16Pairs:
       return "bf16-vdpbf16ps";
+    case ProductPath::kBf16Amx:
+      return "bf16-amx";
     case ProductPath::kF32:
       break;
   }
@@ -39,8 +42,10 @@ constexpr const char* product_path_name(ProductPath path) {
 }
 
 // Whether the path rounds the probabilities to the input dtype before the value product (the
-// vdpbf16ps path does, as FlashAttention does on GPUs; the others keep them in f32).
-constexpr bool rounds_probabilities(ProductPath path) { return path == ProductPath::kBf16Pairs; }
+// vdpbf16ps and AMX paths do, as FlashAttention does on GPUs; the others keep them in f32).
+constexpr bool rounds_probabilities(ProductPath path) {
+  return path == ProductPath::kBf16Pairs || path == ProductPath::kBf16Amx;
+}
 
 // The path the flash kernel takes for dtype on the Highway target it dispatches to now and this
 // CPU (kernels/cpu/flash_forward.cc).

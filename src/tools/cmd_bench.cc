@@ -52,8 +52,11 @@ constexpr const char* kBenchUsage =
     "  --kernel K       auto|reference|chunked|flash, or a comma list (default auto, which\n"
     "                   resolves to flash). 'reference' is the scalar oracle: slow\n"
     "  --dtype T        f32 (default), bf16 or f16: storage of q, k and v (the kernels accumulate\n"
-    "                   in f32; bf16 uses vdpbf16ps where the CPU has AVX512-BF16, f16 is\n"
-    "                   widened to f32). The fp32 peak is also printed (json: fp32_peak_gflops)\n"
+    "                   in f32; bf16 runs on AMX tiles where the CPU has AMX-BF16, on\n"
+    "                   vdpbf16ps on AMD CPUs with AVX512-BF16, else widened to f32, as f16\n"
+    "                   always is; json: products). The fp32 peak is also printed (json:\n"
+    "                   fp32_peak_gflops), and the AMX tile peak where bf16 has it\n"
+    "                   (amx_peak_gflops; %peak of bf16-amx rows divides by it)\n"
     "  --threads N      threads for the kernels and the FMA probe (default 0 = OpenMP's default)\n"
     "  --repeats R      timed repeats per case, median reported (default 5; fewer when one call\n"
     "                   takes over 2 s, unless given)\n"
@@ -401,14 +404,17 @@ double kv_gbytes_per_second(const BenchCase& c, const BenchResult& r, DType dtyp
   return kv_bytes / r.seconds / 1e9;
 }
 // The machine probes of one run: the fp32 FMA peak, the vdpbf16ps peak (bf16 runs on a CPU with
-// AVX512-BF16; else 0), and the streaming read bandwidth. %peak divides by the peak of the
-// instructions the row's products ran on (peak_for).
+// AVX512-BF16; else 0), the AMX tile peak (bf16 runs on a CPU with AMX-BF16; else 0), and the
+// streaming read bandwidth. %peak divides by the peak of the instructions the row's products ran
+// on (peak_for).
 struct Probes {
-  tools::FmaPeak fp32_peak, pairs_peak;
+  tools::FmaPeak fp32_peak, pairs_peak, amx_peak;
   tools::ReadBandwidth bandwidth;
 
   const tools::FmaPeak& peak_for(const BenchResult& r) const {
-    return r.products == "bf16-vdpbf16ps" && pairs_peak.gflops > 0.0 ? pairs_peak : fp32_peak;
+    if (r.products == "bf16-vdpbf16ps" && pairs_peak.gflops > 0.0) return pairs_peak;
+    if (r.products == "bf16-amx" && amx_peak.gflops > 0.0) return amx_peak;
+    return fp32_peak;
   }
 };
 
@@ -428,7 +434,8 @@ void print_json(const BenchCase& c, const BenchResult& r, int threads, DType dty
       "\"products\": \"%s\", "
       "\"read_gbytes_per_second\": %.6g, \"kv_gbytes_per_second\": %.6g, "
       "\"kv_fraction_of_read_bandwidth\": %.6g, \"read_gbytes_per_second_between_repeats\": %.6g, "
-      "\"kv_fraction_of_read_between_repeats\": %.6g, \"fp32_peak_gflops\": %.6g}\n",
+      "\"kv_fraction_of_read_between_repeats\": %.6g, \"fp32_peak_gflops\": %.6g, "
+      "\"amx_peak_gflops\": %.6g}\n",
       r.kernel.c_str(), dtype_name(dtype), static_cast<long long>(c.batch),
       static_cast<long long>(c.num_heads_q), static_cast<long long>(c.num_heads_kv),
       static_cast<long long>(c.seq_q), static_cast<long long>(c.seq_kv),
@@ -441,7 +448,7 @@ void print_json(const BenchCase& c, const BenchResult& r, int threads, DType dty
       finite(bandwidth.gbytes_per_second), finite(kv_gbs),
       finite(kv_gbs / bandwidth.gbytes_per_second), finite(r.read_between_repeats),
       finite(r.read_between_repeats > 0.0 ? kv_gbs / r.read_between_repeats : 0.0),
-      finite(probes.fp32_peak.gflops));
+      finite(probes.fp32_peak.gflops), finite(probes.amx_peak.gflops));
   std::fflush(stdout);
 }
 
@@ -457,6 +464,11 @@ void print_table_header(int threads, DType dtype, const Probes& probes) {
         "vdpbf16ps peak %.1f GFLOP/s (%.2fx the fp32 peak): %%peak of bf16-vdpbf16ps rows divides "
         "by it, of the others by the fp32 peak\n",
         probes.pairs_peak.gflops, probes.pairs_peak.gflops / probes.fp32_peak.gflops);
+  }
+  if (probes.amx_peak.gflops > 0.0) {
+    std::printf(
+        "AMX tile peak %.1f GFLOP/s (%.2fx the fp32 peak): %%peak of bf16-amx rows divides by it\n",
+        probes.amx_peak.gflops, probes.amx_peak.gflops / probes.fp32_peak.gflops);
   }
   std::printf("memory: %s\n\n",
               tools::process_peak_available()
@@ -513,12 +525,16 @@ int run_bench(std::vector<std::string> args) {
   probes.fp32_peak = tools::measure_fma_peak(threads);
   if (options.dtype == DType::kBF16 && !options.linear) {
     probes.pairs_peak = tools::measure_bf16_peak(threads);  // 0 without AVX512-BF16
+    probes.amx_peak = tools::measure_amx_peak(threads);     // 0 without AMX-BF16
   }
   probes.bandwidth = tools::measure_read_bandwidth(threads);
   if (options.json) {
-    std::fprintf(stderr, "qkv bench: fp32 peak %.1f GFLOP/s (%s), vdpbf16ps peak %.1f, read %.1f GB/s\n",
+    std::fprintf(stderr,
+                 "qkv bench: fp32 peak %.1f GFLOP/s (%s), vdpbf16ps peak %.1f, AMX peak %.1f, "
+                 "read %.1f GB/s\n",
                  probes.fp32_peak.gflops, probes.fp32_peak.hwy_target.c_str(),
-                 probes.pairs_peak.gflops, probes.bandwidth.gbytes_per_second);
+                 probes.pairs_peak.gflops, probes.amx_peak.gflops,
+                 probes.bandwidth.gbytes_per_second);
   } else {
     print_table_header(threads, options.dtype, probes);
   }

@@ -87,6 +87,7 @@ HWY_AFTER_NAMESPACE();
 
 #include "core/parallel.h"
 #include "hwy/aligned_allocator.h"
+#include "kernels/cpu/amx.h"
 #include "kernels/cpu/bf16_dot.h"
 #include "tools/fma_probe.h"
 
@@ -189,6 +190,23 @@ FmaPeak measure_bf16_peak(int num_threads, double seconds_per_repeat, int repeat
                                 return bf16dot::peak_probe(iterations);
                               });
   peak.hwy_target = "AVX512_BF16";
+  peak.lanes = 16;
+  return peak;
+}
+
+FmaPeak measure_amx_peak(int num_threads, double seconds_per_repeat, int repeats) {
+  if (!amx::available()) {
+    FmaPeak none{};
+    none.num_threads = resolve_num_threads(num_threads);
+    none.hwy_target = "none";
+    return none;
+  }
+  // One tdpbf16ps: 16 x 16 outputs x 32 multiply-adds = 16384 FLOPs; 4 per step.
+  FmaPeak peak = measure_peak(num_threads, seconds_per_repeat, repeats, 4.0 * 16 * 16 * 32 * 2,
+                              [](std::int64_t iterations, std::int64_t /*task*/) {
+                                return amx::peak_probe(iterations);
+                              });
+  peak.hwy_target = "AMX_BF16";
   peak.lanes = 16;
   return peak;
 }

@@ -32,6 +32,12 @@ FmaPeak measure_fma_peak(int num_threads, double seconds_per_repeat = 0.1, int r
 // nothing runs: gflops = 0 and hwy_target = "none".
 FmaPeak measure_bf16_peak(int num_threads, double seconds_per_repeat = 0.1, int repeats = 3);
 
+// The same probe on AMX tiles (`tdpbf16ps`, 16 x 16 x 32 bf16 products accumulated in f32;
+// amx::peak_probe in src/kernels/cpu/amx.h): 4 independent tile products per step, 16384 FLOPs
+// each; hwy_target is "AMX_BF16" and lanes 16. Where the CPU lacks AMX-BF16 (or
+// amx::set_enabled(false)), nothing runs: gflops = 0 and hwy_target = "none".
+FmaPeak measure_amx_peak(int num_threads, double seconds_per_repeat = 0.1, int repeats = 3);
+
 struct ReadBandwidth {
   double gbytes_per_second;  // 1e9 bytes/s read, over all threads, best of repeats
   int num_threads;

@@ -232,17 +232,29 @@ TEST(KernelTargets, EveryTargetMatchesReference) {
 }
 
 // The flash kernel takes vdpbf16ps for bf16 where bf16dot::preferred() (AMD CPUs with
-// AVX512-BF16) and widens to f32 everywhere else; the sweeps above run whichever this CPU takes.
-// The other path is forced here: the widening one (any CPU), and the pairs wherever the CPU has
-// AVX512-BF16 (an Intel CPU would otherwise never run them).
-TEST(KernelTargets, Bf16WithoutVdpbf16ps) {
+// AVX512-BF16), AMX tiles where amx::available() (Intel CPUs with AMX-BF16), and widens to f32
+// everywhere else; the sweeps above run whichever this CPU takes. The others are forced here:
+// the widening one (any CPU), the pairs wherever the CPU has AVX512-BF16 (an Intel CPU would
+// otherwise never run them), and the tiles wherever it has AMX.
+TEST(KernelTargets, Bf16WithoutVdpbf16psOrAmx) {
   bf16dot::set_enabled(false);
+  amx::set_enabled(false);
   ASSERT_EQ(attention_flash_product_path(DType::kBF16), ProductPath::kBf16Widened);
   for (const Case& c : with_dtype(kernel_cases(), DType::kBF16)) {
     SCOPED_TRACE(c.name());
     check_against_reference(Problem(c));
   }
+  amx::set_enabled(true);
   bf16dot::set_enabled(true);
+}
+
+TEST(KernelTargets, Bf16OnAmxWhereverAvailable) {
+  QKV_SKIP_WITHOUT_AMX();
+  ASSERT_EQ(attention_flash_product_path(DType::kBF16), ProductPath::kBf16Amx);
+  for (const Case& c : with_dtype(kernel_cases(), DType::kBF16)) {
+    SCOPED_TRACE(c.name());
+    check_against_reference(Problem(c));
+  }
 }
 
 // bf16dot::set_forced for a scope.

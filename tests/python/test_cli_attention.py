@@ -420,15 +420,22 @@ def test_bench_dtype(cli, dtype):
     assert record["dtype"] == dtype
     assert record["gflops"] > 0 and record["fp32_peak_gflops"] > 0
     # The product path that ran (kernel auto = flash here): vdpbf16ps pairs for bf16 on an AMD
-    # CPU with AVX512-BF16 (bf16dot::preferred: slower than FMA on Intel's), else f32 FMA on
-    # the operands widened.
-    pairs = dtype == "bf16" and "avx512_bf16" in cpu_flags() and cpu_vendor() == "AuthenticAMD"
+    # CPU with AVX512-BF16 (bf16dot::preferred: slower than FMA on Intel's), AMX tiles on a CPU
+    # with AMX-BF16, else f32 FMA on the operands widened.
+    flags = cpu_flags()
+    pairs = dtype == "bf16" and "avx512_bf16" in flags and cpu_vendor() == "AuthenticAMD"
+    amx = dtype == "bf16" and not pairs and {"amx_bf16", "amx_tile", "avx512_bf16"} <= flags
     if dtype == "f32":
         assert record["products"] == "f32-fma"
+    elif pairs:
+        assert record["products"] == "bf16-vdpbf16ps"
+    elif amx:
+        assert record["products"] == "bf16-amx"
+        assert record["amx_peak_gflops"] > 0
     else:
-        assert record["products"] == ("bf16-vdpbf16ps" if pairs else f"{dtype}-widened-fma")
-    # %peak divides by the peak of the instructions that ran: the vdpbf16ps probe for the pairs
-    # (hwy_target names the probe), else the fp32 FMA probe. How fast the two probes are is the
+        assert record["products"] == f"{dtype}-widened-fma"
+    # %peak divides by the peak of the instructions that ran: the vdpbf16ps probe for the pairs,
+    # the tdpbf16ps probe for the tiles, else the fp32 FMA probe. How fast the probes are is the
     # machine's business, not the test's.
     assert record["peak_gflops"] > 0
     assert record["fraction_of_peak"] == pytest.approx(

@@ -246,6 +246,7 @@ void Flash(const AttentionKernelParams& p) {
   const bool sparse = p.sparse.kind != SparseKernelParams::Kind::kNone;
 
   parallel_for(num_tasks, num_threads, [&](std::int64_t task, int thread) {
+    [[maybe_unused]] const typename Products::TaskScope scope{};
     float* mine = float_scratch.as<float>() + thread * floats;
     float* st = mine + plan.per_task * block_floats;
     Staging staging = BindStaging(p, st + kBlockK * kBlockQ);

@@ -14,6 +14,7 @@
 //   NarrowScores(p, narrow, count), NarrowValues(p, narrow, count)
 //                            one tile's products for a task's narrow blocks (their nb.part)
 //   NarrowProbs(st, num_k, vecs)  the probabilities as NarrowValues reads them
+//   TaskScope                a type a task holds while it runs (the AMX tile state; else empty)
 //
 // vec_end (TileVecKeys(...).ends(), nullable): query vector x needs keys [0, vec_end[x]) only;
 // its lanes of the later keys may be left as they were until the masks set them to -inf.
@@ -30,6 +31,7 @@
 #include <type_traits>
 
 #include "hwy/highway.h"
+#include "kernels/cpu/amx.h"
 #include "kernels/cpu/bf16_dot.h"
 #include "kernels/cpu/decode_walk-inl.h"
 #include "kernels/cpu/tile_geometry-inl.h"
@@ -51,6 +53,7 @@ struct WideProducts {
   static constexpr ProductPath kPath = std::is_same_v<T, float>             ? ProductPath::kF32
                                        : std::is_same_v<T, hwy::bfloat16_t> ? ProductPath::kBf16Widened
                                                                             : ProductPath::kF16Widened;
+  struct TaskScope {};
 
   static void StartBlock(const AttentionKernelParams& p, QueryBlock& qb) {
     PackQuery<T>(p, qb);
@@ -94,6 +97,7 @@ struct WideProducts {
 struct PairProducts {
   static constexpr ProductPath kPath = ProductPath::kBf16Pairs;
   static constexpr bool kPairLanes = kBlockQ == bf16dot::kLanes;
+  struct TaskScope {};
 
   static void StartBlock(const AttentionKernelParams& p, QueryBlock& qb) {
     PackQueryPairs(p, qb);
@@ -136,21 +140,83 @@ struct PairProducts {
   }
 };
 
-// The path of the flash kernel for dtype on this target and CPU: the vdpbf16ps pairs for bf16
-// where bf16dot::preferred() (AMD: faster than FMA there, slower on Intel) (the chunked kernel always widens:
+// bf16 on AMX tiles (kernels/cpu/amx.h): on the AVX3 targets of a CPU with AMX-BF16, both
+// tile products of the wide blocks run as tdpbf16ps, f32 accumulation. As on the vdpbf16ps
+// path, q is unscaled (its bf16 values are exact) and the scores are multiplied by scale in f32,
+// and the values use the probabilities rounded to bf16 (the row sums stay f32). K rows are
+// staged as padded bf16 rows, V as bf16 columns, once per tile for the blocks of a task; the
+// tile configuration is loaded once per task (TaskScope). The decode path's narrow blocks keep
+// the widened products: a few query rows fill no tile, and decoding is bound by the reads.
+struct AmxProducts {
+  static constexpr ProductPath kPath = ProductPath::kBf16Amx;
+  static constexpr bool kAmxLanes = kBlockQ == amx::kLanes;
+  using Narrow = WideProducts<hwy::bfloat16_t>;
+  using TaskScope = amx::TileScope;
+
+  static std::int64_t Depth(const AttentionKernelParams& p) {
+    return amx::round_up(p.head_dim, amx::kDepthStep);
+  }
+  static void StartBlock(const AttentionKernelParams& p, QueryBlock& qb) {
+    PackQueryPairs(p, qb);
+    std::uint32_t* qt = reinterpret_cast<std::uint32_t*>(qb.qt);
+    std::fill(qt + (p.head_dim + 1) / 2 * kBlockQ, qt + Depth(p) / 2 * kBlockQ, 0u);
+    std::fill(qb.ot, qb.ot + OtRows(p) * kBlockQ, 0.0f);
+  }
+  static void Scores(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
+                     std::int64_t num_k, float* HWY_RESTRICT st, Staging& staging,
+                     const std::int64_t*) {
+    const std::int64_t depth = Depth(p);
+    const std::uint16_t* k = StageKeyTile(p, qb, j0, num_k, depth, staging.k);
+    amx::scores(k, depth, reinterpret_cast<const std::uint32_t*>(qb.qt), depth, num_k, p.scale,
+                st);
+  }
+  static void Values(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
+                     std::int64_t num_k, const float* st, const float* alpha, Staging& staging,
+                     const std::int64_t* vec_end) {
+    const std::uint16_t* vt = StageValueTile(p, qb, j0, num_k, staging.v);
+    amx::pack_probs(st, num_k, vec_end, staging.prob_pairs);
+    amx::values(vt, kBlockK, staging.prob_pairs, num_k, p.head_dim_v, alpha, vec_end, qb.ot);
+  }
+
+  static void NarrowQuery(const AttentionKernelParams& p, NarrowBlock& nb) {
+    Narrow::NarrowQuery(p, nb);
+  }
+  static void NarrowScores(const AttentionKernelParams& p, const NarrowBlock* narrow,
+                           std::int64_t count) {
+    Narrow::NarrowScores(p, narrow, count);
+  }
+  static void NarrowProbs(float* st, std::int64_t num_k, int vecs) {
+    Narrow::NarrowProbs(st, num_k, vecs);
+  }
+  static void NarrowValues(const AttentionKernelParams& p, const NarrowBlock* narrow,
+                           std::int64_t count) {
+    Narrow::NarrowValues(p, narrow, count);
+  }
+};
+
+// The path of the flash kernel for dtype on this target and CPU, for bf16: the vdpbf16ps pairs
+// where bf16dot::preferred() (AMD: faster than FMA there, slower on Intel; or forced), else AMX
+// tiles where amx::available(), else widened (the chunked kernel always widens:
 // WideningProductPath).
 inline ProductPath FlashProductPath(DType dtype) {
   if constexpr (PairProducts::kPairLanes) {
     if (dtype == DType::kBF16 && bf16dot::preferred()) return ProductPath::kBf16Pairs;
   }
+  if constexpr (AmxProducts::kAmxLanes) {
+    if (dtype == DType::kBF16 && amx::available()) return ProductPath::kBf16Amx;
+  }
   return WideningProductPath(dtype);
 }
 
-// f(Products{}) for the path: the one place that instantiates the skeletons. (kBf16Pairs exists
-// only where kPairLanes holds; FlashProductPath never picks it elsewhere.)
+// f(Products{}) for the path: the one place that instantiates the skeletons. (kBf16Pairs and
+// kBf16Amx exist only where kPairLanes and kAmxLanes hold; FlashProductPath never picks them
+// elsewhere.)
 template <class F>
 void WithProducts(ProductPath path, F&& f) {
   switch (path) {
+    case ProductPath::kBf16Amx:
+      if constexpr (AmxProducts::kAmxLanes) return f(AmxProducts{});
+      [[fallthrough]];
     case ProductPath::kBf16Pairs:
       if constexpr (PairProducts::kPairLanes) return f(PairProducts{});
       [[fallthrough]];

@@ -82,8 +82,8 @@ HWY_INLINE float WideElement(T x) {
 // (Lq = 1) the heads of a group share one block, and one K/V walk.
 struct QueryBlock {
   // Scratch (sized by the caller, see ScratchFloats / ScratchInts).
-  float* qt;         // [D][kBlockQ]   q^T * scale; zero in lanes past num_q
-  float* ot;         // [Dv][kBlockQ]  unnormalised out^T
+  float* qt;         // [D][kBlockQ]   q^T * scale; zero in lanes past num_q (QtRows rows)
+  float* ot;         // [Dv][kBlockQ]  unnormalised out^T (OtRows rows)
   float* row_max;    // [kBlockQ]      running max of the scores
   float* row_sum;    // [kBlockQ]      running sum of exp(score - row_max)
   float* alpha;      // [kBlockQ]      rescale factor of the current tile
@@ -136,9 +136,17 @@ inline VecKeys TileVecKeys(const std::int64_t* hi, std::int64_t j0, std::int64_t
   return keys;
 }
 
+// Rows of a block's qt and ot: D and Dv, padded for the AMX tiles (AmxProducts in
+// products-inl.h), whose q pairs cover D rounded up to 32 and whose outputs come 16 value dims at
+// a time. (The padding rows hold zeros; no other path reads them.)
+inline std::int64_t QtRows(const AttentionKernelParams& p) {
+  return std::max(p.head_dim, (p.head_dim + 31) / 32 * 16);
+}
+inline std::int64_t OtRows(const AttentionKernelParams& p) { return (p.head_dim_v + 15) / 16 * 16; }
+
 // Scratch one QueryBlock needs: floats, and int64s.
 inline std::int64_t ScratchFloats(const AttentionKernelParams& p) {
-  return (p.head_dim + p.head_dim_v + 3) * kBlockQ;
+  return (QtRows(p) + OtRows(p) + 3) * kBlockQ;
 }
 constexpr std::int64_t kScratchInts = 9 * kBlockQ + 1;
 
@@ -151,8 +159,8 @@ inline std::int64_t BlocksPerKvHead(const AttentionKernelParams& p) {
 inline void BindScratch(const AttentionKernelParams& p, float* floats, std::int64_t* ints,
                         QueryBlock& qb) {
   qb.qt = floats;
-  qb.ot = qb.qt + p.head_dim * kBlockQ;
-  qb.row_max = qb.ot + p.head_dim_v * kBlockQ;
+  qb.ot = qb.qt + QtRows(p) * kBlockQ;
+  qb.row_max = qb.ot + OtRows(p) * kBlockQ;
   qb.row_sum = qb.row_max + kBlockQ;
   qb.alpha = qb.row_sum + kBlockQ;
   qb.lo = ints;

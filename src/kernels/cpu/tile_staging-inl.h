@@ -89,19 +89,31 @@ struct Staging {
   std::uint32_t* prob_pairs = nullptr;  // bf16: [kBlockK / 2][kBlockQ] pair words
 };
 
-// Floats of the staging tiles (an f32 K uses none of its part); bf16 adds the probabilities as pair
-// words for the vdpbf16ps products (PairProducts in products-inl.h).
+// Floats of the K and V staging tiles: kBlockK rows of dim f32 (an f32 K uses none of its part);
+// for bf16 at least the AMX tiles' bf16 K rows of D rounded up to 32 and V columns of Dv
+// rounded up to 16 (AmxProducts in products-inl.h).
+inline std::int64_t StagedKFloats(const AttentionKernelParams& p) {
+  return kBlockK * (p.dtype == DType::kBF16 ? std::max(p.head_dim, (p.head_dim + 31) / 32 * 16)
+                                            : p.head_dim);
+}
+inline std::int64_t StagedVFloats(const AttentionKernelParams& p) {
+  return kBlockK * (p.dtype == DType::kBF16 ? std::max(p.head_dim_v, (p.head_dim_v + 15) / 16 * 8)
+                                            : p.head_dim_v);
+}
+
+// Floats of the staging tiles; bf16 adds the probabilities as pair words for the vdpbf16ps and
+// AMX products (PairProducts, AmxProducts in products-inl.h).
 inline std::int64_t StagingFloats(const AttentionKernelParams& p) {
-  return kBlockK * (p.head_dim + p.head_dim_v) +
+  return StagedKFloats(p) + StagedVFloats(p) +
          (p.dtype == DType::kBF16 ? kBlockK / 2 * kBlockQ : 0);
 }
 
 inline Staging BindStaging(const AttentionKernelParams& p, float* floats) {
   Staging s;
   s.k.buffer = floats;
-  s.v.buffer = floats + kBlockK * p.head_dim;
+  s.v.buffer = floats + StagedKFloats(p);
   if (p.dtype == DType::kBF16) {
-    s.prob_pairs = reinterpret_cast<std::uint32_t*>(s.v.buffer + kBlockK * p.head_dim_v);
+    s.prob_pairs = reinterpret_cast<std::uint32_t*>(s.v.buffer + StagedVFloats(p));
   }
   return s;
 }
@@ -304,6 +316,93 @@ inline const std::uint32_t* StageValuePairs(const AttentionKernelParams& p, cons
   }
   staged = {staged.buffer, qb.v, j0, num_k};
   return pairs;
+}
+
+// ---------------------------------------------------------------------------------------------
+// bf16 operands for the AMX tiles (kernels/cpu/amx.h; AmxProducts in products-inl.h), zero past
+// their real extent up to the padded one, so the padding multiplies exact zeros.
+
+// Keys [j0, j0 + num_k) as bf16 rows of `depth` (D rounded up to 32) elements, zero past D, and
+// zero rows up to a multiple of 16: [round_up(num_k, 16)][depth].
+inline const std::uint16_t* StageKeyTile(const AttentionKernelParams& p, const QueryBlock& qb,
+                                         std::int64_t j0, std::int64_t num_k, std::int64_t depth,
+                                         StagedRows& staged) {
+  std::uint16_t* rows = reinterpret_cast<std::uint16_t*>(staged.buffer);
+  if (staged.Holds(qb.k, j0, num_k)) return rows;
+  const std::uint16_t* k = static_cast<const std::uint16_t*>(qb.k);
+  const std::int64_t d = p.head_dim;
+  for (std::int64_t j = 0; j < num_k; ++j) {
+    const std::uint16_t* src = k + (j0 + j) * p.k_stride[1];
+    std::uint16_t* dst = rows + j * depth;
+    if (p.k_stride[3] == 1) {
+      std::memcpy(dst, src, d * sizeof(std::uint16_t));
+    } else {
+      for (std::int64_t e = 0; e < d; ++e) dst[e] = src[e * p.k_stride[3]];
+    }
+    std::fill(dst + d, dst + depth, std::uint16_t{0});
+  }
+  std::fill(rows + num_k * depth, rows + (num_k + 15) / 16 * 16 * depth, std::uint16_t{0});
+  staged = {staged.buffer, qb.k, j0, num_k};
+  return rows;
+}
+
+// Values [j0, j0 + num_k) as bf16 columns: vt[e][j] = v[j0 + j][e] for e < round_up(Dv, 16)
+// and j < round_up(num_k, 32), zero past Dv and num_k; rows kBlockK elements apart. Built as
+// pair words (two keys in one uint32, the layout a row of the tile reads): squares of 16 key
+// pairs x kLanes value dims are transposed in registers where V has unit stride along Dv.
+inline const std::uint16_t* StageValueTile(const AttentionKernelParams& p, const QueryBlock& qb,
+                                           std::int64_t j0, std::int64_t num_k,
+                                           StagedRows& staged) {
+  std::uint16_t* vt = reinterpret_cast<std::uint16_t*>(staged.buffer);
+  if (staged.Holds(qb.v, j0, num_k)) return vt;
+  std::uint32_t* words = reinterpret_cast<std::uint32_t*>(staged.buffer);
+  constexpr std::int64_t kRowWords = kBlockK / 2;
+  const std::uint16_t* v = static_cast<const std::uint16_t*>(qb.v) + j0 * p.v_stride[1];
+  const std::int64_t dv = p.head_dim_v, rows = (dv + 15) / 16 * 16;
+  const std::int64_t pairs = (num_k + 31) / 32 * 16;
+  const auto element = [&](std::int64_t j, std::int64_t e) -> std::uint32_t {
+    return j < num_k && e < dv ? v[j * p.v_stride[1] + e * p.v_stride[3]] : 0;
+  };
+  std::int64_t t0 = 0, e_squares = 0;
+#if HWY_TARGET != HWY_SCALAR
+  using DU = hn::RebindToUnsigned<DF>;  // kLanes pair words
+  const DU du;
+  const hn::Rebind<std::uint16_t, DU> du16;  // kLanes bf16
+  if (p.v_stride[3] == 1) {
+    e_squares = dv / kLanes * kLanes;
+    for (; 2 * (t0 + kLanes) <= num_k; t0 += kLanes) {
+      for (std::int64_t e0 = 0; e0 < e_squares; e0 += kLanes) {
+        hn::Vec<DU> w[kLanes];
+        HWY_UNROLL(16)
+        for (std::int64_t r = 0; r < kLanes; ++r) {
+          const std::uint16_t* lo = v + 2 * (t0 + r) * p.v_stride[1] + e0;
+          const auto lo_words = hn::PromoteTo(du, hn::LoadU(du16, lo));
+          const auto hi_words = hn::PromoteTo(du, hn::LoadU(du16, lo + p.v_stride[1]));
+          w[r] = hn::Or(lo_words, hn::ShiftLeft<16>(hi_words));
+        }
+        TransposeSquare(du, w);
+        HWY_UNROLL(16)
+        for (std::int64_t c = 0; c < kLanes; ++c) {
+          hn::StoreU(w[c], du, words + (e0 + c) * kRowWords + t0);
+        }
+      }
+    }
+  }
+#endif
+  // The rest: the value dims past the squares for the squares' pairs, then every dim of the
+  // remaining pairs (and the zero padding).
+  for (std::int64_t e = e_squares; e < rows; ++e) {
+    for (std::int64_t t = 0; t < t0; ++t) {
+      words[e * kRowWords + t] = element(2 * t, e) | element(2 * t + 1, e) << 16;
+    }
+  }
+  for (std::int64_t e = 0; e < rows; ++e) {
+    for (std::int64_t t = t0; t < pairs; ++t) {
+      words[e * kRowWords + t] = element(2 * t, e) | element(2 * t + 1, e) << 16;
+    }
+  }
+  staged = {staged.buffer, qb.v, j0, num_k};
+  return vt;
 }
 
 }  // namespace tiles

@@ -1,0 +1,79 @@
+// The AMX micro-kernels: the flash kernel's two tile products on bf16 operands with Intel AMX
+// tiles (`tdpbf16ps`: a 16 x 16 f32 tile += a 16 x 32 bf16 tile times a 32 x 16 bf16 tile,
+// pairs along the reduction axis accumulated in f32). GCC 12 emits the instructions from raw
+// intrinsics with -mamx-tile -mamx-bf16, so they live in one ISA-specific file (amx_tiles.cc),
+// reached only when available() (CPUID, XCR0 and the Linux tile-data permission). The Highway
+// side (AmxProducts in products-inl.h) lays the operands out as the tiles read them.
+// docs/kernels.md, "AMX tiles".
+//
+// Layouts, for one query block of kLanes queries (scores transposed, as everywhere: st[key][query]):
+//   q pairs   qp[t][l] = (q[l][2t], q[l][2t + 1])        [depth / 2][kLanes] uint32
+//   K rows    k[j][d] bf16, row stride k_stride elements [round_up(num_k, 16)][depth]
+//   V columns vt[e][j] bf16 (keys along a row)           [round_up(dv, 16)][vt_stride]
+//   probs     pp[t][l] = (p[2t][l], p[2t + 1][l]) bf16   [round_up(num_k, 32) / 2][kLanes]
+//   st        [round_up(num_k, 16)][kLanes] f32          ot [round_up(dv, 16)][kLanes] f32
+// depth is a multiple of kDepthStep; operands are zero past their real extent (head_dim, num_k,
+// dv) up to the padded one, so padding adds exact zeros. bf16 subnormal inputs count as zero.
+#pragma once
+
+#include <cstdint>
+
+namespace qkv::amx {
+
+constexpr std::int64_t kLanes = 64;      // query lanes of a block (the AVX3 targets' kBlockQ)
+constexpr std::int64_t kTileRows = 16;   // rows of a tile: keys (scores) or value dims (values)
+constexpr std::int64_t kDepthStep = 32;  // bf16 along the reduction axis per tile product
+
+constexpr std::int64_t round_up(std::int64_t n, std::int64_t step) {
+  return (n + step - 1) / step * step;
+}
+
+// True when this CPU and OS run AMX-BF16 tiles and AVX512-BF16 (CPUID; XCR0 enables the tile
+// state; on Linux the process was granted XTILEDATA, requested once here) and set_enabled(false)
+// has not switched them off. Cheap after the first call.
+bool available();
+
+// Tests take the other paths: set_enabled(false) makes available() false until
+// set_enabled(true). Not meant to be flipped while kernels run on other threads.
+void set_enabled(bool enabled);
+
+// The functions below run AMX instructions: call them only when available(), on a thread inside
+// a TileScope.
+
+// Loads the tile configuration every function here uses on the calling thread (8 tiles of
+// 16 rows x 64 bytes) and releases the tile state at scope end, so a thread that runs other AMX
+// code (oneDNN) between tasks finds its own configuration again.
+class TileScope {
+ public:
+  TileScope();
+  ~TileScope();
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
+
+// st[j][l] = scale * sum_{d < depth} k[j][d] * q[l][d] for j < round_up(num_k, 16), l < kLanes.
+// k: 64-byte rows at any alignment (k_stride * 2 bytes apart); qp and st 64-byte aligned.
+void scores(const std::uint16_t* k, std::int64_t k_stride, const std::uint32_t* qp,
+            std::int64_t depth, std::int64_t num_k, float scale, float* st);
+
+// pp[t][l] = (bf16(p[2t][l]), bf16(p[2t + 1][l])) for t < round_up(num_k, 32) / 2, rounded to
+// nearest even, with p[j][l] = st[j][l] for keys j < end(l) and +0 past it, where end(l) =
+// key_end[l / 16] (key_end nullable: num_k; each <= num_k). The probabilities are finite and
+// >= 0 below end(l); what lies past it is never read. st and pp are 64-byte aligned.
+void pack_probs(const float* st, std::int64_t num_k, const std::int64_t* key_end,
+                std::uint32_t* pp);
+
+// ot[e][l] = alpha[l] * ot[e][l] + sum_{j < num_k} vt[e][j] * p[j][l] for e < round_up(dv, 16),
+// l < kLanes (alpha null: no rescale), p from pack_probs (the same num_k and key_end). vt: rows
+// vt_stride elements apart (a multiple of 32), zero past num_k up to round_up(num_k, 32). ot,
+// vt and pp are 64-byte aligned.
+void values(const std::uint16_t* vt, std::int64_t vt_stride, const std::uint32_t* pp,
+            std::int64_t num_k, std::int64_t dv, const float* alpha, const std::int64_t* key_end,
+            float* ot);
+
+// Peak probe: `iterations` rounds of 4 independent tdpbf16ps (16 x 16 x 32) on the calling
+// thread (which it configures and releases itself); returns a checksum of the accumulators.
+// FLOPs = iterations * 4 * 16 * 16 * 32 * 2.
+double peak_probe(std::int64_t iterations);
+
+}  // namespace qkv::amx

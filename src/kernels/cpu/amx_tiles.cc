@@ -1,0 +1,216 @@
+// The AMX micro-kernels (amx.h): raw intrinsics, compiled with -mamx-tile -mamx-bf16 and
+// AVX512-BF16 (CMakeLists.txt), reached only when amx::available(). Every product uses one tile
+// configuration: 8 tiles of 16 rows x 64 bytes. Tiles 0-3 accumulate a 2 x 2 block of f32
+// outputs (32 x 32), tiles 4-5 hold the two A operands (16 rows x 32 bf16 each) and tiles 6-7
+// the two B operands (16 pair rows x 16 lanes), so each A and B load serves two products.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "kernels/cpu/amx.h"
+
+namespace qkv::amx {
+namespace {
+
+struct alignas(64) TileConfig {
+  std::uint8_t palette_id;
+  std::uint8_t start_row;
+  std::uint8_t reserved[14];
+  std::uint16_t colsb[16];
+  std::uint8_t rows[16];
+};
+
+const TileConfig& Config() {
+  static const TileConfig config = [] {
+    TileConfig c;
+    std::memset(&c, 0, sizeof(c));
+    c.palette_id = 1;
+    for (int t = 0; t < 8; ++t) {
+      c.colsb[t] = 64;
+      c.rows[t] = static_cast<std::uint8_t>(kTileRows);
+    }
+    return c;
+  }();
+  return config;
+}
+
+// Bytes between rows of qp, pp, st and ot: kLanes words or floats.
+constexpr std::int64_t kLaneRowBytes = kLanes * 4;
+constexpr std::int64_t kVecLanes = 16;  // f32 lanes of a zmm, = the lanes of one tile column
+
+}  // namespace
+
+TileScope::TileScope() { _tile_loadconfig(&Config()); }
+TileScope::~TileScope() { _tile_release(); }
+
+void scores(const std::uint16_t* k, std::int64_t k_stride, const std::uint32_t* qp,
+            std::int64_t depth, std::int64_t num_k, float scale, float* st) {
+  const std::int64_t groups = (num_k + kTileRows - 1) / kTileRows;
+  const std::int64_t steps = depth / kDepthStep;
+  const std::int64_t k_bytes = k_stride * 2;
+  for (std::int64_t g = 0; g < groups; g += 2) {
+    const std::uint16_t* k0 = k + g * kTileRows * k_stride;
+    const std::uint16_t* k1 = k0 + kTileRows * k_stride;
+    float* s0 = st + g * kTileRows * kLanes;
+    float* s1 = s0 + kTileRows * kLanes;
+    for (std::int64_t l = 0; l < kLanes; l += 2 * kVecLanes) {
+      const std::uint32_t* b = qp + l;
+      if (g + 1 < groups) {  // 32 keys x 32 queries
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (std::int64_t c = 0; c < steps; ++c, b += kTileRows * kLanes) {
+          _tile_loadd(6, b, kLaneRowBytes);
+          _tile_loadd(7, b + kVecLanes, kLaneRowBytes);
+          _tile_loadd(4, k0 + c * kDepthStep, k_bytes);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_loadd(5, k1 + c * kDepthStep, k_bytes);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, s0 + l, kLaneRowBytes);
+        _tile_stored(1, s0 + l + kVecLanes, kLaneRowBytes);
+        _tile_stored(2, s1 + l, kLaneRowBytes);
+        _tile_stored(3, s1 + l + kVecLanes, kLaneRowBytes);
+      } else {  // the last 16 keys
+        _tile_zero(0);
+        _tile_zero(1);
+        for (std::int64_t c = 0; c < steps; ++c, b += kTileRows * kLanes) {
+          _tile_loadd(6, b, kLaneRowBytes);
+          _tile_loadd(7, b + kVecLanes, kLaneRowBytes);
+          _tile_loadd(4, k0 + c * kDepthStep, k_bytes);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        _tile_stored(0, s0 + l, kLaneRowBytes);
+        _tile_stored(1, s0 + l + kVecLanes, kLaneRowBytes);
+      }
+    }
+  }
+  const __m512 s = _mm512_set1_ps(scale);
+  for (float* x = st; x < st + groups * kTileRows * kLanes; x += kVecLanes) {
+    _mm512_store_ps(x, _mm512_mul_ps(_mm512_load_ps(x), s));
+  }
+}
+
+void pack_probs(const float* st, std::int64_t num_k, const std::int64_t* key_end,
+                std::uint32_t* pp) {
+  // vcvtne2ps2bf16(hi, lo) gives 16-bit words [bf16(lo) x 16, bf16(hi) x 16]; this vpermw index
+  // interleaves them into pairs: word 2i <- lo[i] (word i), word 2i + 1 <- hi[i] (word 16 + i).
+  alignas(64) static const std::uint16_t kInterleave[32] = {
+      0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  std::int64_t end[kLanes / kVecLanes];
+  for (int x = 0; x < kLanes / kVecLanes; ++x) end[x] = key_end != nullptr ? key_end[x] : num_k;
+  const std::int64_t pairs = round_up(num_k, kDepthStep) / 2;
+  for (std::int64_t t = 0; t < pairs; ++t) {
+    const std::int64_t j = 2 * t;
+    for (int x = 0; x < kLanes / kVecLanes; ++x) {
+      const float* lo_row = st + j * kLanes + x * kVecLanes;
+      const __m512 lo = j < end[x] ? _mm512_load_ps(lo_row) : _mm512_setzero_ps();
+      const __m512 hi = j + 1 < end[x] ? _mm512_load_ps(lo_row + kLanes) : _mm512_setzero_ps();
+      const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+      _mm512_store_si512(pp + t * kLanes + x * kVecLanes,
+                         _mm512_permutexvar_epi16(interleave, halves));
+    }
+  }
+}
+
+void values(const std::uint16_t* vt, std::int64_t vt_stride, const std::uint32_t* pp,
+            std::int64_t num_k, std::int64_t dv, const float* alpha, const std::int64_t* key_end,
+            float* ot) {
+  const std::int64_t rows = round_up(dv, kTileRows);
+  // The rescale, for the vectors whose factor is not exactly 1 (once the running max settles,
+  // most tiles leave it unchanged; x * 1 = x, so skipping changes no bit).
+  for (std::int64_t x = 0; alpha != nullptr && x < kLanes; x += kVecLanes) {
+    const __m512 a = _mm512_load_ps(alpha + x);
+    if (_mm512_cmp_ps_mask(a, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) == 0) continue;
+    for (std::int64_t e = 0; e < rows; ++e) {
+      float* o = ot + e * kLanes + x;
+      _mm512_store_ps(o, _mm512_mul_ps(_mm512_load_ps(o), a));
+    }
+  }
+  const std::int64_t vt_bytes = vt_stride * 2;
+  for (std::int64_t l = 0; l < kLanes; l += 2 * kVecLanes) {
+    // Keys these 32 lanes need (key_end does not decrease along the lanes).
+    const std::int64_t keys = key_end != nullptr ? key_end[l / kVecLanes + 1] : num_k;
+    const std::int64_t steps = (keys + kDepthStep - 1) / kDepthStep;
+    if (steps == 0) continue;
+    for (std::int64_t e = 0; e < rows; e += 2 * kTileRows) {
+      float* o0 = ot + e * kLanes + l;
+      float* o1 = o0 + kTileRows * kLanes;
+      const std::uint16_t* v0 = vt + e * vt_stride;
+      const std::uint16_t* v1 = v0 + kTileRows * vt_stride;
+      const std::uint32_t* b = pp + l;
+      if (e + kTileRows < rows) {  // 32 value dims x 32 queries
+        _tile_loadd(0, o0, kLaneRowBytes);
+        _tile_loadd(1, o0 + kVecLanes, kLaneRowBytes);
+        _tile_loadd(2, o1, kLaneRowBytes);
+        _tile_loadd(3, o1 + kVecLanes, kLaneRowBytes);
+        for (std::int64_t c = 0; c < steps; ++c, b += kTileRows * kLanes) {
+          _tile_loadd(6, b, kLaneRowBytes);
+          _tile_loadd(7, b + kVecLanes, kLaneRowBytes);
+          _tile_loadd(4, v0 + c * kDepthStep, vt_bytes);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_loadd(5, v1 + c * kDepthStep, vt_bytes);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, o0, kLaneRowBytes);
+        _tile_stored(1, o0 + kVecLanes, kLaneRowBytes);
+        _tile_stored(2, o1, kLaneRowBytes);
+        _tile_stored(3, o1 + kVecLanes, kLaneRowBytes);
+      } else {  // the last 16 value dims
+        _tile_loadd(0, o0, kLaneRowBytes);
+        _tile_loadd(1, o0 + kVecLanes, kLaneRowBytes);
+        for (std::int64_t c = 0; c < steps; ++c, b += kTileRows * kLanes) {
+          _tile_loadd(6, b, kLaneRowBytes);
+          _tile_loadd(7, b + kVecLanes, kLaneRowBytes);
+          _tile_loadd(4, v0 + c * kDepthStep, vt_bytes);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        _tile_stored(0, o0, kLaneRowBytes);
+        _tile_stored(1, o0 + kVecLanes, kLaneRowBytes);
+      }
+    }
+  }
+}
+
+double peak_probe(std::int64_t iterations) {
+  const TileScope scope;
+  // A and B hold small bf16 pairs (2^-11 each), so the accumulators stay finite for any
+  // realistic run; the tiles never leave the registers inside the loop.
+  alignas(64) std::uint32_t operand[kTileRows * kVecLanes];
+  for (std::uint32_t& w : operand) w = 0x3a003a00u;
+  _tile_loadd(4, operand, 64);
+  _tile_loadd(5, operand, 64);
+  _tile_loadd(6, operand, 64);
+  _tile_loadd(7, operand, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (std::int64_t i = 0; i < iterations; ++i) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float out[4][kTileRows * kVecLanes];
+  _tile_stored(0, out[0], 64);
+  _tile_stored(1, out[1], 64);
+  _tile_stored(2, out[2], 64);
+  _tile_stored(3, out[3], 64);
+  double sum = 0.0;
+  for (const auto& tile : out) {
+    for (float x : tile) sum += x;
+  }
+  return sum;
+}
+
+}  // namespace qkv::amx

@@ -1,0 +1,165 @@
+// The AMX micro-kernels (src/kernels/cpu/amx.h) against float64 sums of the same bf16 values:
+// scores over depths and key counts that do and do not fill a tile pair (16, 32 keys), values
+// with and without a rescale (factors of exactly 1 skip it), key_end (each 16-lane vector's keys;
+// the lanes past it must not count, whatever st holds there), padded value dims, pack_probs
+// bit for bit against f32_to_bf16_bits, and the peak probe. Every test skips on CPUs without
+// AMX-BF16; the flash kernel's whole case table on the AMX path is in test_attention_kernels.cc.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "bf16_skip.h"
+#include "core/float16.h"
+#include "core/splitmix64.h"
+#include "hwy/aligned_allocator.h"
+#include "kernels/cpu/amx.h"
+
+namespace qkv::testing {
+namespace {
+
+using amx::kLanes;
+
+template <typename T>
+hwy::AlignedFreeUniquePtr<T[]> zeros(std::size_t n) {
+  auto p = hwy::AllocateAligned<T>(n);
+  for (std::size_t i = 0; i < n; ++i) p[i] = T{};
+  return p;
+}
+
+float bf16_of(std::uint16_t bits) { return bf16_bits_to_f32(bits); }
+
+std::uint16_t random_bf16(SplitMix64& rng) {  // in [-2, 2)
+  return f32_to_bf16_bits(rng.uniform24() * 4.0f - 2.0f);
+}
+
+TEST(Amx, ScoresMatchFloat64) {
+  QKV_SKIP_WITHOUT_AMX();
+  SplitMix64 rng(7);
+  for (std::int64_t depth : {32, 64, 128}) {
+    for (std::int64_t num_k : {1, 15, 16, 17, 31, 32, 33, 100, 128}) {
+      const std::int64_t rows = amx::round_up(num_k, 16), k_stride = depth + 32;  // (gap)
+      auto k = zeros<std::uint16_t>(rows * k_stride);
+      auto qp = zeros<std::uint32_t>(depth / 2 * kLanes);
+      auto st = zeros<float>(rows * kLanes);
+      for (std::int64_t j = 0; j < num_k; ++j)
+        for (std::int64_t d = 0; d < depth; ++d) k[j * k_stride + d] = random_bf16(rng);
+      for (std::int64_t i = 0; i < depth / 2 * kLanes; ++i) {
+        qp[i] = random_bf16(rng) | static_cast<std::uint32_t>(random_bf16(rng)) << 16;
+      }
+      const float scale = 0.125f;
+      {
+        const amx::TileScope scope;
+        amx::scores(k.get(), k_stride, qp.get(), depth, num_k, scale, st.get());
+      }
+      double worst = 0.0;
+      for (std::int64_t j = 0; j < rows; ++j) {
+        for (std::int64_t l = 0; l < kLanes; ++l) {
+          double want = 0.0, magnitude = 0.0;
+          for (std::int64_t d = 0; d < depth; ++d) {
+            const std::uint32_t w = qp[d / 2 * kLanes + l];
+            const double q = bf16_of(static_cast<std::uint16_t>(d % 2 == 0 ? w : w >> 16));
+            want += q * bf16_of(k[j * k_stride + d]);
+            magnitude += std::fabs(q * bf16_of(k[j * k_stride + d]));
+          }
+          const double err = std::fabs(st[j * kLanes + l] - scale * want);
+          worst = std::max(worst, err / (scale * magnitude * 1e-6 + 1e-30));
+          ASSERT_LE(err, scale * magnitude * 1e-6 + 1e-30) << "depth " << depth << " num_k "
+                                                           << num_k << " key " << j << " lane " << l;
+        }
+      }
+    }
+  }
+}
+
+// pack_probs bit for bit, and the keys past key_end (and past num_k) packed as +0 whatever st
+// holds there (-inf, NaN).
+TEST(Amx, PackProbsRoundsAndZeroesPastTheEnds) {
+  QKV_SKIP_WITHOUT_AMX();
+  SplitMix64 rng(11);
+  const std::int64_t num_k = 45;
+  const std::int64_t key_end[4] = {6, 17, 32, 45};
+  auto st = zeros<float>(64 * kLanes);
+  for (std::int64_t j = 0; j < 64; ++j) {
+    for (std::int64_t l = 0; l < kLanes; ++l) {
+      const bool inside = j < key_end[l / 16];
+      st[j * kLanes + l] = inside ? rng.uniform24()
+                           : (j + l) % 2 == 0 ? -std::numeric_limits<float>::infinity()
+                                              : std::numeric_limits<float>::quiet_NaN();
+    }
+  }
+  auto pp = zeros<std::uint32_t>(40 * kLanes);
+  for (std::int64_t i = 0; i < 40 * kLanes; ++i) pp[i] = 0xdeadbeefu;
+  amx::pack_probs(st.get(), num_k, key_end, pp.get());
+  for (std::int64_t t = 0; t < 32; ++t) {  // round_up(45, 32) / 2 rows written
+    for (std::int64_t l = 0; l < kLanes; ++l) {
+      const auto half = [&](std::int64_t j) -> std::uint32_t {
+        return j < key_end[l / 16] ? f32_to_bf16_bits(st[j * kLanes + l]) : 0u;
+      };
+      ASSERT_EQ(pp[t * kLanes + l], half(2 * t) | half(2 * t + 1) << 16) << t << " " << l;
+    }
+  }
+  EXPECT_EQ(pp[32 * kLanes], 0xdeadbeefu);  // rows past round_up(num_k, 32) / 2 untouched
+}
+
+TEST(Amx, ValuesMatchFloat64WithRescaleAndKeyEnds) {
+  QKV_SKIP_WITHOUT_AMX();
+  SplitMix64 rng(13);
+  for (std::int64_t dv : {8, 16, 40, 64, 128}) {
+    for (std::int64_t num_k : {1, 31, 32, 33, 128}) {
+      for (bool with_ends : {false, true}) {
+        const std::int64_t rows = amx::round_up(dv, 16), vt_stride = 128;
+        const std::int64_t keys = amx::round_up(num_k, 32);
+        std::int64_t key_end[4] = {num_k / 4, num_k / 3, num_k / 2, num_k};
+        auto vt = zeros<std::uint16_t>(rows * vt_stride);
+        for (std::int64_t e = 0; e < dv; ++e)
+          for (std::int64_t j = 0; j < num_k; ++j) vt[e * vt_stride + j] = random_bf16(rng);
+        auto st = zeros<float>(keys * kLanes);
+        for (std::int64_t i = 0; i < num_k * kLanes; ++i) st[i] = rng.uniform24();
+        auto pp = zeros<std::uint32_t>(keys / 2 * kLanes);
+        amx::pack_probs(st.get(), num_k, with_ends ? key_end : nullptr, pp.get());
+        auto ot = zeros<float>(rows * kLanes);
+        auto alpha = zeros<float>(kLanes);
+        for (std::int64_t l = 0; l < kLanes; ++l) alpha[l] = l < 32 ? 1.0f : 0.5f + l * 0.01f;
+        for (std::int64_t i = 0; i < rows * kLanes; ++i) ot[i] = rng.uniform24() - 0.5f;
+        std::vector<double> want(rows * kLanes);
+        for (std::int64_t e = 0; e < rows; ++e) {
+          for (std::int64_t l = 0; l < kLanes; ++l) {
+            double sum = static_cast<double>(alpha[l]) * ot[e * kLanes + l];
+            const std::int64_t end = with_ends ? key_end[l / 16] : num_k;
+            for (std::int64_t j = 0; j < end; ++j) {
+              sum += static_cast<double>(bf16_of(f32_to_bf16_bits(st[j * kLanes + l]))) *
+                     bf16_of(vt[e * vt_stride + j]);
+            }
+            want[e * kLanes + l] = sum;
+          }
+        }
+        {
+          const amx::TileScope scope;
+          amx::values(vt.get(), vt_stride, pp.get(), num_k, dv, alpha.get(),
+                      with_ends ? key_end : nullptr, ot.get());
+        }
+        for (std::int64_t i = 0; i < rows * kLanes; ++i) {
+          ASSERT_NEAR(ot[i], want[i], 1e-5 * (1.0 + num_k))
+              << "dv " << dv << " num_k " << num_k << " ends " << with_ends << " at " << i;
+        }
+      }
+    }
+  }
+}
+
+TEST(Amx, SwitchAndPeakProbe) {
+  QKV_SKIP_WITHOUT_AMX();
+  amx::set_enabled(false);
+  EXPECT_FALSE(amx::available());
+  amx::set_enabled(true);
+  EXPECT_TRUE(amx::available());
+  // 2^-11 * 2^-11 * 32 products per step into each of 4 tiles of 256 outputs: 2^-17 per output.
+  const std::int64_t steps = 1000;
+  EXPECT_DOUBLE_EQ(amx::peak_probe(steps), 4.0 * 256 * steps * std::ldexp(1.0, -17));
+}
+
+}  // namespace
+}  // namespace qkv::testing
