@@ -325,7 +325,8 @@ void Flash(const AttentionKernelParams& p) {
         const std::int64_t* vec_end = keys.ends();
         Products::Scores(p, qb, t.lo, num_k, st, staging, vec_end);
         MaskScoreTile(p, qb, t.lo, num_k, st, t.predicate);
-        OnlineSoftmaxTile(qb, num_k, st, kQueryVecs, vec_end);
+        OnlineSoftmaxTile<rounds_probabilities(Products::kPath)>(qb, num_k, st, kQueryVecs,
+                                                                 vec_end);
         if (dropout) DropoutTile(p, qb, t.lo, num_k, st);
         Products::Values(p, qb, t.lo, num_k, st, qb.alpha, staging, vec_end);
       }

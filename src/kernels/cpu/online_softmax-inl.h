@@ -25,23 +25,34 @@ HWY_INLINE VF SafeMax(DF df, VF m) {
   return hn::IfThenElse(hn::Eq(m, hn::Set(df, kNegInf)), hn::Zero(df), m);
 }
 
-// Max of st[0 : num_k][lane0 : lane0 + kLanes] down the keys.
+// Max of st[0 : num_k][lane0 : lane0 + kLanes] down the keys, in four chains (a max is exact and
+// its order changes no bit; one chain waits a max's latency per key, which the AMX path, whose
+// products are fast, would see).
 HWY_INLINE VF ColumnMax(DF df, const float* HWY_RESTRICT st, std::int64_t num_k,
                         std::int64_t lane0) {
-  VF max = hn::Set(df, kNegInf);
-  for (std::int64_t j = 0; j < num_k; ++j)
-    max = hn::Max(max, hn::Load(df, st + j * kBlockQ + lane0));
-  return max;
+  VF m0 = hn::Set(df, kNegInf), m1 = m0, m2 = m0, m3 = m0;
+  std::int64_t j = 0;
+  for (; j + 4 <= num_k; j += 4) {
+    const float* s = st + j * kBlockQ + lane0;
+    m0 = hn::Max(m0, hn::Load(df, s));
+    m1 = hn::Max(m1, hn::Load(df, s + kBlockQ));
+    m2 = hn::Max(m2, hn::Load(df, s + 2 * kBlockQ));
+    m3 = hn::Max(m3, hn::Load(df, s + 3 * kBlockQ));
+  }
+  for (; j < num_k; ++j) m0 = hn::Max(m0, hn::Load(df, st + j * kBlockQ + lane0));
+  return hn::Max(hn::Max(m0, m1), hn::Max(m2, m3));
 }
 
 // st[j][lanes] = exp(st[j][lanes] - shift) in place; returns the sum down the keys.
-// exp(-inf - shift) = 0: masked pairs drop out exactly.
+// exp(-inf - shift) = 0: masked pairs drop out exactly. kCoarse: the exp for probabilities
+// rounded to bf16 afterwards (fastexp::ExpForProbs).
+template <bool kCoarse = false>
 HWY_INLINE VF ExpInPlaceAndSum(DF df, float* HWY_RESTRICT st, std::int64_t num_k,
                                std::int64_t lane0, VF shift) {
   VF sum = hn::Zero(df);
   for (std::int64_t j = 0; j < num_k; ++j) {
     float* s = st + j * kBlockQ + lane0;
-    const VF prob = fastexp::ExpNonPositive(df, hn::Sub(hn::Load(df, s), shift));
+    const VF prob = fastexp::ExpForProbs<kCoarse>(df, hn::Sub(hn::Load(df, s), shift));
     hn::Store(prob, df, s);
     sum = hn::Add(sum, prob);
   }
@@ -52,6 +63,9 @@ HWY_INLINE VF ExpInPlaceAndSum(DF df, float* HWY_RESTRICT st, std::int64_t num_k
 // row_sum = row_sum * alpha + sum_j p. Only the first num_vecs query vectors (the flash
 // kernel's decode path uses fewer lanes; the others are left as they are), and with vec_end
 // (VecKeys in tile_geometry-inl.h) only keys [0, vec_end[x]) of vector x: the later ones stay -inf.
+// kCoarse (the product paths that round the probabilities: rounds_probabilities) takes the
+// coarse exp for p; alpha keeps the exact one.
+template <bool kCoarse = false>
 inline void OnlineSoftmaxTile(QueryBlock& qb, std::int64_t num_k, float* HWY_RESTRICT st,
                               int num_vecs = kQueryVecs, const std::int64_t* vec_end = nullptr) {
   const DF df;
@@ -63,7 +77,7 @@ inline void OnlineSoftmaxTile(QueryBlock& qb, std::int64_t num_k, float* HWY_RES
     const VF shift = SafeMax(df, new_max);
     // exp(-inf - shift) = 0: the first tile rescales an all-zero accumulator.
     const VF alpha = fastexp::ExpNonPositive(df, hn::Sub(old_max, shift));
-    const VF sum = ExpInPlaceAndSum(df, st, keys, lane0, shift);
+    const VF sum = ExpInPlaceAndSum<kCoarse>(df, st, keys, lane0, shift);
     hn::Store(new_max, df, qb.row_max + lane0);
     hn::Store(hn::MulAdd(hn::Load(df, qb.row_sum + lane0), alpha, sum), df, qb.row_sum + lane0);
     hn::Store(alpha, df, qb.alpha + lane0);
