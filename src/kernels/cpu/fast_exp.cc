@@ -39,6 +39,10 @@ void ExpNonPositiveArray(const float* x, float* y, std::int64_t n) {
   ApplyArray(x, y, n, [](DF df, hn::Vec<DF> v) { return fastexp::ExpNonPositive(df, v); });
 }
 
+void ExpNonPositiveCoarseArray(const float* x, float* y, std::int64_t n) {
+  ApplyArray(x, y, n, [](DF df, hn::Vec<DF> v) { return fastexp::ExpNonPositiveCoarse(df, v); });
+}
+
 void ExpHwyArray(const float* x, float* y, std::int64_t n) {
   ApplyArray(x, y, n, [](DF df, hn::Vec<DF> v) { return hn::Exp(df, v); });
 }
@@ -53,11 +57,16 @@ HWY_AFTER_NAMESPACE();
 namespace qkv {
 
 HWY_EXPORT(ExpNonPositiveArray);
+HWY_EXPORT(ExpNonPositiveCoarseArray);
 HWY_EXPORT(ExpHwyArray);
 HWY_EXPORT(FastExpTargetName);
 
 void exp_nonpositive_cpu(const float* x, float* y, std::int64_t n) {
   HWY_DYNAMIC_DISPATCH(ExpNonPositiveArray)(x, y, n);
+}
+
+void exp_nonpositive_coarse_cpu(const float* x, float* y, std::int64_t n) {
+  HWY_DYNAMIC_DISPATCH(ExpNonPositiveCoarseArray)(x, y, n);
 }
 
 void exp_hwy_cpu(const float* x, float* y, std::int64_t n) {

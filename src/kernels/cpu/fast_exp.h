@@ -10,6 +10,10 @@ namespace qkv {
 //   x: [n]   y: [n]   (y may alias x; any alignment; n >= 0)
 void exp_nonpositive_cpu(const float* x, float* y, std::int64_t n);
 
+// The same with the coarse exp (fastexp::ExpNonPositiveCoarse: 2.9e-6, for probabilities rounded
+// to bf16 afterwards).
+void exp_nonpositive_coarse_cpu(const float* x, float* y, std::int64_t n);
+
 // The same through hwy::Exp (hwy/contrib/math), the exp this replaces.
 //   x: [n]   y: [n]
 void exp_hwy_cpu(const float* x, float* y, std::int64_t n);
