@@ -51,7 +51,8 @@ class TileScope {
   TileScope& operator=(const TileScope&) = delete;
 };
 
-// st[j][l] = scale * sum_{d < depth} k[j][d] * q[l][d] for j < round_up(num_k, 16), l < kLanes.
+// st[j][l] = scale * sum_{d < depth} k[j][d] * q[l][d] for j < round_up(num_k, 16), l < kLanes
+// (scale 1: no pass over st after the tile stores).
 // k: 64-byte rows at any alignment (k_stride * 2 bytes apart); qp and st 64-byte aligned.
 void scores(const std::uint16_t* k, std::int64_t k_stride, const std::uint32_t* qp,
             std::int64_t depth, std::int64_t num_k, float scale, float* st);

@@ -89,6 +89,7 @@ void scores(const std::uint16_t* k, std::int64_t k_stride, const std::uint32_t* 
       }
     }
   }
+  if (scale == 1.0f) return;
   const __m512 s = _mm512_set1_ps(scale);
   for (float* x = st; x < st + groups * kTileRows * kLanes; x += kVecLanes) {
     _mm512_store_ps(x, _mm512_mul_ps(_mm512_load_ps(x), s));

@@ -30,7 +30,7 @@ void PanelSoftmax(QueryBlock& qb, std::int64_t num_keys, float* HWY_RESTRICT pan
   for (int x = 0; x < kQueryVecs; ++x) {
     const std::int64_t lane0 = x * kLanes;
     const VF max = ColumnMax(df, panel, num_keys, lane0);
-    const VF sum = ExpInPlaceAndSum(df, panel, num_keys, lane0, SafeMax(df, max));
+    const VF sum = ExpInPlaceAndSum(df, panel, num_keys, lane0, SafeMax(df, max), hn::Set(df, 1.0f));
     hn::Store(max, df, qb.row_max + lane0);
     hn::Store(sum, df, qb.row_sum + lane0);
   }

@@ -43,16 +43,16 @@ HWY_INLINE VF ColumnMax(DF df, const float* HWY_RESTRICT st, std::int64_t num_k,
   return hn::Max(hn::Max(m0, m1), hn::Max(m2, m3));
 }
 
-// st[j][lanes] = exp(st[j][lanes] - shift) in place; returns the sum down the keys.
-// exp(-inf - shift) = 0: masked pairs drop out exactly. kCoarse: the exp for probabilities
-// rounded to bf16 afterwards (fastexp::ExpForProbs).
+// st[j][lanes] = exp(st[j][lanes] * scale - shift) in place (one FMA: with scale 1 exactly
+// st - shift); returns the sum down the keys. exp(-inf) = 0: masked pairs drop out exactly.
+// kCoarse: the exp for probabilities rounded to bf16 afterwards (fastexp::ExpForProbs).
 template <bool kCoarse = false>
 HWY_INLINE VF ExpInPlaceAndSum(DF df, float* HWY_RESTRICT st, std::int64_t num_k,
-                               std::int64_t lane0, VF shift) {
+                               std::int64_t lane0, VF shift, VF scale) {
   VF sum = hn::Zero(df);
   for (std::int64_t j = 0; j < num_k; ++j) {
     float* s = st + j * kBlockQ + lane0;
-    const VF prob = fastexp::ExpForProbs<kCoarse>(df, hn::Sub(hn::Load(df, s), shift));
+    const VF prob = fastexp::ExpForProbs<kCoarse>(df, hn::MulSub(hn::Load(df, s), scale, shift));
     hn::Store(prob, df, s);
     sum = hn::Add(sum, prob);
   }
@@ -64,20 +64,24 @@ HWY_INLINE VF ExpInPlaceAndSum(DF df, float* HWY_RESTRICT st, std::int64_t num_k
 // kernel's decode path uses fewer lanes; the others are left as they are), and with vec_end
 // (VecKeys in tile_geometry-inl.h) only keys [0, vec_end[x]) of vector x: the later ones stay -inf.
 // kCoarse (the product paths that round the probabilities: rounds_probabilities) takes the
-// coarse exp for p; alpha keeps the exact one.
+// coarse exp for p; alpha keeps the exact one. score_scale > 0: st holds the scores divided by
+// it (the AMX path defers the scale to here, Products::SoftmaxScale); the running max is kept
+// in scaled units. With 1 (every other caller) the arithmetic is exactly that of st - max.
 template <bool kCoarse = false>
 inline void OnlineSoftmaxTile(QueryBlock& qb, std::int64_t num_k, float* HWY_RESTRICT st,
-                              int num_vecs = kQueryVecs, const std::int64_t* vec_end = nullptr) {
+                              int num_vecs = kQueryVecs, const std::int64_t* vec_end = nullptr,
+                              float score_scale = 1.0f) {
   const DF df;
+  const VF scale = hn::Set(df, score_scale);
   for (int x = 0; x < num_vecs; ++x) {
     const std::int64_t lane0 = x * kLanes;
     const std::int64_t keys = vec_end != nullptr ? vec_end[x] : num_k;
     const VF old_max = hn::Load(df, qb.row_max + lane0);
-    const VF new_max = hn::Max(old_max, ColumnMax(df, st, keys, lane0));
+    const VF new_max = hn::Max(old_max, hn::Mul(ColumnMax(df, st, keys, lane0), scale));
     const VF shift = SafeMax(df, new_max);
     // exp(-inf - shift) = 0: the first tile rescales an all-zero accumulator.
     const VF alpha = fastexp::ExpNonPositive(df, hn::Sub(old_max, shift));
-    const VF sum = ExpInPlaceAndSum<kCoarse>(df, st, keys, lane0, shift);
+    const VF sum = ExpInPlaceAndSum<kCoarse>(df, st, keys, lane0, shift, scale);
     hn::Store(new_max, df, qb.row_max + lane0);
     hn::Store(hn::MulAdd(hn::Load(df, qb.row_sum + lane0), alpha, sum), df, qb.row_sum + lane0);
     hn::Store(alpha, df, qb.alpha + lane0);

@@ -15,7 +15,9 @@
 //                            one tile's products for a task's narrow blocks (their nb.part)
 //   NarrowProbs(st, num_k, vecs)  the probabilities as NarrowValues reads them
 //   TaskScope                a type a task holds while it runs (the AMX tile state; else empty)
-//
+//   SoftmaxScale(p)          the factor the online softmax still applies to st (1: Scores
+//                            scaled them already)
+
 // vec_end (TileVecKeys(...).ends(), nullable): query vector x needs keys [0, vec_end[x]) only;
 // its lanes of the later keys may be left as they were until the masks set them to -inf.
 
@@ -54,6 +56,7 @@ struct WideProducts {
                                        : std::is_same_v<T, hwy::bfloat16_t> ? ProductPath::kBf16Widened
                                                                             : ProductPath::kF16Widened;
   struct TaskScope {};
+  static float SoftmaxScale(const AttentionKernelParams&) { return 1.0f; }
 
   static void StartBlock(const AttentionKernelParams& p, QueryBlock& qb) {
     PackQuery<T>(p, qb);
@@ -98,6 +101,7 @@ struct PairProducts {
   static constexpr ProductPath kPath = ProductPath::kBf16Pairs;
   static constexpr bool kPairLanes = kBlockQ == bf16dot::kLanes;
   struct TaskScope {};
+  static float SoftmaxScale(const AttentionKernelParams&) { return 1.0f; }
 
   static void StartBlock(const AttentionKernelParams& p, QueryBlock& qb) {
     PackQueryPairs(p, qb);
@@ -142,7 +146,8 @@ struct PairProducts {
 
 // bf16 on AMX tiles (kernels/cpu/amx.h): on the AVX3 targets of a CPU with AMX-BF16, both
 // tile products of the wide blocks run as tdpbf16ps, f32 accumulation. As on the vdpbf16ps
-// path, q is unscaled (its bf16 values are exact) and the scores are multiplied by scale in f32,
+// path, q is unscaled (its bf16 values are exact) and the scores are multiplied by scale in f32
+// (inside the softmax's exp, SoftmaxScale, where no softcap or bias needs them scaled before),
 // and the values use the probabilities rounded to bf16 (the row sums stay f32). K rows are
 // staged as padded bf16 rows, V as bf16 columns, once per tile for the blocks of a task; the
 // tile configuration is loaded once per task (TaskScope). The decode path's narrow blocks keep
@@ -156,6 +161,15 @@ struct AmxProducts {
   static std::int64_t Depth(const AttentionKernelParams& p) {
     return amx::round_up(p.head_dim, amx::kDepthStep);
   }
+  // The scores leave the tiles unscaled and the online softmax multiplies them by the scale
+  // inside its exp's FMA, saving a pass over the tile, unless softcap or a bias needs them
+  // scaled first (MaskScoreTile).
+  static bool DeferScale(const AttentionKernelParams& p) {
+    return p.softcap <= 0.0f && p.bias == nullptr;
+  }
+  static float SoftmaxScale(const AttentionKernelParams& p) {
+    return DeferScale(p) ? p.scale : 1.0f;
+  }
   static void StartBlock(const AttentionKernelParams& p, QueryBlock& qb) {
     PackQueryPairs(p, qb);
     std::uint32_t* qt = reinterpret_cast<std::uint32_t*>(qb.qt);
@@ -167,8 +181,8 @@ struct AmxProducts {
                      const std::int64_t*) {
     const std::int64_t depth = Depth(p);
     const std::uint16_t* k = StageKeyTile(p, qb, j0, num_k, depth, staging.k);
-    amx::scores(k, depth, reinterpret_cast<const std::uint32_t*>(qb.qt), depth, num_k, p.scale,
-                st);
+    amx::scores(k, depth, reinterpret_cast<const std::uint32_t*>(qb.qt), depth, num_k,
+                DeferScale(p) ? 1.0f : p.scale, st);
   }
   static void Values(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
                      std::int64_t num_k, const float* st, const float* alpha, Staging& staging,
