@@ -134,6 +134,14 @@ TEST(FastExp, CoarseExactValuesEveryTarget) {
     EXPECT_EQ(y[1], 1.0f);
     EXPECT_EQ(std::bit_cast<std::uint32_t>(y[2]), 0u) << "exp(-inf) must be +0, is " << y[2];
     EXPECT_EQ(std::bit_cast<std::uint32_t>(y[3]), 0u) << y[3];
+    // Its domain reaches 16 above 0 (the lazy running max passes up to 8).
+    std::vector<float> positive;
+    for (float v = 1e-3f; v <= 16.0f; v *= 1.01f) positive.push_back(v);
+    const std::vector<float> y_pos = apply(exp_nonpositive_coarse_cpu, positive);
+    for (std::size_t i = 0; i < positive.size(); ++i) {
+      const double ref = std::exp(static_cast<double>(positive[i]));
+      EXPECT_LE(std::fabs(y_pos[i] - ref) / ref, 3.0e-6) << positive[i];
+    }
   });
 }
 

@@ -82,6 +82,8 @@ HWY_INLINE hn::Vec<D> ExpNonPositive(D d, hn::Vec<D> x) {
 // 12 vector ops instead of 14, for the product paths that round the probabilities to bf16
 // (relative error up to 3.9e-3) before the value product: there the last bits of the exp are
 // rounded away, and the row sums (hence lse) move by at most the 2.9e-6 (docs/kernels.md, "exp").
+// Its domain also takes 0 < x <= 16 (the lazy running max of online_softmax-inl.h passes up to
+// 8): the reduction is the same, and 2^n with n <= 24 keeps the exponent field below 255.
 constexpr float kCoarseC1 = 0x1.fffba8p-1f;  // 0.99996686
 constexpr float kCoarseC2 = 0x1.0003f4p-1f;  // 0.50003016
 constexpr float kCoarseC3 = 0x1.57cebcp-3f;  // 0.167874783

@@ -59,12 +59,21 @@ HWY_INLINE VF ExpInPlaceAndSum(DF df, float* HWY_RESTRICT st, std::int64_t num_k
   return sum;
 }
 
+// How far above the running max a tile's scores may lie before the lazy max (below) moves it.
+constexpr float kLazyMaxSlack = 8.0f;
+
 // Flash step over one tile: st becomes p = exp(s - m_new) in place; alpha = exp(m_old - m_new);
 // row_sum = row_sum * alpha + sum_j p. Only the first num_vecs query vectors (the flash
 // kernel's decode path uses fewer lanes; the others are left as they are), and with vec_end
 // (VecKeys in tile_geometry-inl.h) only keys [0, vec_end[x]) of vector x: the later ones stay -inf.
-// kCoarse (the product paths that round the probabilities: rounds_probabilities) takes the
-// coarse exp for p; alpha keeps the exact one. score_scale > 0: st holds the scores divided by
+// kCoarse (the product paths that round the probabilities to bf16: rounds_probabilities) takes
+// the coarse exp for p (alpha keeps the exact one) and keeps the running max lazily: while
+// every lane of a vector has a finite running max and the tile's scores stay within
+// kLazyMaxSlack above it, the max (and so the shift) is left as it is: alpha is exactly 1 and the
+// value product skips the rescale of the whole accumulator. Softmax is shift-invariant, so this
+// is the same attention; p = exp(s - shift) is then at most e^8, and out = ot / row_sum and lse
+// = shift + log(row_sum) are unchanged in meaning (the splits' merge takes any shift).
+// score_scale > 0: st holds the scores divided by
 // it (the AMX path defers the scale to here, Products::SoftmaxScale); the running max is kept
 // in scaled units. With 1 (every other caller) the arithmetic is exactly that of st - max.
 template <bool kCoarse = false>
@@ -77,7 +86,13 @@ inline void OnlineSoftmaxTile(QueryBlock& qb, std::int64_t num_k, float* HWY_RES
     const std::int64_t lane0 = x * kLanes;
     const std::int64_t keys = vec_end != nullptr ? vec_end[x] : num_k;
     const VF old_max = hn::Load(df, qb.row_max + lane0);
-    const VF new_max = hn::Max(old_max, hn::Mul(ColumnMax(df, st, keys, lane0), scale));
+    const VF tile_max = hn::Mul(ColumnMax(df, st, keys, lane0), scale);
+    VF new_max = hn::Max(old_max, tile_max);
+    if constexpr (kCoarse) {
+      const auto keep = hn::And(hn::Gt(old_max, hn::Set(df, kNegInf)),
+                                hn::Le(tile_max, hn::Add(old_max, hn::Set(df, kLazyMaxSlack))));
+      if (hn::AllTrue(df, keep)) new_max = old_max;
+    }
     const VF shift = SafeMax(df, new_max);
     // exp(-inf - shift) = 0: the first tile rescales an all-zero accumulator.
     const VF alpha = fastexp::ExpNonPositive(df, hn::Sub(old_max, shift));
