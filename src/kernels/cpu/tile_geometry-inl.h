@@ -48,7 +48,7 @@ constexpr int kQueryVecs = kLanes == 8 ? 2 : 4;
 constexpr std::int64_t kBlockQ = kQueryVecs * kLanes;  // queries per block
 constexpr std::int64_t kBlockK = 128;                  // keys per tile
 constexpr int kRows = 4;                               // micro-kernel rows (keys or value dims)
-constexpr std::int64_t kMaxBlocksPerTask = 8;          // query blocks sharing one K/V walk
+constexpr std::int64_t kMaxBlocksPerTask = 16;         // query blocks sharing one K/V walk
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // QueryBlock::lane_anchor of a lane that attends any key of its band (query positions can be
