@@ -25,7 +25,7 @@ def make_problem(rng, batch=2, seq_q=5, seq_kv=7, num_heads_q=4, num_heads_kv=2,
 
 def references(problem, round_fn=None):
     """(out, lse, weights) in float64 and in plain float32, on inputs rounded by round_fn (the
-    plain one then also rounds the probabilities by it, as the vdpbf16ps path does)."""
+    plain one then also rounds the probabilities by it, as the vdpbf16ps and AMX paths do)."""
     inputs = {name: problem[name] for name in ("q", "k", "v")}
     if round_fn is not None:
         inputs = {name: round_fn(value) for name, value in inputs.items()}

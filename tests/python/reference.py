@@ -88,7 +88,7 @@ def attention(q, k, v, scale=None, softcap=0.0, causal=False, align="bottom-righ
     """Returns (out (B, Lq, Hq, Dv), lse (B, Hq, Lq), weights (B, Hq, Lq, Lk)) in `dtype`.
 
     store: None, or a rounding function (round_bf16, round_f16) applied to the probabilities
-    before they multiply v, as the vdpbf16ps product path does (the tolerance yardstick for
+    before they multiply v, as the vdpbf16ps and AMX product paths do (the tolerance yardstick for
     bf16/f16 inputs; the scores stay in `dtype`: rounding them too made the yardstick about
     100x looser than any path's error).
     dropout: None, or (keep (B, Hq, Lq, Lk) bool, dropout_p): the probabilities that weight v
