@@ -17,7 +17,7 @@
 //   TaskScope                a type a task holds while it runs (the AMX tile state; else empty)
 //   SoftmaxScale(p)          the factor the online softmax still applies to st (1: Scores
 //                            scaled them already)
-
+//
 // vec_end (TileVecKeys(...).ends(), nullable): query vector x needs keys [0, vec_end[x]) only;
 // its lanes of the later keys may be left as they were until the masks set them to -inf.
 
