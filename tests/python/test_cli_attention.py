@@ -442,8 +442,11 @@ def test_bench_dtype(cli, dtype):
         record["gflops"] / record["peak_gflops"], rel=1e-3)
     if pairs:
         assert record["hwy_target"] == "AVX512_BF16"
+    elif amx:
+        assert record["hwy_target"] == "AMX_BF16"
+        assert record["peak_gflops"] == record["amx_peak_gflops"]
     else:
-        assert record["hwy_target"] != "AVX512_BF16"
+        assert record["hwy_target"] not in ("AVX512_BF16", "AMX_BF16")
         assert record["peak_gflops"] == record["fp32_peak_gflops"]
     # K/V bytes follow the storage: 2 * Lk * D elements of 4 or 2 bytes.
     element = 4 if dtype == "f32" else 2
