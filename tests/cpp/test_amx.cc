@@ -54,7 +54,6 @@ TEST(Amx, ScoresMatchFloat64) {
         const amx::TileScope scope;
         amx::scores(k.get(), k_stride, qp.get(), depth, num_k, scale, st.get());
       }
-      double worst = 0.0;
       for (std::int64_t j = 0; j < rows; ++j) {
         for (std::int64_t l = 0; l < kLanes; ++l) {
           double want = 0.0, magnitude = 0.0;
@@ -65,7 +64,6 @@ TEST(Amx, ScoresMatchFloat64) {
             magnitude += std::fabs(q * bf16_of(k[j * k_stride + d]));
           }
           const double err = std::fabs(st[j * kLanes + l] - scale * want);
-          worst = std::max(worst, err / (scale * magnitude * 1e-6 + 1e-30));
           ASSERT_LE(err, scale * magnitude * 1e-6 + 1e-30) << "depth " << depth << " num_k "
                                                            << num_k << " key " << j << " lane " << l;
         }
