@@ -177,38 +177,41 @@ FmaPeak measure_fma_peak(int num_threads, double seconds_per_repeat, int repeats
   return peak;
 }
 
-FmaPeak measure_bf16_peak(int num_threads, double seconds_per_repeat, int repeats) {
-  if (!bf16dot::available()) {
+namespace {
+
+// A probe of instructions outside Highway (raw intrinsics, chosen by CPUID): gflops = 0 and
+// hwy_target "none" where `available` is false; else measure_peak of `probe`, named `name`.
+FmaPeak measure_intrinsics_peak(bool available, const char* name, int num_threads,
+                                double seconds_per_repeat, int repeats, double flops_per_iteration,
+                                double (*probe)(std::int64_t)) {
+  if (!available) {
     FmaPeak none{};
     none.num_threads = resolve_num_threads(num_threads);
     none.hwy_target = "none";
     return none;
   }
-  // One vdpbf16ps: 16 f32 lanes x 2 multiply-adds = 64 FLOPs; 12 chains per step.
-  FmaPeak peak = measure_peak(num_threads, seconds_per_repeat, repeats, 4.0 * kBf16Chains * 16,
-                              [](std::int64_t iterations, std::int64_t /*task*/) {
-                                return bf16dot::peak_probe(iterations);
+  FmaPeak peak = measure_peak(num_threads, seconds_per_repeat, repeats, flops_per_iteration,
+                              [probe](std::int64_t iterations, std::int64_t /*task*/) {
+                                return probe(iterations);
                               });
-  peak.hwy_target = "AVX512_BF16";
+  peak.hwy_target = name;
   peak.lanes = 16;
   return peak;
 }
 
+}  // namespace
+
+FmaPeak measure_bf16_peak(int num_threads, double seconds_per_repeat, int repeats) {
+  // One vdpbf16ps: 16 f32 lanes x 2 multiply-adds = 64 FLOPs; 12 chains per step.
+  return measure_intrinsics_peak(bf16dot::available(), "AVX512_BF16", num_threads,
+                                 seconds_per_repeat, repeats, 4.0 * kBf16Chains * 16,
+                                 bf16dot::peak_probe);
+}
+
 FmaPeak measure_amx_peak(int num_threads, double seconds_per_repeat, int repeats) {
-  if (!amx::available()) {
-    FmaPeak none{};
-    none.num_threads = resolve_num_threads(num_threads);
-    none.hwy_target = "none";
-    return none;
-  }
   // One tdpbf16ps: 16 x 16 outputs x 32 multiply-adds = 16384 FLOPs; 4 per step.
-  FmaPeak peak = measure_peak(num_threads, seconds_per_repeat, repeats, 4.0 * 16 * 16 * 32 * 2,
-                              [](std::int64_t iterations, std::int64_t /*task*/) {
-                                return amx::peak_probe(iterations);
-                              });
-  peak.hwy_target = "AMX_BF16";
-  peak.lanes = 16;
-  return peak;
+  return measure_intrinsics_peak(amx::available(), "AMX_BF16", num_threads, seconds_per_repeat,
+                                 repeats, 4.0 * 16 * 16 * 32 * 2, amx::peak_probe);
 }
 
 ReadProbe::ReadProbe(int num_threads, double buffer_mib)

@@ -4,6 +4,7 @@
 #include <atomic>
 
 #include "kernels/cpu/amx.h"
+#include "kernels/cpu/bf16_dot.h"
 
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -31,12 +32,7 @@ std::uint64_t xcr0() {
 // process for all its threads.
 bool cpu_runs_amx_bf16() {
 #if defined(__x86_64__)
-  // AVX512-BF16 packs the probabilities (libgcc reports AVX-512 only when XCR0 enables it).
-  __builtin_cpu_init();
-  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
-      !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512bf16")) {
-    return false;
-  }
+  if (!bf16dot::cpu_supported()) return false;  // AVX512-BF16 packs the probabilities
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   if (__get_cpuid_count(1, 0, &eax, &ebx, &ecx, &edx) == 0 || (ecx & (1u << 27)) == 0) {
     return false;  // no OSXSAVE: xgetbv would fault

@@ -2,7 +2,8 @@
 // AVX512-BF16 (CMakeLists.txt), reached only when amx::available(). Every product uses one tile
 // configuration: 8 tiles of 16 rows x 64 bytes. Tiles 0-3 accumulate a 2 x 2 block of f32
 // outputs (32 x 32), tiles 4-5 hold the two A operands (16 rows x 32 bf16 each) and tiles 6-7
-// the two B operands (16 pair rows x 16 lanes), so each A and B load serves two products.
+// the two B operands (16 pair rows x 16 lanes), so each A and B load serves two products
+// (BlockProduct, the one loop both products run).
 #include <immintrin.h>
 
 #include <cstring>
@@ -43,50 +44,73 @@ constexpr std::int64_t kVecLanes = 16;  // f32 lanes of a zmm, = the lanes of on
 TileScope::TileScope() { _tile_loadconfig(&Config()); }
 TileScope::~TileScope() { _tile_release(); }
 
+namespace {
+
+// One output block of f32 tiles: rows [0, 16) (and [16, 32) when kTwo) of `out`, lanes [0, 32),
+// rows kLanes floats apart; zeroed (kLoad false) or loaded from out, then += sum over `steps`
+// of A x B, and stored back. A: rows a_stride bf16 apart, step c at a + c * kDepthStep (the
+// second row group 16 rows down); B: pair rows of kLanes words, step c 16 rows down from b.
+template <bool kTwo, bool kLoad>
+void BlockProduct(const std::uint16_t* a, std::int64_t a_stride, const std::uint32_t* b,
+                  std::int64_t steps, float* out) {
+  const std::int64_t a_bytes = a_stride * 2;
+  const std::uint16_t* a1 = a + kTileRows * a_stride;
+  float* out1 = out + kTileRows * kLanes;
+  if constexpr (kLoad) {
+    _tile_loadd(0, out, kLaneRowBytes);
+    _tile_loadd(1, out + kVecLanes, kLaneRowBytes);
+    if constexpr (kTwo) {
+      _tile_loadd(2, out1, kLaneRowBytes);
+      _tile_loadd(3, out1 + kVecLanes, kLaneRowBytes);
+    }
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (kTwo) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+  }
+  for (std::int64_t c = 0; c < steps; ++c, b += kTileRows * kLanes) {
+    _tile_loadd(6, b, kLaneRowBytes);
+    _tile_loadd(7, b + kVecLanes, kLaneRowBytes);
+    _tile_loadd(4, a + c * kDepthStep, a_bytes);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kTwo) {
+      _tile_loadd(5, a1 + c * kDepthStep, a_bytes);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, out, kLaneRowBytes);
+  _tile_stored(1, out + kVecLanes, kLaneRowBytes);
+  if constexpr (kTwo) {
+    _tile_stored(2, out1, kLaneRowBytes);
+    _tile_stored(3, out1 + kVecLanes, kLaneRowBytes);
+  }
+}
+
+// BlockProduct over 32 rows when `two`, else over the last 16.
+template <bool kLoad>
+void BlockProduct(bool two, const std::uint16_t* a, std::int64_t a_stride,
+                  const std::uint32_t* b, std::int64_t steps, float* out) {
+  if (two) {
+    BlockProduct<true, kLoad>(a, a_stride, b, steps, out);
+  } else {
+    BlockProduct<false, kLoad>(a, a_stride, b, steps, out);
+  }
+}
+
+}  // namespace
+
 void scores(const std::uint16_t* k, std::int64_t k_stride, const std::uint32_t* qp,
             std::int64_t depth, std::int64_t num_k, float scale, float* st) {
   const std::int64_t groups = (num_k + kTileRows - 1) / kTileRows;
-  const std::int64_t steps = depth / kDepthStep;
-  const std::int64_t k_bytes = k_stride * 2;
-  for (std::int64_t g = 0; g < groups; g += 2) {
-    const std::uint16_t* k0 = k + g * kTileRows * k_stride;
-    const std::uint16_t* k1 = k0 + kTileRows * k_stride;
-    float* s0 = st + g * kTileRows * kLanes;
-    float* s1 = s0 + kTileRows * kLanes;
+  for (std::int64_t g = 0; g < groups; g += 2) {  // 32 keys (the last 16) x 32 queries
     for (std::int64_t l = 0; l < kLanes; l += 2 * kVecLanes) {
-      const std::uint32_t* b = qp + l;
-      if (g + 1 < groups) {  // 32 keys x 32 queries
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (std::int64_t c = 0; c < steps; ++c, b += kTileRows * kLanes) {
-          _tile_loadd(6, b, kLaneRowBytes);
-          _tile_loadd(7, b + kVecLanes, kLaneRowBytes);
-          _tile_loadd(4, k0 + c * kDepthStep, k_bytes);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_loadd(5, k1 + c * kDepthStep, k_bytes);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_stored(0, s0 + l, kLaneRowBytes);
-        _tile_stored(1, s0 + l + kVecLanes, kLaneRowBytes);
-        _tile_stored(2, s1 + l, kLaneRowBytes);
-        _tile_stored(3, s1 + l + kVecLanes, kLaneRowBytes);
-      } else {  // the last 16 keys
-        _tile_zero(0);
-        _tile_zero(1);
-        for (std::int64_t c = 0; c < steps; ++c, b += kTileRows * kLanes) {
-          _tile_loadd(6, b, kLaneRowBytes);
-          _tile_loadd(7, b + kVecLanes, kLaneRowBytes);
-          _tile_loadd(4, k0 + c * kDepthStep, k_bytes);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-        }
-        _tile_stored(0, s0 + l, kLaneRowBytes);
-        _tile_stored(1, s0 + l + kVecLanes, kLaneRowBytes);
-      }
+      BlockProduct<false>(g + 1 < groups, k + g * kTileRows * k_stride, k_stride, qp + l,
+                          depth / kDepthStep, st + g * kTileRows * kLanes + l);
     }
   }
   if (scale == 1.0f) return;
@@ -134,52 +158,16 @@ void values(const std::uint16_t* vt, std::int64_t vt_stride, const std::uint32_t
       _mm512_store_ps(o, _mm512_mul_ps(_mm512_load_ps(o), a));
     }
   }
-  const std::int64_t vt_bytes = vt_stride * 2;
   // Value dims outermost: a block's two A tiles (V columns) then serve both lane pairs from L1
   // (Xeon with AMX, one tile product in isolation: 1.12x at Dv = 128 over lanes outermost).
-  for (std::int64_t e = 0; e < rows; e += 2 * kTileRows) {
-    for (std::int64_t l = 0; l < kLanes; l += 2 * kVecLanes) {
+  for (std::int64_t e = 0; e < rows; e += 2 * kTileRows) {  // 32 value dims (the last 16)
+    for (std::int64_t l = 0; l < kLanes; l += 2 * kVecLanes) {  // x 32 queries
       // Keys these 32 lanes need (key_end does not decrease along the lanes).
       const std::int64_t keys = key_end != nullptr ? key_end[l / kVecLanes + 1] : num_k;
       const std::int64_t steps = (keys + kDepthStep - 1) / kDepthStep;
       if (steps == 0) continue;
-      float* o0 = ot + e * kLanes + l;
-      float* o1 = o0 + kTileRows * kLanes;
-      const std::uint16_t* v0 = vt + e * vt_stride;
-      const std::uint16_t* v1 = v0 + kTileRows * vt_stride;
-      const std::uint32_t* b = pp + l;
-      if (e + kTileRows < rows) {  // 32 value dims x 32 queries
-        _tile_loadd(0, o0, kLaneRowBytes);
-        _tile_loadd(1, o0 + kVecLanes, kLaneRowBytes);
-        _tile_loadd(2, o1, kLaneRowBytes);
-        _tile_loadd(3, o1 + kVecLanes, kLaneRowBytes);
-        for (std::int64_t c = 0; c < steps; ++c, b += kTileRows * kLanes) {
-          _tile_loadd(6, b, kLaneRowBytes);
-          _tile_loadd(7, b + kVecLanes, kLaneRowBytes);
-          _tile_loadd(4, v0 + c * kDepthStep, vt_bytes);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_loadd(5, v1 + c * kDepthStep, vt_bytes);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_stored(0, o0, kLaneRowBytes);
-        _tile_stored(1, o0 + kVecLanes, kLaneRowBytes);
-        _tile_stored(2, o1, kLaneRowBytes);
-        _tile_stored(3, o1 + kVecLanes, kLaneRowBytes);
-      } else {  // the last 16 value dims
-        _tile_loadd(0, o0, kLaneRowBytes);
-        _tile_loadd(1, o0 + kVecLanes, kLaneRowBytes);
-        for (std::int64_t c = 0; c < steps; ++c, b += kTileRows * kLanes) {
-          _tile_loadd(6, b, kLaneRowBytes);
-          _tile_loadd(7, b + kVecLanes, kLaneRowBytes);
-          _tile_loadd(4, v0 + c * kDepthStep, vt_bytes);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-        }
-        _tile_stored(0, o0, kLaneRowBytes);
-        _tile_stored(1, o0 + kVecLanes, kLaneRowBytes);
-      }
+      BlockProduct<true>(e + kTileRows < rows, vt + e * vt_stride, vt_stride, pp + l, steps,
+                         ot + e * kLanes + l);
     }
   }
 }

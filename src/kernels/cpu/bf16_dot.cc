@@ -35,10 +35,12 @@ bool cpu_prefers_pairs() {
 
 }  // namespace
 
-bool available() {
+bool cpu_supported() {
   static const bool supported = cpu_runs_avx512_bf16();
-  return supported && g_enabled.load(std::memory_order_relaxed);
+  return supported;
 }
+
+bool available() { return cpu_supported() && g_enabled.load(std::memory_order_relaxed); }
 
 void set_enabled(bool enabled) { g_enabled.store(enabled, std::memory_order_relaxed); }
 

@@ -22,6 +22,10 @@ constexpr std::int64_t kLanes = 64;
 // computed once.
 bool available();
 
+// The CPUID / XCR0 part of available() alone, whatever set_enabled says (amx.cc needs it: its
+// tiles' probabilities are packed with AVX512-BF16).
+bool cpu_supported();
+
 // Tests force the portable path: set_enabled(false) makes available() false until
 // set_enabled(true). Not meant to be flipped while kernels run on other threads.
 void set_enabled(bool enabled);

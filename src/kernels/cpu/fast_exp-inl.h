@@ -53,27 +53,44 @@ constexpr float kC3 = 0x1.5557aep-3f;  // 0.166671142
 constexpr float kC4 = 0x1.5729f4p-5f;  // 0.041890122
 constexpr float kC5 = 0x1.106286p-7f;  // 0.00831252616
 
+// The range reduction both exps share: k = n + 1.5 * 2^23 exactly (the add rounds x * log2e to
+// the nearest integer, ties to even), r = x - n * ln2 (Cody-Waite). For x = -inf everything is
+// inf/NaN; ScaleByPow2's final select discards it.
+template <class D>
+struct Reduced {
+  hn::Vec<D> k, r;
+};
+template <class D>
+HWY_INLINE Reduced<D> Reduce(D d, hn::Vec<D> x) {
+  const auto k = hn::MulAdd(x, hn::Set(d, kLog2e), hn::Set(d, kRoundMagic));
+  const auto n = hn::Sub(k, hn::Set(d, kRoundMagic));
+  auto r = hn::NegMulAdd(n, hn::Set(d, kLn2Hi), x);  // exact
+  r = hn::NegMulAdd(n, hn::Set(d, kLn2Lo), r);
+  return {k, r};
+}
+
+// p * 2^n, and +0 where x < kMinArg. The low 9 bits of k's pattern are n mod 2^9 (k's ulp is 1);
+// shifted left by 23 they are n << 23 mod 2^32, and the rest of k's pattern is shifted out.
+// Unsigned: wrap-around, no UB.
+template <class D>
+HWY_INLINE hn::Vec<D> ScaleByPow2(D d, hn::Vec<D> x, hn::Vec<D> k, hn::Vec<D> p) {
+  const hn::RebindToUnsigned<D> du;
+  const auto scaled =
+      hn::BitCast(d, hn::Add(hn::BitCast(du, p), hn::ShiftLeft<23>(hn::BitCast(du, k))));
+  return hn::IfThenZeroElse(hn::Lt(x, hn::Set(d, kMinArg)), scaled);
+}
+
 // exp(x) for x <= 0, lane-wise. x = -inf (or any x < kMinArg, about -87.3365) gives exactly +0;
 // otherwise the result is a normal float within the relative error bound above. x > 0 and NaN
 // are outside the contract (the result is unspecified, not necessarily NaN).
 template <class D>
 HWY_INLINE hn::Vec<D> ExpNonPositive(D d, hn::Vec<D> x) {
-  const hn::RebindToUnsigned<D> du;
-  // k = n + 1.5 * 2^23 exactly: the add rounds x * log2e to the nearest integer (ties to even).
-  // For x = -inf everything below is inf/NaN; the final select discards it.
-  const auto k = hn::MulAdd(x, hn::Set(d, kLog2e), hn::Set(d, kRoundMagic));
-  const auto n = hn::Sub(k, hn::Set(d, kRoundMagic));
-  auto r = hn::NegMulAdd(n, hn::Set(d, kLn2Hi), x);  // exact
-  r = hn::NegMulAdd(n, hn::Set(d, kLn2Lo), r);
-  auto q = hn::MulAdd(hn::Set(d, kC5), r, hn::Set(d, kC4));
-  q = hn::MulAdd(q, r, hn::Set(d, kC3));
-  q = hn::MulAdd(q, r, hn::Set(d, kC2));
-  const auto p = hn::Add(hn::MulAdd(q, hn::Mul(r, r), r), hn::Set(d, 1.0f));
-  // The low 9 bits of k's pattern are n mod 2^9 (k's ulp is 1); shifted left by 23 they are
-  // n << 23 mod 2^32, and the rest of k's pattern is shifted out. Unsigned: wrap-around, no UB.
-  const auto scaled =
-      hn::BitCast(d, hn::Add(hn::BitCast(du, p), hn::ShiftLeft<23>(hn::BitCast(du, k))));
-  return hn::IfThenZeroElse(hn::Lt(x, hn::Set(d, kMinArg)), scaled);
+  const Reduced<D> a = Reduce(d, x);
+  auto q = hn::MulAdd(hn::Set(d, kC5), a.r, hn::Set(d, kC4));
+  q = hn::MulAdd(q, a.r, hn::Set(d, kC3));
+  q = hn::MulAdd(q, a.r, hn::Set(d, kC2));
+  const auto p = hn::Add(hn::MulAdd(q, hn::Mul(a.r, a.r), a.r), hn::Set(d, 1.0f));
+  return ScaleByPow2(d, x, a.k, p);
 }
 
 // The same domain and contract with a degree-4 polynomial p = 1 + r * (c1 + r * (c2 + r * (c3 +
@@ -91,18 +108,11 @@ constexpr float kCoarseC4 = 0x1.5414d8p-5f;  // 0.0415138453
 
 template <class D>
 HWY_INLINE hn::Vec<D> ExpNonPositiveCoarse(D d, hn::Vec<D> x) {
-  const hn::RebindToUnsigned<D> du;
-  const auto k = hn::MulAdd(x, hn::Set(d, kLog2e), hn::Set(d, kRoundMagic));
-  const auto n = hn::Sub(k, hn::Set(d, kRoundMagic));
-  auto r = hn::NegMulAdd(n, hn::Set(d, kLn2Hi), x);  // exact
-  r = hn::NegMulAdd(n, hn::Set(d, kLn2Lo), r);
-  auto q = hn::MulAdd(hn::Set(d, kCoarseC4), r, hn::Set(d, kCoarseC3));
-  q = hn::MulAdd(q, r, hn::Set(d, kCoarseC2));
-  q = hn::MulAdd(q, r, hn::Set(d, kCoarseC1));
-  const auto p = hn::MulAdd(q, r, hn::Set(d, 1.0f));
-  const auto scaled =
-      hn::BitCast(d, hn::Add(hn::BitCast(du, p), hn::ShiftLeft<23>(hn::BitCast(du, k))));
-  return hn::IfThenZeroElse(hn::Lt(x, hn::Set(d, kMinArg)), scaled);
+  const Reduced<D> a = Reduce(d, x);
+  auto q = hn::MulAdd(hn::Set(d, kCoarseC4), a.r, hn::Set(d, kCoarseC3));
+  q = hn::MulAdd(q, a.r, hn::Set(d, kCoarseC2));
+  q = hn::MulAdd(q, a.r, hn::Set(d, kCoarseC1));
+  return ScaleByPow2(d, x, a.k, hn::MulAdd(q, a.r, hn::Set(d, 1.0f)));
 }
 
 // The exp a softmax takes: coarse where the probabilities are rounded to bf16 afterwards.

@@ -136,12 +136,16 @@ inline VecKeys TileVecKeys(const std::int64_t* hi, std::int64_t j0, std::int64_t
   return keys;
 }
 
-// Rows of a block's qt and ot: D and Dv, padded for the AMX tiles (AmxProducts in
-// products-inl.h), whose q pairs cover D rounded up to 32 and whose outputs come 16 value dims at
-// a time. (The padding rows hold zeros; no other path reads them.)
-inline std::int64_t QtRows(const AttentionKernelParams& p) {
-  return std::max(p.head_dim, (p.head_dim + 31) / 32 * 16);
+// Floats that hold either n f32 or n rounded up to `step` bf16: a buffer any product path can
+// fill (the AMX tiles read bf16 padded with zeros, AmxProducts in products-inl.h).
+constexpr std::int64_t F32OrPaddedBf16(std::int64_t n, std::int64_t step) {
+  return std::max(n, (n + step - 1) / step * step / 2);
 }
+
+// Rows of a block's qt and ot: D and Dv, padded for the AMX tiles, whose q pairs cover D rounded
+// up to 32 and whose outputs come 16 value dims at a time. (The padding rows hold zeros; no
+// other path reads them.)
+inline std::int64_t QtRows(const AttentionKernelParams& p) { return F32OrPaddedBf16(p.head_dim, 32); }
 inline std::int64_t OtRows(const AttentionKernelParams& p) { return (p.head_dim_v + 15) / 16 * 16; }
 
 // Scratch one QueryBlock needs: floats, and int64s.

@@ -93,12 +93,10 @@ struct Staging {
 // for bf16 at least the AMX tiles' bf16 K rows of D rounded up to 32 and V columns of Dv
 // rounded up to 16 (AmxProducts in products-inl.h).
 inline std::int64_t StagedKFloats(const AttentionKernelParams& p) {
-  return kBlockK * (p.dtype == DType::kBF16 ? std::max(p.head_dim, (p.head_dim + 31) / 32 * 16)
-                                            : p.head_dim);
+  return kBlockK * (p.dtype == DType::kBF16 ? F32OrPaddedBf16(p.head_dim, 32) : p.head_dim);
 }
 inline std::int64_t StagedVFloats(const AttentionKernelParams& p) {
-  return kBlockK * (p.dtype == DType::kBF16 ? std::max(p.head_dim_v, (p.head_dim_v + 15) / 16 * 8)
-                                            : p.head_dim_v);
+  return kBlockK * (p.dtype == DType::kBF16 ? F32OrPaddedBf16(p.head_dim_v, 16) : p.head_dim_v);
 }
 
 // Floats of the staging tiles; bf16 adds the probabilities as pair words for the vdpbf16ps and
