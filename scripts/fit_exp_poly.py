@@ -3,6 +3,7 @@
 
     /usr/bin/python3 scripts/fit_exp_poly.py                          # the table, then constants
     /usr/bin/python3 scripts/fit_exp_poly.py --degree 5 --pinned 2   # (the defaults)
+    /usr/bin/python3 scripts/fit_exp_poly.py --base2 --degree 5      # fastexp::Pow2's constants
 
 exp(x) = 2^n * p(r), n = round(x * log2(e)), r = x - n * ln2 in [-ln2/2, ln2/2]. p's first
 `pinned` coefficients are fixed at the Taylor ones: pinned 1 (p = 1 + r q(r), Horner) or pinned 2
@@ -19,6 +20,12 @@ its inversions (exp(x) > exp(x') for adjacent floats x < x') in one window. Resu
 the smallest within 2 ulp (float32: 1.6e-7 Horner, 1.8e-7 pinned 2; degree 4: 2.9e-6); the
 Horner form inverts, the pinned-2 form does not (one op more). The C++ test then measures the
 chosen formula on every 7th float.
+
+--base2: the constants of 2^x = 2^n * p(r), n = round(x), r = x - n in [-1/2, 1/2] (exact, no
+Cody-Waite split), p = 1 + r q(r) in Horner form (fastexp::Pow2, Pow2Coarse). The minimax
+problem is the same one with r scaled by ln2 (p(r) 2^-r = P(r ln2) e^-(r ln2)), so p's
+coefficients are the natural fit's (pinned 1) times ln2^i, rounded to float32; the table gives
+the float32 formula's error against float64 2^x on 3e6 samples of x in [-126, 0].
 """
 import argparse
 import math
@@ -109,11 +116,51 @@ def inversions(coefs32, pinned, low, count):
     return int(np.sum(y[1:] > y[:-1]))
 
 
+def float32_pow2(coefs32, x):
+    """The float32 formula of fastexp::Pow2 (Horner, p = 1 + r q)."""
+    magic = f32(1.5 * 2**23)
+    k = x + magic  # float32: rounds x to an integer
+    n = k - magic
+    r = x - n  # exact
+    q = np.full_like(r, coefs32[-1])
+    for c in reversed(coefs32[1:-1]):
+        q = fma32(q, r, c)
+    p = fma32(q, r, f32(1.0))
+    return np.ldexp(p.astype(np.float64), n.astype(np.int64)).astype(np.float32)
+
+
+def base2_main(degree):
+    rng = np.random.default_rng(1)
+    x = np.concatenate([-rng.uniform(0, 126, 2_000_000), -rng.uniform(0, 1, 1_000_000),
+                        rng.uniform(0, 12, 100_000)]).astype(np.float32)
+    ref = np.exp2(x.astype(np.float64))
+    print("degree  minimax (real)  float32 formula: max rel. error, inversions (*)")
+    chosen = None
+    for d in range(3, 8):
+        coefs, err = lawson(d, 1)
+        coefs32 = [f32(c * LN2**i) for i, c in enumerate(coefs)]
+        err32 = float(np.max(np.abs(float32_pow2(coefs32, x).astype(np.float64) - ref) / ref))
+        bits = np.arange(1 << 22, dtype=np.uint32) + np.array([-0.0625], np.float32).view(np.uint32)[0]
+        y = float32_pow2(coefs32, bits.view(np.float32))
+        print(f"{d:6d}  {err:.3e}       {err32:.3e}  {int(np.sum(y[1:] > y[:-1])):6d}")
+        if d == degree:
+            chosen = coefs32
+    print("(*) of 4M adjacent floats in [-0.09, -0.0625]")
+    print(f"\nC++ constants, 2^x, degree {degree}:")
+    for i, c in enumerate(chosen[1:], start=1):
+        mantissa, exponent = float(c).hex().split("p")
+        print(f"constexpr float kP{i} = {mantissa.rstrip('0').rstrip('.')}p{exponent}f;  // {float(c):.9g}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--degree", type=int, default=5, help="degree whose constants to print")
     parser.add_argument("--pinned", type=int, default=2, help="Taylor coefficients fixed (1, 2)")
+    parser.add_argument("--base2", action="store_true", help="the constants of 2^x (fastexp::Pow2)")
     args = parser.parse_args()
+    if args.base2:
+        base2_main(args.degree)
+        return
 
     rng = np.random.default_rng(1)
     x = np.concatenate(

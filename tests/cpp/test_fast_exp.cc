@@ -1,7 +1,9 @@
 // qkv's vectorised exp (kernels/cpu/fast_exp-inl.h) on every compiled target: its maximum
 // relative error over every 7th float of [-87.33, 0] against double exp (hwy::Exp's printed
 // beside it), exact values (exp(0) = 1, exp(-inf) = +0, +0 below the cut, never a denormal or
-// NaN), monotonicity over a dense sample and between adjacent floats, tails and misaligned arrays.
+// NaN), monotonicity over a dense sample and between adjacent floats, tails and misaligned arrays;
+// and the online softmax's 2^x (Pow2, Pow2Coarse): error against double exp2 over [-126, 16],
+// exact powers of two, +0 below the cut, normal results above it.
 // FastExpSpeed only prints ns per element of both exps (run it alone:
 // --gtest_filter='FastExpSpeed*').
 #include <gtest/gtest.h>
@@ -14,6 +16,8 @@
 #include <cstdio>
 #include <limits>
 #include <random>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "every_target.h"
@@ -102,8 +106,7 @@ std::vector<float> apply(ExpFn fn, std::vector<float> x) {
 }
 
 TEST(FastExp, MaxRelativeErrorEveryTarget) {
-  const auto stats = sweep(
-      {{exp_nonpositive_cpu, true}, {exp_hwy_cpu, false}, {exp_nonpositive_coarse_cpu, true}}, 7);
+  const auto stats = sweep({{exp_nonpositive_cpu, true}, {exp_hwy_cpu, false}}, 7);
   const std::vector<std::int64_t> targets = hwy::SupportedAndGeneratedTargets();
   for (std::size_t t = 0; t < targets.size(); ++t) {
     const char* target = hwy::TargetName(targets[t]);
@@ -118,29 +121,82 @@ TEST(FastExp, MaxRelativeErrorEveryTarget) {
     SCOPED_TRACE(target);
     EXPECT_LE(fast.max_rel, kMaxRelError) << "worst x = " << fast.worst_x;
     EXPECT_FALSE(fast.bad_value) << "a NaN, negative or subnormal result in [-87.33, 0]";
-    // The coarse exp of the paths that round probabilities to bf16: 2.9e-6 by the fit.
-    const ErrorStats& coarse = stats[2][t];
-    std::printf("[ fastexp ] %-6s ExpNonPositiveCoarse max rel. error %.3e at x = %.9g\n", target,
-                coarse.max_rel, coarse.worst_x);
-    EXPECT_LE(coarse.max_rel, 3.0e-6) << "worst x = " << coarse.worst_x;
-    EXPECT_FALSE(coarse.bad_value) << "a NaN, negative or subnormal result in [-87.33, 0]";
   }
 }
 
-TEST(FastExp, CoarseExactValuesEveryTarget) {
+// ---------------------------------------------------------------------------------------------
+// fastexp::Pow2 / Pow2Coarse (the online softmax's 2^x) against double exp2.
+
+constexpr double kPow2MaxRelError = 2.0e-7;  // 1.7e-7 measured (AVX3, AVX2), 1.93e-7 on SCALAR
+constexpr double kPow2CoarseMaxRelError = 3.0e-6;  // 2.9e-6 measured
+constexpr float kMinPow2Arg = -126.0f;             // below it: +0
+
+// Max relative error of fn against exp2 on every `stride`-th float between low and high (both
+// of one sign), and whether any result was NaN, negative or below FLT_MIN.
+ErrorStats sweep_pow2(ExpFn fn, float low, float high, std::uint32_t stride) {
+  std::uint32_t a = std::bit_cast<std::uint32_t>(low), b = std::bit_cast<std::uint32_t>(high);
+  if (a > b) std::swap(a, b);
+  std::vector<float> x;
+  for (std::uint64_t bits = a; bits <= b; bits += stride) {
+    x.push_back(std::bit_cast<float>(static_cast<std::uint32_t>(bits)));
+  }
+  std::vector<float> y(x.size());
+  fn(x.data(), y.data(), static_cast<std::int64_t>(x.size()));
+  ErrorStats s;
+  s.count = static_cast<std::int64_t>(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const double ref = std::exp2(static_cast<double>(x[i]));
+    const double err = std::fabs(static_cast<double>(y[i]) - ref) / ref;
+    if (err > s.max_rel) {
+      s.max_rel = err;
+      s.worst_x = x[i];
+    }
+    s.bad_value = s.bad_value || !(y[i] >= std::numeric_limits<float>::min());
+  }
+  return s;
+}
+
+TEST(FastPow2, MaxRelativeErrorEveryTarget) {
+  const std::tuple<ExpFn, const char*, double> subjects[] = {
+      {pow2_cpu, "Pow2", kPow2MaxRelError}, {pow2_coarse_cpu, "Pow2Coarse", kPow2CoarseMaxRelError}};
+  for_each_target(fast_exp_cpu_target_name, [&](std::int64_t target) {
+    const char* name = hwy::TargetName(target);
+    SCOPED_TRACE(name);
+    for (const auto& [fn, label, bound] : subjects) {
+      // Every 29th float of [-126, -0] (the softmax's domain), every 97th of (0, 16] (the lazy
+      // running max's): 49M floats, every r of [-1/2, 1/2] many times over.
+      const ErrorStats neg = sweep_pow2(fn, kMinPow2Arg, -0.0f, 29);
+      const ErrorStats pos = sweep_pow2(fn, std::numeric_limits<float>::denorm_min(), 16.0f, 97);
+      const ErrorStats& worst = neg.max_rel >= pos.max_rel ? neg : pos;
+      std::printf("[ fastexp ] %-6s %s max rel. error %.3e at x = %.9g (%lld floats)\n", name,
+                  label, worst.max_rel, worst.worst_x,
+                  static_cast<long long>(neg.count + pos.count));
+      EXPECT_LE(worst.max_rel, bound) << label << ", worst x = " << worst.worst_x;
+      EXPECT_FALSE(neg.bad_value || pos.bad_value) << label << ": a NaN, negative or subnormal";
+    }
+  });
+}
+
+TEST(FastPow2, ExactValuesEveryTarget) {
+  const float max = std::numeric_limits<float>::max();
   for_each_target(fast_exp_cpu_target_name, [&](std::int64_t) {
-    const std::vector<float> y = apply(exp_nonpositive_coarse_cpu, {0.0f, -0.0f, -kInf, -88.0f});
-    EXPECT_EQ(y[0], 1.0f);
-    EXPECT_EQ(y[1], 1.0f);
-    EXPECT_EQ(std::bit_cast<std::uint32_t>(y[2]), 0u) << "exp(-inf) must be +0, is " << y[2];
-    EXPECT_EQ(std::bit_cast<std::uint32_t>(y[3]), 0u) << y[3];
-    // Its domain reaches 16 above 0 (the lazy running max passes up to 8).
-    std::vector<float> positive;
-    for (float v = 1e-3f; v <= 16.0f; v *= 1.01f) positive.push_back(v);
-    const std::vector<float> y_pos = apply(exp_nonpositive_coarse_cpu, positive);
-    for (std::size_t i = 0; i < positive.size(); ++i) {
-      const double ref = std::exp(static_cast<double>(positive[i]));
-      EXPECT_LE(std::fabs(y_pos[i] - ref) / ref, 3.0e-6) << positive[i];
+    for (ExpFn fn : {pow2_cpu, pow2_coarse_cpu}) {
+      // Integers are exact (r = 0, p = 1): 2^-126 = FLT_MIN up to 2^16.
+      std::vector<float> ints;
+      for (int n = -126; n <= 16; ++n) ints.push_back(static_cast<float>(n));
+      const std::vector<float> y = apply(fn, ints);
+      for (std::size_t i = 0; i < ints.size(); ++i) {
+        EXPECT_EQ(y[i], std::ldexp(1.0f, static_cast<int>(ints[i]))) << ints[i];
+      }
+      EXPECT_EQ(apply(fn, {-0.0f})[0], 1.0f);
+      // Below the cut and -inf: exactly +0, never NaN or a denormal.
+      const std::vector<float> below = {std::nextafter(kMinPow2Arg, -kInf), -126.5f, -149.0f,
+                                        -1e4f, -1e30f, -max, -kInf};
+      for (float v : apply(fn, below)) EXPECT_EQ(std::bit_cast<std::uint32_t>(v), 0u) << v;
+      // Every float of [-126, -125]: normal (the exponent field never reaches 0).
+      std::vector<float> edge;
+      for (float v = kMinPow2Arg; v <= -125.0f; v = std::nextafter(v, 0.0f)) edge.push_back(v);
+      for (float v : apply(fn, edge)) EXPECT_GE(v, std::numeric_limits<float>::min()) << v;
     }
   });
 }

@@ -69,15 +69,16 @@ HWY_INLINE Reduced<D> Reduce(D d, hn::Vec<D> x) {
   return {k, r};
 }
 
-// p * 2^n, and +0 where x < kMinArg. The low 9 bits of k's pattern are n mod 2^9 (k's ulp is 1);
-// shifted left by 23 they are n << 23 mod 2^32, and the rest of k's pattern is shifted out.
-// Unsigned: wrap-around, no UB.
+// p * 2^n, and +0 where x < min_arg (kMinArg for exp, kMinPow2Arg for 2^x). The low 9 bits of
+// k's pattern are n mod 2^9 (k's ulp is 1); shifted left by 23 they are n << 23 mod 2^32, and the
+// rest of k's pattern is shifted out. Unsigned: wrap-around, no UB.
 template <class D>
-HWY_INLINE hn::Vec<D> ScaleByPow2(D d, hn::Vec<D> x, hn::Vec<D> k, hn::Vec<D> p) {
+HWY_INLINE hn::Vec<D> ScaleByPow2(D d, hn::Vec<D> x, hn::Vec<D> k, hn::Vec<D> p,
+                                 float min_arg = kMinArg) {
   const hn::RebindToUnsigned<D> du;
   const auto scaled =
       hn::BitCast(d, hn::Add(hn::BitCast(du, p), hn::ShiftLeft<23>(hn::BitCast(du, k))));
-  return hn::IfThenZeroElse(hn::Lt(x, hn::Set(d, kMinArg)), scaled);
+  return hn::IfThenZeroElse(hn::Lt(x, hn::Set(d, min_arg)), scaled);
 }
 
 // exp(x) for x <= 0, lane-wise. x = -inf (or any x < kMinArg, about -87.3365) gives exactly +0;
@@ -93,35 +94,80 @@ HWY_INLINE hn::Vec<D> ExpNonPositive(D d, hn::Vec<D> x) {
   return ScaleByPow2(d, x, a.k, p);
 }
 
-// The same domain and contract with a degree-4 polynomial p = 1 + r * (c1 + r * (c2 + r * (c3 +
-// r * c4))) (scripts/fit_exp_poly.py --degree 4 --pinned 1): max relative error 2.9e-6 in
-// float32, exp(0) still exactly 1, but not monotone between every pair of adjacent floats.
-// 12 vector ops instead of 14, for the product paths that round the probabilities to bf16
-// (relative error up to 3.9e-3) before the value product: there the last bits of the exp are
-// rounded away, and the row sums (hence lse) move by at most the 2.9e-6 (docs/kernels.md, "exp").
-// Its domain also takes 0 < x <= 16 (the lazy running max of online_softmax-inl.h passes up to
-// 8): the reduction is the same, and 2^n with n <= 24 keeps the exponent field below 255.
-constexpr float kCoarseC1 = 0x1.fffba8p-1f;  // 0.99996686
-constexpr float kCoarseC2 = 0x1.0003f4p-1f;  // 0.50003016
-constexpr float kCoarseC3 = 0x1.57cebcp-3f;  // 0.167874783
-constexpr float kCoarseC4 = 0x1.5414d8p-5f;  // 0.0415138453
+// ---------------------------------------------------------------------------------------------
+// 2^x, for the online softmax: p = exp(s * scale - max) is computed as 2^(s * c - max * log2e)
+// with c = scale * log2e, so the scale and the change of base are one FMA and the range reduction
+// needs no Cody-Waite split:
+//
+//   2^x = 2^n * p(r),  n = round(x) (the magic-number add),  r = x - n  in [-1/2, 1/2], exact
+//   p(r) = 1 + r * (c1 + r * (c2 + ...)), Horner, minimax for the relative error with p(0) = 1
+//
+// That is 5 multiply-adds for degree 5 where ExpNonPositive takes 9 (its reduction's 3, its
+// pinned form's extra multiply): on Zen 4 the online softmax's pass took ~9 cycles per 16 scores
+// with ExpNonPositive's polynomial and ~7.5 with this one (docs/kernels.md, "exp").
+// Coefficients: scripts/fit_exp_poly.py --base2 (the natural fit with r scaled by ln2).
+// Accuracy: 1.7e-7 relative in float32 (degree 5), 2.9e-6 (degree 4); 2^0 = 1 exactly. Horner is
+// not monotone between every pair of adjacent floats (one ulp jitters, as for Horner above);
+// the softmax does not need it. An argument itself rounded carries its error in: x = s * c -
+// max * log2e is one rounding of x (as s - max is in the natural form), plus the rounding of
+// max * log2e, the same for every key of a query, which cancels in out = sum p v / sum p and
+// moves lse by at most |max| * 6e-8.
+//
+// Domain: x <= 16 (the lazy running max of online_softmax-inl.h passes up to 8 log2(e));
+// x < kMinPow2Arg (-inf included) gives exactly +0; otherwise the result is a normal float.
+// NaN is outside the contract.
+constexpr float kMinPow2Arg = -126.0f;  // n >= -126 comes with r >= 0, p >= 1: a normal result
+// scripts/fit_exp_poly.py --base2 --degree 5
+constexpr float kP1 = 0x1.62e42ap-1f;    // 0.693147004
+constexpr float kP2 = 0x1.ebf9bcp-3f;    // 0.240222424
+constexpr float kP3 = 0x1.c6b752p-5f;    // 0.0555073358
+constexpr float kP4 = 0x1.3cea8cp-7f;    // 0.00967151485
+constexpr float kP5 = 0x1.5bba14p-10f;   // 0.00132647273
+// scripts/fit_exp_poly.py --base2 --degree 4
+constexpr float kCoarseP1 = 0x1.62e12cp-1f;  // 0.693124175
+constexpr float kCoarseP2 = 0x1.ec0378p-3f;  // 0.240240991
+constexpr float kCoarseP3 = 0x1.c9fc4ep-5f;  // 0.0559064411
+constexpr float kCoarseP4 = 0x1.3a02ccp-7f;  // 0.00958285294
 
+// p(r) * 2^n for x = n + r, given q(r) with p = 1 + r q; +0 where x < kMinPow2Arg.
 template <class D>
-HWY_INLINE hn::Vec<D> ExpNonPositiveCoarse(D d, hn::Vec<D> x) {
-  const Reduced<D> a = Reduce(d, x);
-  auto q = hn::MulAdd(hn::Set(d, kCoarseC4), a.r, hn::Set(d, kCoarseC3));
-  q = hn::MulAdd(q, a.r, hn::Set(d, kCoarseC2));
-  q = hn::MulAdd(q, a.r, hn::Set(d, kCoarseC1));
-  return ScaleByPow2(d, x, a.k, hn::MulAdd(q, a.r, hn::Set(d, 1.0f)));
+HWY_INLINE hn::Vec<D> FinishPow2(D d, hn::Vec<D> x, hn::Vec<D> k, hn::Vec<D> r, hn::Vec<D> q) {
+  return ScaleByPow2(d, x, k, hn::MulAdd(q, r, hn::Set(d, 1.0f)), kMinPow2Arg);
 }
 
-// The exp a softmax takes: coarse where the probabilities are rounded to bf16 afterwards.
+// k = n + 1.5 * 2^23 exactly (n = round(x), ties to even) and r = x - n (exact: |r| <= 1/2).
+// See ScaleByPow2 for how k's low bits become 2^n.
+template <class D>
+HWY_INLINE hn::Vec<D> Pow2(D d, hn::Vec<D> x) {
+  const auto k = hn::Add(x, hn::Set(d, kRoundMagic));
+  const auto r = hn::Sub(x, hn::Sub(k, hn::Set(d, kRoundMagic)));
+  auto q = hn::MulAdd(hn::Set(d, kP5), r, hn::Set(d, kP4));
+  q = hn::MulAdd(q, r, hn::Set(d, kP3));
+  q = hn::MulAdd(q, r, hn::Set(d, kP2));
+  q = hn::MulAdd(q, r, hn::Set(d, kP1));
+  return FinishPow2(d, x, k, r, q);
+}
+
+// The same with degree 4 (2.9e-6), for the product paths that round the probabilities to bf16
+// (relative error up to 3.9e-3) before the value product: there the last bits are rounded away,
+// and the row sums (hence lse) move by at most the 2.9e-6. One multiply-add fewer.
+template <class D>
+HWY_INLINE hn::Vec<D> Pow2Coarse(D d, hn::Vec<D> x) {
+  const auto k = hn::Add(x, hn::Set(d, kRoundMagic));
+  const auto r = hn::Sub(x, hn::Sub(k, hn::Set(d, kRoundMagic)));
+  auto q = hn::MulAdd(hn::Set(d, kCoarseP4), r, hn::Set(d, kCoarseP3));
+  q = hn::MulAdd(q, r, hn::Set(d, kCoarseP2));
+  q = hn::MulAdd(q, r, hn::Set(d, kCoarseP1));
+  return FinishPow2(d, x, k, r, q);
+}
+
+// The 2^x a softmax takes: coarse where the probabilities are rounded to bf16 afterwards.
 template <bool kCoarse, class D>
-HWY_INLINE hn::Vec<D> ExpForProbs(D d, hn::Vec<D> x) {
+HWY_INLINE hn::Vec<D> Pow2ForProbs(D d, hn::Vec<D> x) {
   if constexpr (kCoarse) {
-    return ExpNonPositiveCoarse(d, x);
+    return Pow2Coarse(d, x);
   } else {
-    return ExpNonPositive(d, x);
+    return Pow2(d, x);
   }
 }
 

@@ -39,8 +39,12 @@ void ExpNonPositiveArray(const float* x, float* y, std::int64_t n) {
   ApplyArray(x, y, n, [](DF df, hn::Vec<DF> v) { return fastexp::ExpNonPositive(df, v); });
 }
 
-void ExpNonPositiveCoarseArray(const float* x, float* y, std::int64_t n) {
-  ApplyArray(x, y, n, [](DF df, hn::Vec<DF> v) { return fastexp::ExpNonPositiveCoarse(df, v); });
+void Pow2Array(const float* x, float* y, std::int64_t n) {
+  ApplyArray(x, y, n, [](DF df, hn::Vec<DF> v) { return fastexp::Pow2(df, v); });
+}
+
+void Pow2CoarseArray(const float* x, float* y, std::int64_t n) {
+  ApplyArray(x, y, n, [](DF df, hn::Vec<DF> v) { return fastexp::Pow2Coarse(df, v); });
 }
 
 void ExpHwyArray(const float* x, float* y, std::int64_t n) {
@@ -57,7 +61,8 @@ HWY_AFTER_NAMESPACE();
 namespace qkv {
 
 HWY_EXPORT(ExpNonPositiveArray);
-HWY_EXPORT(ExpNonPositiveCoarseArray);
+HWY_EXPORT(Pow2Array);
+HWY_EXPORT(Pow2CoarseArray);
 HWY_EXPORT(ExpHwyArray);
 HWY_EXPORT(FastExpTargetName);
 
@@ -65,8 +70,12 @@ void exp_nonpositive_cpu(const float* x, float* y, std::int64_t n) {
   HWY_DYNAMIC_DISPATCH(ExpNonPositiveArray)(x, y, n);
 }
 
-void exp_nonpositive_coarse_cpu(const float* x, float* y, std::int64_t n) {
-  HWY_DYNAMIC_DISPATCH(ExpNonPositiveCoarseArray)(x, y, n);
+void pow2_cpu(const float* x, float* y, std::int64_t n) {
+  HWY_DYNAMIC_DISPATCH(Pow2Array)(x, y, n);
+}
+
+void pow2_coarse_cpu(const float* x, float* y, std::int64_t n) {
+  HWY_DYNAMIC_DISPATCH(Pow2CoarseArray)(x, y, n);
 }
 
 void exp_hwy_cpu(const float* x, float* y, std::int64_t n) {

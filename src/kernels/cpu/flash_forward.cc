@@ -122,7 +122,8 @@ std::vector<std::int64_t> GroupOrder(const AttentionKernelParams& p, const WorkP
 // Key splits: partial results and their merge.
 
 // Per split s and output row (row = (b * Hq + head) * Lq + query): the unnormalised out, and
-// the running max and sum of that split's keys (max -inf, sum 0 and out 0 when it had none).
+// the running max (in base 2, as QueryBlock::row_max) and sum of that split's keys (max -inf,
+// sum 0 and out 0 when it had none).
 struct SplitPartials {
   float* out;  // [splits][rows][Dv]
   float* max;  // [splits][rows]
@@ -142,9 +143,10 @@ inline void WritePartial(const AttentionKernelParams& p, const QueryBlock& qb, s
   }
 }
 
-// out and lse of rows [row0, row1) from the splits, combined in split order 0, 1, 2, ...:
-//   M = max_s m_s,  w_s = exp(m_s - M),  out = sum_s w_s o_s / sum_s w_s l_s,
-//   lse = M + log(sum_s w_s l_s).
+// out and lse of rows [row0, row1) from the splits, combined in split order 0, 1, 2, ...
+// (m_s in base 2):
+//   M = max_s m_s,  w_s = 2^(m_s - M),  out = sum_s w_s o_s / sum_s w_s l_s,
+//   lse = M ln2 + log(sum_s w_s l_s).
 // Splits with no allowed key (l_s = 0) take no part; a row with none anywhere gets out 0 and
 // lse -inf, as in FinishQueryBlock (no (-inf) - (-inf), no 0 / 0).
 void MergeSplits(const AttentionKernelParams& p, const SplitPartials& partials, std::int64_t splits,
@@ -165,7 +167,7 @@ void MergeSplits(const AttentionKernelParams& p, const SplitPartials& partials, 
       for (std::int64_t s = 0; s < splits; ++s) {
         const std::int64_t at = s * partials.rows + row;
         if (!(partials.sum[at] > 0.0f)) continue;
-        const float weight = std::exp(partials.max[at] - row_max);
+        const float weight = std::exp2(partials.max[at] - row_max);
         row_sum += weight * partials.sum[at];
         const float* out = partials.out + at * dv;
         for (std::int64_t e = 0; e < dv; ++e) acc[e] += weight * out[e];
@@ -177,7 +179,7 @@ void MergeSplits(const AttentionKernelParams& p, const SplitPartials& partials, 
     for (std::int64_t e = 0; e < dv; ++e) out[e * p.out_stride[3]] = acc[e] * inv_sum;
     if (p.lse != nullptr) {
       p.lse[b * p.lse_stride[0] + head * p.lse_stride[1] + query * p.lse_stride[2]] =
-          has_keys ? row_max + std::log(row_sum) : kNegInf;
+          has_keys ? std::fma(row_max, kLn2, std::log(row_sum)) : kNegInf;
     }
   }
 }

@@ -43,60 +43,68 @@ HWY_INLINE VF ColumnMax(DF df, const float* HWY_RESTRICT st, std::int64_t num_k,
   return hn::Max(hn::Max(m0, m1), hn::Max(m2, m3));
 }
 
-// st[j][lanes] = exp(st[j][lanes] * scale - shift) in place (one FMA: with scale 1 exactly
-// st - shift); returns the sum down the keys. exp(-inf) = 0: masked pairs drop out exactly.
-// kCoarse: the exp for probabilities rounded to bf16 afterwards (fastexp::ExpForProbs).
+// st[j][lanes] = 2^(st[j][lanes] * c - shift2) in place (fastexp::Pow2: one FMA for the
+// argument, 5 for the polynomial; with c = scale * log2e and shift2 a max in base 2 this is
+// exp(st * scale - max)); returns the sum down the keys.
+// 2^(-inf) = 0: masked pairs drop out exactly. kCoarse: the 2^x for probabilities rounded to bf16
+// afterwards (fastexp::Pow2ForProbs).
 template <bool kCoarse = false>
 HWY_INLINE VF ExpInPlaceAndSum(DF df, float* HWY_RESTRICT st, std::int64_t num_k,
-                               std::int64_t lane0, VF shift, VF scale) {
+                               std::int64_t lane0, VF shift2, VF c) {
   VF sum = hn::Zero(df);
   for (std::int64_t j = 0; j < num_k; ++j) {
     float* s = st + j * kBlockQ + lane0;
-    const VF prob = fastexp::ExpForProbs<kCoarse>(df, hn::MulSub(hn::Load(df, s), scale, shift));
+    const VF prob = fastexp::Pow2ForProbs<kCoarse>(df, hn::MulSub(hn::Load(df, s), c, shift2));
     hn::Store(prob, df, s);
     sum = hn::Add(sum, prob);
   }
   return sum;
 }
 
-// How far above the running max a tile's scores may lie before the lazy max (below) moves it.
-constexpr float kLazyMaxSlack = 8.0f;
+// How far above the running max (base 2) a tile's scores may lie before the lazy max (below)
+// moves it: p = 2^(x) then stays below 2^12 = 4096 (Pow2Coarse's domain reaches 16).
+constexpr float kLazyMaxSlack = 12.0f;
 
-// Flash step over one tile: st becomes p = exp(s - m_new) in place; alpha = exp(m_old - m_new);
-// row_sum = row_sum * alpha + sum_j p. Only the first num_vecs query vectors (the flash
-// kernel's decode path uses fewer lanes; the others are left as they are), and with vec_end
-// (VecKeys in tile_geometry-inl.h) only keys [0, vec_end[x]) of vector x: the later ones stay -inf.
+// Flash step over one tile, in base 2: the running max qb.row_max is m2 = max(s) * log2e
+// (rounded once per tile, fl(tile max * c) with c = score_scale * log2e), st becomes
+// p = 2^(s * c - m2_new) = exp(s - max) in place, alpha = 2^(m2_old - m2_new), row_sum =
+// row_sum * alpha + sum_j p. Every p and alpha is computed against the same stored m2, so the
+// tiles' weights agree exactly (alpha is exactly 1 where the max stays; a max converted to base 2
+// anew in each tile would leave a relative error of about |max| * 2^-24 between the tiles). lse
+// = m2 * ln2 + log(row_sum) (FinishQueryBlock; the splits' merge combines m2 in base 2 too).
+// Only the first num_vecs query vectors (the flash kernel's decode path uses fewer lanes; the
+// others are left as they are), and with vec_end (VecKeys in tile_geometry-inl.h) only keys
+// [0, vec_end[x]) of vector x: the later ones stay -inf.
 // kCoarse (the product paths that round the probabilities to bf16: rounds_probabilities) takes
-// the coarse exp for p (alpha keeps the exact one) and keeps the running max lazily: while
+// the coarse 2^x for p (alpha keeps the exact one) and keeps the running max lazily: while
 // every lane of a vector has a finite running max and the tile's scores stay within
 // kLazyMaxSlack above it, the max (and so the shift) is left as it is: alpha is exactly 1 and the
 // value product skips the rescale of the whole accumulator. Softmax is shift-invariant, so this
-// is the same attention; p = exp(s - shift) is then at most e^8, and out = ot / row_sum and lse
-// = shift + log(row_sum) are unchanged in meaning (the splits' merge takes any shift).
-// score_scale > 0: st holds the scores divided by
-// it (the AMX path defers the scale to here, Products::SoftmaxScale); the running max is kept
-// in scaled units. With 1 (every other caller) the arithmetic is exactly that of st - max.
+// is the same attention; p is then at most 2^12, and out = ot / row_sum and lse are unchanged in
+// meaning (the splits' merge takes any shift).
+// score_scale > 0: st holds the scores divided by it (the AMX path defers the scale to here,
+// Products::SoftmaxScale).
 template <bool kCoarse = false>
 inline void OnlineSoftmaxTile(QueryBlock& qb, std::int64_t num_k, float* HWY_RESTRICT st,
                               int num_vecs = kQueryVecs, const std::int64_t* vec_end = nullptr,
                               float score_scale = 1.0f) {
   const DF df;
-  const VF scale = hn::Set(df, score_scale);
+  const VF c = hn::Set(df, score_scale * fastexp::kLog2e);
   for (int x = 0; x < num_vecs; ++x) {
     const std::int64_t lane0 = x * kLanes;
     const std::int64_t keys = vec_end != nullptr ? vec_end[x] : num_k;
     const VF old_max = hn::Load(df, qb.row_max + lane0);
-    const VF tile_max = hn::Mul(ColumnMax(df, st, keys, lane0), scale);
+    const VF tile_max = hn::Mul(ColumnMax(df, st, keys, lane0), c);
     VF new_max = hn::Max(old_max, tile_max);
     if constexpr (kCoarse) {
       const auto keep = hn::And(hn::Gt(old_max, hn::Set(df, kNegInf)),
                                 hn::Le(tile_max, hn::Add(old_max, hn::Set(df, kLazyMaxSlack))));
       if (hn::AllTrue(df, keep)) new_max = old_max;
     }
+    // 2^(-inf) = 0: the first tile rescales an all-zero accumulator.
     const VF shift = SafeMax(df, new_max);
-    // exp(-inf - shift) = 0: the first tile rescales an all-zero accumulator.
-    const VF alpha = fastexp::ExpNonPositive(df, hn::Sub(old_max, shift));
-    const VF sum = ExpInPlaceAndSum<kCoarse>(df, st, keys, lane0, shift, scale);
+    const VF alpha = fastexp::Pow2(df, hn::Sub(old_max, shift));
+    const VF sum = ExpInPlaceAndSum<kCoarse>(df, st, keys, lane0, shift, c);
     hn::Store(new_max, df, qb.row_max + lane0);
     hn::Store(hn::MulAdd(hn::Load(df, qb.row_sum + lane0), alpha, sum), df, qb.row_sum + lane0);
     hn::Store(alpha, df, qb.alpha + lane0);

@@ -61,7 +61,8 @@ inline void StartQueryBlock(const AttentionKernelParams& p, std::int64_t b, std:
   if (p.sparse.kind != SparseKernelParams::Kind::kNone) StartSparseBlock(p, qb);
 }
 
-// out = ot^T / row_sum (0 for rows with no allowed key), lse = row_max + log(row_sum) (-inf).
+// out = ot^T / row_sum (0 for rows with no allowed key), lse = row_max * ln2 + log(row_sum)
+// (-inf): row_max is the max in base 2 (online_softmax-inl.h).
 inline void FinishQueryBlock(const AttentionKernelParams& p, const QueryBlock& qb) {
   const DF df;
   HWY_ALIGN float inv_sum[kBlockQ];
@@ -74,7 +75,8 @@ inline void FinishQueryBlock(const AttentionKernelParams& p, const QueryBlock& q
     const VF safe_sum = hn::IfThenElse(has_keys, sum, hn::Set(df, 1.0f));
     hn::Store(hn::IfThenElseZero(has_keys, hn::Div(hn::Set(df, 1.0f), safe_sum)), df,
               inv_sum + lane0);
-    const VF row_lse = hn::Add(hn::Load(df, qb.row_max + lane0), hn::Log(df, safe_sum));
+    const VF row_lse =
+        hn::MulAdd(hn::Load(df, qb.row_max + lane0), hn::Set(df, kLn2), hn::Log(df, safe_sum));
     hn::Store(hn::IfThenElse(has_keys, row_lse, hn::Set(df, kNegInf)), df, lse + lane0);
   }
   // Row by row, transposing squares of ot in registers where out has unit stride along Dv (as

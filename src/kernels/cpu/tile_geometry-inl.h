@@ -51,6 +51,7 @@ constexpr int kRows = 4;                               // micro-kernel rows (key
 constexpr std::int64_t kMaxBlocksPerTask = 16;         // query blocks sharing one K/V walk
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLn2 = 0x1.62e43p-1f;  // ln(2) rounded to float
 // QueryBlock::lane_anchor of a lane that attends any key of its band (query positions can be
 // negative: bottom-right alignment with Lq > Lk).
 constexpr std::int64_t kAnyKey = std::numeric_limits<std::int64_t>::min();
@@ -84,8 +85,8 @@ struct QueryBlock {
   // Scratch (sized by the caller, see ScratchFloats / ScratchInts).
   float* qt;         // [D][kBlockQ]   q^T * scale; zero in lanes past num_q (QtRows rows)
   float* ot;         // [Dv][kBlockQ]  unnormalised out^T (OtRows rows)
-  float* row_max;    // [kBlockQ]      running max of the scores
-  float* row_sum;    // [kBlockQ]      running sum of exp(score - row_max)
+  float* row_max;    // [kBlockQ]      running max of the scores times log2(e) (base 2)
+  float* row_sum;    // [kBlockQ]      running sum of 2^(score * log2(e) - row_max)
   float* alpha;      // [kBlockQ]      rescale factor of the current tile
   std::int64_t* lo;  // [kBlockQ]      allowed keys of each lane: [lo, hi); lo = hi = 0 if none
   std::int64_t* hi;
