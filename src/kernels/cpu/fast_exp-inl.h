@@ -53,7 +53,7 @@ constexpr float kC3 = 0x1.5557aep-3f;  // 0.166671142
 constexpr float kC4 = 0x1.5729f4p-5f;  // 0.041890122
 constexpr float kC5 = 0x1.106286p-7f;  // 0.00831252616
 
-// The range reduction both exps share: k = n + 1.5 * 2^23 exactly (the add rounds x * log2e to
+// The range reduction of exp: k = n + 1.5 * 2^23 exactly (the add rounds x * log2e to
 // the nearest integer, ties to even), r = x - n * ln2 (Cody-Waite). For x = -inf everything is
 // inf/NaN; ScaleByPow2's final select discards it.
 template <class D>
@@ -103,17 +103,17 @@ HWY_INLINE hn::Vec<D> ExpNonPositive(D d, hn::Vec<D> x) {
 //   p(r) = 1 + r * (c1 + r * (c2 + ...)), Horner, minimax for the relative error with p(0) = 1
 //
 // That is 5 multiply-adds for degree 5 where ExpNonPositive takes 9 (its reduction's 3, its
-// pinned form's extra multiply): on Zen 4 the online softmax's pass took ~9 cycles per 16 scores
-// with ExpNonPositive's polynomial and ~7.5 with this one (docs/kernels.md, "exp").
+// pinned form's extra multiply), and the argument's FMA replaces the scale's: the f32 flash
+// kernel ran 1.4-2.3% faster on Zen 4 (docs/kernels.md, "exp").
 // Coefficients: scripts/fit_exp_poly.py --base2 (the natural fit with r scaled by ln2).
 // Accuracy: 1.7e-7 relative in float32 (degree 5), 2.9e-6 (degree 4); 2^0 = 1 exactly. Horner is
 // not monotone between every pair of adjacent floats (one ulp jitters, as for Horner above);
-// the softmax does not need it. An argument itself rounded carries its error in: x = s * c -
-// max * log2e is one rounding of x (as s - max is in the natural form), plus the rounding of
-// max * log2e, the same for every key of a query, which cancels in out = sum p v / sum p and
-// moves lse by at most |max| * 6e-8.
+// the softmax does not need it. The argument x = s * c - m2 (m2: the running max in base 2, as
+// the online softmax stores it) is rounded once, which puts the same relative error into p as
+// the rounding of s - max did in the natural form; c's own rounding (1.3e-8 relative) scales
+// every score alike.
 //
-// Domain: x <= 16 (the lazy running max of online_softmax-inl.h passes up to 8 log2(e));
+// Domain: x <= 16 (the lazy running max of online_softmax-inl.h passes up to 12);
 // x < kMinPow2Arg (-inf included) gives exactly +0; otherwise the result is a normal float.
 // NaN is outside the contract.
 constexpr float kMinPow2Arg = -126.0f;  // n >= -126 comes with r >= 0, p >= 1: a normal result
@@ -129,23 +129,23 @@ constexpr float kCoarseP2 = 0x1.ec0378p-3f;  // 0.240240991
 constexpr float kCoarseP3 = 0x1.c9fc4ep-5f;  // 0.0559064411
 constexpr float kCoarseP4 = 0x1.3a02ccp-7f;  // 0.00958285294
 
-// p(r) * 2^n for x = n + r, given q(r) with p = 1 + r q; +0 where x < kMinPow2Arg.
+// k = n + 1.5 * 2^23 exactly (n = round(x), ties to even; see ScaleByPow2 for how k's low bits
+// become 2^n) and r = x - n (exact: |r| <= 1/2).
 template <class D>
-HWY_INLINE hn::Vec<D> FinishPow2(D d, hn::Vec<D> x, hn::Vec<D> k, hn::Vec<D> r, hn::Vec<D> q) {
-  return ScaleByPow2(d, x, k, hn::MulAdd(q, r, hn::Set(d, 1.0f)), kMinPow2Arg);
+HWY_INLINE Reduced<D> ReduceBase2(D d, hn::Vec<D> x) {
+  const auto k = hn::Add(x, hn::Set(d, kRoundMagic));
+  return {k, hn::Sub(x, hn::Sub(k, hn::Set(d, kRoundMagic)))};
 }
 
-// k = n + 1.5 * 2^23 exactly (n = round(x), ties to even) and r = x - n (exact: |r| <= 1/2).
-// See ScaleByPow2 for how k's low bits become 2^n.
+// 2^x = p(r) * 2^n with p = 1 + r * (kP1 + r * (kP2 + ...)).
 template <class D>
 HWY_INLINE hn::Vec<D> Pow2(D d, hn::Vec<D> x) {
-  const auto k = hn::Add(x, hn::Set(d, kRoundMagic));
-  const auto r = hn::Sub(x, hn::Sub(k, hn::Set(d, kRoundMagic)));
-  auto q = hn::MulAdd(hn::Set(d, kP5), r, hn::Set(d, kP4));
-  q = hn::MulAdd(q, r, hn::Set(d, kP3));
-  q = hn::MulAdd(q, r, hn::Set(d, kP2));
-  q = hn::MulAdd(q, r, hn::Set(d, kP1));
-  return FinishPow2(d, x, k, r, q);
+  const Reduced<D> a = ReduceBase2(d, x);
+  auto q = hn::MulAdd(hn::Set(d, kP5), a.r, hn::Set(d, kP4));
+  q = hn::MulAdd(q, a.r, hn::Set(d, kP3));
+  q = hn::MulAdd(q, a.r, hn::Set(d, kP2));
+  q = hn::MulAdd(q, a.r, hn::Set(d, kP1));
+  return ScaleByPow2(d, x, a.k, hn::MulAdd(q, a.r, hn::Set(d, 1.0f)), kMinPow2Arg);
 }
 
 // The same with degree 4 (2.9e-6), for the product paths that round the probabilities to bf16
@@ -153,12 +153,11 @@ HWY_INLINE hn::Vec<D> Pow2(D d, hn::Vec<D> x) {
 // and the row sums (hence lse) move by at most the 2.9e-6. One multiply-add fewer.
 template <class D>
 HWY_INLINE hn::Vec<D> Pow2Coarse(D d, hn::Vec<D> x) {
-  const auto k = hn::Add(x, hn::Set(d, kRoundMagic));
-  const auto r = hn::Sub(x, hn::Sub(k, hn::Set(d, kRoundMagic)));
-  auto q = hn::MulAdd(hn::Set(d, kCoarseP4), r, hn::Set(d, kCoarseP3));
-  q = hn::MulAdd(q, r, hn::Set(d, kCoarseP2));
-  q = hn::MulAdd(q, r, hn::Set(d, kCoarseP1));
-  return FinishPow2(d, x, k, r, q);
+  const Reduced<D> a = ReduceBase2(d, x);
+  auto q = hn::MulAdd(hn::Set(d, kCoarseP4), a.r, hn::Set(d, kCoarseP3));
+  q = hn::MulAdd(q, a.r, hn::Set(d, kCoarseP2));
+  q = hn::MulAdd(q, a.r, hn::Set(d, kCoarseP1));
+  return ScaleByPow2(d, x, a.k, hn::MulAdd(q, a.r, hn::Set(d, 1.0f)), kMinPow2Arg);
 }
 
 // The 2^x a softmax takes: coarse where the probabilities are rounded to bf16 afterwards.
