@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/splitmix64.h"
+#include "every_target.h"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 #include "kernels/cpu/online_softmax-inl.h"
@@ -80,15 +81,12 @@ struct Geometry {
   bool fused;
 };
 
+// body(geometry) once per compiled target this CPU supports (every_target.h).
 template <class Body>
-void for_each_target(Body body) {
-  for (std::int64_t target : hwy::SupportedAndGeneratedTargets()) {
-    hwy::SetSupportedTargetsForTest(target);
-    SCOPED_TRACE(hwy::TargetName(target));
-    ASSERT_STREQ(target_name(), hwy::TargetName(target));
+void for_each_geometry(Body body) {
+  for_each_target(target_name, [&](std::int64_t target) {
     body(Geometry{block_q(), vec_lanes(), target != HWY_SCALAR});
-  }
-  hwy::SetSupportedTargetsForTest(0);
+  });
 }
 
 // Vectors aligned as the kernels' scratch is (the step's loads and stores are aligned).
@@ -142,7 +140,7 @@ std::vector<std::vector<float>> make_tiles(std::int64_t lanes, std::int64_t num_
 }
 
 void check(float score_scale, bool coarse, double spread) {
-  for_each_target([&](const Geometry& g) {
+  for_each_geometry([&](const Geometry& g) {
     const std::int64_t lanes = g.lanes;
     constexpr std::int64_t kKeys = 37;
     const auto tiles = make_tiles(lanes, kKeys, spread);
