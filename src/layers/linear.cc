@@ -59,7 +59,11 @@ struct Linear::Impl {
   std::int64_t in_features = 0;
   std::int64_t out_features = 0;
   Activation activation = Activation::kNone;
-  DType dtype = DType::kF32;  // of W and of the src oneDNN reads
+  DType dtype = DType::kF32;  // of the products
+  // What oneDNN reads for W and src: f32, or for bf16 products bf16 where this oneDNN has a bf16
+  // matmul for the CPU (Debian's 2.6 needs AVX-512), else f32 holding the bf16-rounded values:
+  // their products are exact in f32 and accumulate in f32, as oneDNN's bf16 kernels do.
+  memory::data_type storage = memory::data_type::f32;
   std::vector<float> bias;  // [out_features] or empty
   memory::desc bias_md;     // [1, N] or zero desc
   dnnl::primitive_attr attr, linear_attr;  // with the activation post-op; without it
@@ -77,9 +81,9 @@ struct Linear::Impl {
 
   dnnl::matmul::primitive_desc make_pd(std::int64_t rows, std::int64_t x_stride,
                                        bool fused = true) const {
-    // bf16: x is rounded into a contiguous bf16 copy first (run), so the src is dense.
+    // bf16: x is rounded into a contiguous copy first (run), so the src is dense.
     const memory::desc src_md = dtype == DType::kBF16
-                                    ? memory::desc(Dims{rows, in_features}, memory::data_type::bf16,
+                                    ? memory::desc(Dims{rows, in_features}, storage,
                                                    memory::format_tag::ab)
                                     : memory::desc(Dims{rows, in_features}, memory::data_type::f32,
                                                    Dims{x_stride, 1});
@@ -91,8 +95,11 @@ struct Linear::Impl {
     return dnnl::matmul::primitive_desc(desc, fused ? attr : linear_attr, cpu_engine());
   }
 
-  memory::data_type weight_type() const {
-    return dtype == DType::kBF16 ? memory::data_type::bf16 : memory::data_type::f32;
+  memory::data_type weight_type() const { return storage; }
+
+  // bf16 products on f32 storage: the operands' values rounded to bf16.
+  bool rounds_in_f32() const {
+    return dtype == DType::kBF16 && storage == memory::data_type::f32;
   }
 
   // A copy of W in layout `md`, reordering one if none matches. Called with `mutex` held.
@@ -215,10 +222,25 @@ Linear::Linear(const LinearParams& params) : impl_(std::make_unique<Impl>()) {
   m.attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   m.linear_attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   try {
+    m.storage = m.dtype == DType::kBF16 ? memory::data_type::bf16 : memory::data_type::f32;
+    dnnl::matmul::primitive_desc pd;
+    try {
+      pd = m.make_pd(kRepresentativeRows, in);
+    } catch (const dnnl::error& e) {
+      if (e.status != dnnl_unimplemented || m.dtype != DType::kBF16) throw;
+      m.storage = memory::data_type::f32;  // no bf16 matmul here: rounded values in f32
+      pd = m.make_pd(kRepresentativeRows, in);
+    }
+    std::vector<float> rounded;
+    std::span<const float> weight = params.weight;
+    if (m.rounds_in_f32()) {
+      rounded.assign(weight.begin(), weight.end());
+      for (float& w : rounded) w = round_to_bf16(w);
+      weight = rounded;
+    }
     // W[N, K] row-major is weights[K, N] with strides {1, K}.
     const memory::desc plain_md(Dims{in, out}, memory::data_type::f32, Dims{1, in});
-    const memory plain(plain_md, cpu_engine(), const_cast<float*>(params.weight.data()));
-    const auto pd = m.make_pd(kRepresentativeRows, in);
+    const memory plain(plain_md, cpu_engine(), const_cast<float*>(weight.data()));
     memory reordered(pd.weights_desc(), cpu_engine());
     dnnl::stream stream(cpu_engine());
     dnnl::reorder(plain, reordered).execute(stream, const_cast<memory&>(plain), reordered);
@@ -262,11 +284,20 @@ void Linear::run(const float* x, std::int64_t rows, float* y, std::int64_t x_str
   if (x == nullptr || y == nullptr) throw Error("Linear::forward: x and y must not be null");
   try {
     const std::shared_ptr<const Impl::Entry> e = m.entry(rows, x_stride, fused);
-    // bf16: x rounded into this thread's buffer (grow-only; concurrent calls never share one).
+    // bf16: x rounded into this thread's buffer (grow-only; concurrent calls never share one),
+    // as bf16 bits or (rounds_in_f32) as the f32 values of those bits.
     thread_local std::vector<std::uint16_t> x_bf16;
+    thread_local std::vector<float> x_rounded;
     void* src_data = const_cast<float*>(x);
-    if (m.dtype == DType::kBF16) {
-      const std::int64_t in = m.in_features;
+    const std::int64_t in = m.in_features;
+    if (m.rounds_in_f32()) {
+      if (x_rounded.size() < static_cast<std::size_t>(rows * in)) x_rounded.resize(rows * in);
+      float* dst = x_rounded.data();
+      parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
+        for (std::int64_t i = 0; i < in; ++i) dst[r * in + i] = round_to_bf16(x[r * x_stride + i]);
+      });
+      src_data = dst;
+    } else if (m.dtype == DType::kBF16) {
       if (x_bf16.size() < static_cast<std::size_t>(rows * in)) x_bf16.resize(rows * in);
       std::uint16_t* dst = x_bf16.data();
       parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
@@ -384,6 +415,12 @@ void Linear::set_weights(std::span<const float> weight, std::span<const float> b
   if (bias.size() != m.bias.size()) {
     throw Error("Linear::set_weights: bias has " + std::to_string(bias.size()) +
                 " elements, the layer's has " + std::to_string(m.bias.size()));
+  }
+  std::vector<float> rounded;
+  if (m.rounds_in_f32()) {
+    rounded.assign(weight.begin(), weight.end());
+    for (float& w : rounded) w = round_to_bf16(w);
+    weight = rounded;
   }
   const std::lock_guard<std::mutex> lock(m.mutex);
   try {

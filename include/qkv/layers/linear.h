@@ -11,8 +11,11 @@
 //
 // dtype kBF16 (inference): W is stored as bf16 and x is rounded to bf16 (nearest even) before
 // each product; oneDNN accumulates in f32 and adds the f32 bias, and y stays f32. oneDNN runs
-// it on AMX where the CPU has it, on AVX512-BF16 or by conversion elsewhere. backward() needs
-// kF32.
+// it on AMX where the CPU has it, else on AVX512-BF16 or AVX-512 by conversion; on a CPU for
+// which oneDNN has no bf16 matmul (Debian's 2.6 without AVX-512, e.g. AVX2 only), W and x are
+// rounded to bf16 values held in f32 and multiplied in f32 (products of bf16 values are exact
+// in f32, accumulation f32: the same result up to summation order, at f32 speed). backward()
+// needs kF32.
 #pragma once
 
 #include <cstdint>
