@@ -71,9 +71,10 @@ WorkPlan PlanWork(const AttentionKernelParams& p) {
   // A group takes up to kMaxBlocksPerTask consecutive blocks and walks the key tiles once for all
   // of them, so each K/V tile is fetched once per group rather than once per block (at long Lk
   // one head's K/V rows span many pages and re-walking them per block is TLB-bound); fewer
-  // blocks per group while that leaves under kMinGroups groups. (Up to 16 blocks: at B=1, H=8,
-  // L=4096, 2 threads, the bf16 AMX path ran 1.02-1.06x and f32 1.02x faster than with 8; keeping
-  // 16 groups leaves L=1024 as it was, where 8 groups ran 5-7% slower for lack of balance.)
+  // blocks per group while that leaves under kMinGroups groups. (Up to 16 blocks of 64 queries:
+  // at B=1, H=8, L=4096, 2 threads, the bf16 AMX path ran 1.02-1.06x and f32 1.02x faster than
+  // with 8; keeping 16 groups leaves L=1024 as it was, where 8 groups ran 5-7% slower for lack
+  // of balance. AVX2's blocks of 16 queries: 64 per group, docs/kernels.md, "AVX2".)
   w.per_task = std::clamp<std::int64_t>(w.items / kMinGroups, 1, kMaxBlocksPerTask);
   w.splits = 1;
   w.split_keys = p.seq_kv;
@@ -321,9 +322,18 @@ void Flash(const AttentionKernelParams& p) {
       }
       return part;
     };
+    // While the task computes tile j0, block n asks for its share of the next tile's K and V
+    // rows toward L2, so staging the next tile finds them in cache (docs/kernels.md, "flash").
+    const std::int64_t bytes = dtype_size(p.dtype);
     for (std::int64_t j0 = first_tile; j0 < key_end; j0 += kBlockK) {
+      const std::int64_t next = j0 + kBlockK;
+      const std::int64_t next_keys = std::clamp<std::int64_t>(key_end - next, 0, kBlockK);
+      const std::int64_t share = num_wide > 0 ? (next_keys + num_wide - 1) / num_wide : 0;
       for (std::int64_t n = 0; n < num_wide; ++n) {
         QueryBlock& qb = *wide[n];
+        const std::int64_t lo = next + n * share, hi = std::min(next + next_keys, lo + share);
+        PrefetchRows(qb.k, p.k_stride, p.head_dim, bytes, lo, hi);
+        PrefetchRows(qb.v, p.v_stride, p.head_dim_v, bytes, lo, hi);
         const TilePart t = tile_part(qb, j0);
         if (t.hi <= t.lo) continue;
         // The keys each query vector needs (the causal diagonal skips some; see VecKeys).

@@ -36,10 +36,6 @@ constexpr std::int64_t kValueKeys = 8;
 constexpr std::int64_t kScoreAhead = 8;
 constexpr std::int64_t kValueAhead = 16;
 
-// Asks for the cache line holding p toward L2 (prefetcht1 on x86; a no-op where the target has
-// no prefetch).
-HWY_INLINE void PrefetchL2(const void* p) { __builtin_prefetch(p, 0, 2); }
-
 #if HWY_TARGET != HWY_SCALAR  // (one lane: no blocks to add)
 // out[0 : 4] = the sums of the 128-bit blocks of v (a vector of 4 floats per block).
 template <class D>

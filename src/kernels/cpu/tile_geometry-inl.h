@@ -47,14 +47,23 @@ constexpr std::int64_t kLanes = HWY_LANES(float);
 constexpr int kQueryVecs = kLanes == 8 ? 2 : 4;
 constexpr std::int64_t kBlockQ = kQueryVecs * kLanes;  // queries per block
 constexpr std::int64_t kBlockK = 128;                  // keys per tile
-constexpr int kRows = 4;                               // micro-kernel rows (keys or value dims)
-constexpr std::int64_t kMaxBlocksPerTask = 16;         // query blocks sharing one K/V walk
+// Micro-kernel rows (keys or value dims): kRows x kQueryVecs accumulators. AVX2 has 5 x 2: with
+// 4 x 2 the 8 multiply-add chains only just cover the FMA latency of two pipes (4 cycles on
+// Zen 3), and the scores ran at 50-60% of the FMA peak; 5 x 2 ran at 78-94% (6 x 2: 73-91%).
+constexpr int kRows = kLanes == 8 ? 5 : 4;
+// Query blocks sharing one K/V walk (flash_forward.cc's work plan): 1024 queries on AVX-512 and
+// on AVX2 (whose blocks are 4x narrower), so a staged K/V tile serves as many queries.
+constexpr std::int64_t kMaxBlocksPerTask = kLanes == 8 ? 64 : 16;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLn2 = 0x1.62e43p-1f;  // ln(2) rounded to float
 // QueryBlock::lane_anchor of a lane that attends any key of its band (query positions can be
 // negative: bottom-right alignment with Lq > Lk).
 constexpr std::int64_t kAnyKey = std::numeric_limits<std::int64_t>::min();
+
+// Asks for the cache line holding p toward L2 (prefetcht1 on x86; a no-op where the target has
+// no prefetch).
+HWY_INLINE void PrefetchL2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
 // kLanes elements of an f32, bf16 or f16 row (T = float, hwy::bfloat16_t, hwy::float16_t) as
 // f32 (exact), and one element.

@@ -31,7 +31,7 @@ HWY_INLINE void MulAddVecs(const float* HWY_RESTRICT a, const float* HWY_RESTRIC
     HWY_UNROLL(4)
     for (int x = X0; x < kQueryVecs; ++x) a_vec[x] = hn::Load(df, a + t * kBlockQ + x * kLanes);
     const float* b_col = b + t * b_depth_stride;
-    HWY_UNROLL(4)
+    HWY_UNROLL(8)
     for (int r = 0; r < R; ++r) {
       const VF b_val = hn::Set(df, b_col[r * b_row_stride]);
       HWY_UNROLL(4)
@@ -69,7 +69,7 @@ HWY_INLINE void OuterProductRows(const float* HWY_RESTRICT a, const float* HWY_R
   HWY_UNROLL(4)
   for (int x = X0; x < kQueryVecs; ++x) {
     const VF scale = alpha != nullptr ? hn::Load(df, alpha + x * kLanes) : hn::Set(df, 1.0f);
-    HWY_UNROLL(4)
+    HWY_UNROLL(8)
     for (int r = 0; r < R; ++r) {
       acc[r][x] =
           accumulate ? hn::Mul(hn::Load(df, c + r * kBlockQ + x * kLanes), scale) : hn::Zero(df);
@@ -80,7 +80,7 @@ HWY_INLINE void OuterProductRows(const float* HWY_RESTRICT a, const float* HWY_R
   } else {
     MulAddSegments<R, X0>(a, b, b_row_stride, b_depth_stride, depth_end, 0, acc);
   }
-  HWY_UNROLL(4)
+  HWY_UNROLL(8)
   for (int r = 0; r < R; ++r) {
     HWY_UNROLL(4)
     for (int x = X0; x < kQueryVecs; ++x) hn::Store(acc[r][x], df, c + r * kBlockQ + x * kLanes);
@@ -104,13 +104,32 @@ HWY_INLINE void OuterProductRowsFrom(int first_vec, const float* a, const float*
                          accumulate);
 }
 
-// Runs OuterProductRows over `rows` rows: blocks of kRows, then single rows for the tail, so no
-// row past `rows` is ever read (keys past the tile may be padding garbage or out of bounds).
+// OuterProductRowsFrom<n> for a run-time n in [1, R]: the tail of OuterProduct, one block.
+template <int R>
+HWY_INLINE void OuterProductTail(std::int64_t n, int first_vec, const float* a, const float* b,
+                                 std::int64_t b_row_stride, std::int64_t b_depth_stride,
+                                 std::int64_t depth, const std::int64_t* depth_end, float* c,
+                                 const float* alpha, bool accumulate) {
+  if constexpr (R > 1) {
+    if (n < R) {
+      OuterProductTail<R - 1>(n, first_vec, a, b, b_row_stride, b_depth_stride, depth, depth_end,
+                              c, alpha, accumulate);
+      return;
+    }
+  }
+  OuterProductRowsFrom<R>(first_vec, a, b, b_row_stride, b_depth_stride, depth, depth_end, c,
+                          alpha, accumulate);
+}
+
+// Runs OuterProductRows over `rows` rows: blocks of kRows, then one block of the rows left, so
+// no row past `rows` is ever read (keys past the tile may be padding garbage or out of bounds).
 // With row_end (non-decreasing, the last = rows), query vector x computes rows [0, row_end[x])
 // only: a block of rows starts at the first vector that still needs its first row. With
 // depth_end, see OuterProductRows. (The causal diagonal: docs/kernels.md, "Causal diagonal".)
-// (Copies with a constant depth for head_dim 64/128 and full key tiles measured no faster:
-// 182/195 vs 185/194 GFLOP/s at L = 4096, D = 64/128, so the one generic loop stays.)
+// Every output element sums its depth in the same order whatever the blocking, so the results
+// do not depend on kRows. (Copies with a constant depth for head_dim 64/128 and full key tiles
+// measured no faster: 182/195 vs 185/194 GFLOP/s at L = 4096, D = 64/128, so the one generic
+// loop stays.)
 HWY_INLINE void OuterProduct(const float* a, const float* b, std::int64_t rows,
                              std::int64_t b_row_stride, std::int64_t b_depth_stride,
                              std::int64_t depth, float* c, const float* alpha, bool accumulate,
@@ -126,9 +145,10 @@ HWY_INLINE void OuterProduct(const float* a, const float* b, std::int64_t rows,
     OuterProductRowsFrom<kRows>(first_vec(r), a, b + r * b_row_stride, b_row_stride, b_depth_stride,
                                 depth, depth_end, c + r * kBlockQ, alpha, accumulate);
   }
-  for (; r < rows; ++r) {
-    OuterProductRowsFrom<1>(first_vec(r), a, b + r * b_row_stride, b_row_stride, b_depth_stride,
-                            depth, depth_end, c + r * kBlockQ, alpha, accumulate);
+  if (r < rows) {
+    OuterProductTail<kRows - 1>(rows - r, first_vec(r), a, b + r * b_row_stride, b_row_stride,
+                                b_depth_stride, depth, depth_end, c + r * kBlockQ, alpha,
+                                accumulate);
   }
 }
 

@@ -125,6 +125,16 @@ HWY_INLINE void WidenRow(const T* HWY_RESTRICT src, std::int64_t n, float* HWY_R
   for (; i < n; ++i) dst[i] = WideElement(src[i]);
 }
 
+// Asks for rows [lo, hi) of the operand whose (b, kv_head) rows start at `rows` (p.k's or
+// p.v's strides, `dim` elements of `bytes` each) toward L2, line by line.
+inline void PrefetchRows(const void* rows, const std::int64_t* stride, std::int64_t dim,
+                         std::int64_t bytes, std::int64_t lo, std::int64_t hi) {
+  for (std::int64_t j = lo; j < hi; ++j) {
+    const char* row = static_cast<const char*>(rows) + j * stride[1] * bytes;
+    for (std::int64_t x = 0; x < dim * bytes; x += 64) PrefetchL2(row + x);
+  }
+}
+
 // Rows [j0, j0 + num_k) of the operand whose (b, kv_head) rows start at `rows` (p.k's or p.v's
 // strides, `dim` elements each, stored as T), as f32.
 template <typename T>
