@@ -121,8 +121,12 @@ HWY_INLINE void OuterProductTail(std::int64_t n, int first_vec, const float* a, 
                           alpha, accumulate);
 }
 
-// Runs OuterProductRows over `rows` rows: blocks of kRows, then one block of the rows left, so
-// no row past `rows` is ever read (keys past the tile may be padding garbage or out of bounds).
+// Runs OuterProductRows over `rows` rows: blocks of kRows, then the rows left, so no row past
+// `rows` is ever read (keys past the tile may be padding garbage or out of bounds). With kRows =
+// 5 (AVX2) the rows left are one block (128 keys leave 3, D = 64 leaves 4: as single rows, 2
+// chains each, they cost 6-10% of a product); with kRows = 4 (AVX-512, scalar) single rows, as
+// before: tail blocks on every target made the backward (five products in its tile loop) 35%
+// slower to compile, for odd sizes only.
 // With row_end (non-decreasing, the last = rows), query vector x computes rows [0, row_end[x])
 // only: a block of rows starts at the first vector that still needs its first row. With
 // depth_end, see OuterProductRows. (The causal diagonal: docs/kernels.md, "Causal diagonal".)
@@ -145,10 +149,18 @@ HWY_INLINE void OuterProduct(const float* a, const float* b, std::int64_t rows,
     OuterProductRowsFrom<kRows>(first_vec(r), a, b + r * b_row_stride, b_row_stride, b_depth_stride,
                                 depth, depth_end, c + r * kBlockQ, alpha, accumulate);
   }
-  if (r < rows) {
-    OuterProductTail<kRows - 1>(rows - r, first_vec(r), a, b + r * b_row_stride, b_row_stride,
-                                b_depth_stride, depth, depth_end, c + r * kBlockQ, alpha,
-                                accumulate);
+  if constexpr (kRows > 4) {
+    if (r < rows) {
+      OuterProductTail<kRows - 1>(rows - r, first_vec(r), a, b + r * b_row_stride, b_row_stride,
+                                  b_depth_stride, depth, depth_end, c + r * kBlockQ, alpha,
+                                  accumulate);
+    }
+  } else {
+    for (; r < rows; ++r) {
+      OuterProductRowsFrom<1>(first_vec(r), a, b + r * b_row_stride, b_row_stride,
+                              b_depth_stride, depth, depth_end, c + r * kBlockQ, alpha,
+                              accumulate);
+    }
   }
 }
 
