@@ -169,6 +169,13 @@ std::string linear_shape(std::int64_t out_features, std::int64_t in_features) {
          ", in_features = " + std::to_string(in_features) + "]";
 }
 
+// The bf16 values of w, as f32 (the weights of a bf16 Linear on f32 storage).
+std::vector<float> bf16_values(std::span<const float> w) {
+  std::vector<float> out(w.size());
+  for (std::size_t i = 0; i < w.size(); ++i) out[i] = round_to_bf16(w[i]);
+  return out;
+}
+
 dnnl::post_ops activation_post_ops(Activation act) {
   dnnl::post_ops ops;
   switch (act) {
@@ -231,13 +238,10 @@ Linear::Linear(const LinearParams& params) : impl_(std::make_unique<Impl>()) {
       m.storage = memory::data_type::f32;  // no bf16 matmul here: rounded values in f32
       pd = m.make_pd(kRepresentativeRows, in);
     }
-    std::vector<float> rounded;
-    std::span<const float> weight = params.weight;
-    if (m.rounds_in_f32()) {
-      rounded.assign(weight.begin(), weight.end());
-      for (float& w : rounded) w = round_to_bf16(w);
-      weight = rounded;
-    }
+    const std::vector<float> rounded =
+        m.rounds_in_f32() ? bf16_values(params.weight) : std::vector<float>{};
+    const std::span<const float> weight =
+        m.rounds_in_f32() ? std::span<const float>(rounded) : params.weight;
     // W[N, K] row-major is weights[K, N] with strides {1, K}.
     const memory::desc plain_md(Dims{in, out}, memory::data_type::f32, Dims{1, in});
     const memory plain(plain_md, cpu_engine(), const_cast<float*>(weight.data()));
@@ -294,7 +298,9 @@ void Linear::run(const float* x, std::int64_t rows, float* y, std::int64_t x_str
       if (x_rounded.size() < static_cast<std::size_t>(rows * in)) x_rounded.resize(rows * in);
       float* dst = x_rounded.data();
       parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
-        for (std::int64_t i = 0; i < in; ++i) dst[r * in + i] = round_to_bf16(x[r * x_stride + i]);
+        for (std::int64_t i = 0; i < in; ++i) {
+          dst[r * in + i] = round_to_bf16(x[r * x_stride + i]);
+        }
       });
       src_data = dst;
     } else if (m.dtype == DType::kBF16) {
@@ -416,12 +422,9 @@ void Linear::set_weights(std::span<const float> weight, std::span<const float> b
     throw Error("Linear::set_weights: bias has " + std::to_string(bias.size()) +
                 " elements, the layer's has " + std::to_string(m.bias.size()));
   }
-  std::vector<float> rounded;
-  if (m.rounds_in_f32()) {
-    rounded.assign(weight.begin(), weight.end());
-    for (float& w : rounded) w = round_to_bf16(w);
-    weight = rounded;
-  }
+  const std::vector<float> rounded =
+      m.rounds_in_f32() ? bf16_values(weight) : std::vector<float>{};
+  if (m.rounds_in_f32()) weight = rounded;
   const std::lock_guard<std::mutex> lock(m.mutex);
   try {
     // Every copy in place: cached primitives keep pointing at the right memory.
