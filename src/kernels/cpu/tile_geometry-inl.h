@@ -46,7 +46,10 @@ constexpr std::int64_t kLanes = HWY_LANES(float);
 // (AVX-512: 32 registers -> 4 x 4 accumulators; AVX2: 16 -> 4 x 2).
 constexpr int kQueryVecs = kLanes == 8 ? 2 : 4;
 constexpr std::int64_t kBlockQ = kQueryVecs * kLanes;  // queries per block
-constexpr std::int64_t kBlockK = 128;                  // keys per tile
+// Keys per tile. AVX2: 64, so the staged K or V tile of the product at hand stays in L1 beside
+// q^T, st and out^T (16 KiB at D = 64; 128 keys, 32 KiB, spilled to L2): 1.00-1.11x at B = 1,
+// H = 8, L = 1024-16384, D = 64 and 128, causal or not, 2 threads (docs/kernels.md, "AVX2").
+constexpr std::int64_t kBlockK = kLanes == 8 ? 64 : 128;
 // Micro-kernel rows (keys or value dims): kRows x kQueryVecs accumulators. AVX2 has 5 x 2: with
 // 4 x 2 the 8 multiply-add chains only just cover the FMA latency of two pipes (4 cycles on
 // Zen 3), and the scores ran at 50-60% of the FMA peak; 5 x 2 ran at 78-94% (6 x 2: 73-91%).
