@@ -50,6 +50,12 @@ constexpr std::int64_t kBlockQ = kQueryVecs * kLanes;  // queries per block
 // q^T, st and out^T (16 KiB at D = 64; 128 keys, 32 KiB, spilled to L2): 1.00-1.11x at B = 1,
 // H = 8, L = 1024-16384, D = 64 and 128, causal or not, 2 threads (docs/kernels.md, "AVX2").
 constexpr std::int64_t kBlockK = kLanes == 8 ? 64 : 128;
+// Whether an f32 K tile is copied into contiguous rows once per task (StageRows) rather than
+// read where it lies by every query block. AVX2: yes; in BSHD at D = 128 its rows are 4 KiB
+// apart, so the 64 rows of a tile fall into the same 8 L1 sets and each block read them again
+// from L2. Staged (Zen 3, 2 threads, L = 4096-16384): BSHD 1.07-1.12x at D = 128, 1.00x at
+// D = 64; BHSD 1.02x and 1.06x. AVX-512 (128-key tiles) reads in place, as measured before.
+constexpr bool kStagesF32Rows = kLanes == 8;
 // Micro-kernel rows (keys or value dims): kRows x kQueryVecs accumulators. AVX2 has 5 x 2: with
 // 4 x 2 the 8 multiply-add chains only just cover the FMA latency of two pipes (4 cycles on
 // Zen 3), and the scores ran at 50-60% of the FMA peak; 5 x 2 ran at 78-94% (6 x 2: 73-91%).

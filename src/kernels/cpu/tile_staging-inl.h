@@ -89,9 +89,9 @@ struct Staging {
   std::uint32_t* prob_pairs = nullptr;  // bf16: [kBlockK / 2][kBlockQ] pair words
 };
 
-// Floats of the K and V staging tiles: kBlockK rows of dim f32 (an f32 K uses none of its part);
-// for bf16 at least the AMX tiles' bf16 K rows of D rounded up to 32 and V columns of Dv
-// rounded up to 16 (AmxProducts in products-inl.h).
+// Floats of the K and V staging tiles: kBlockK rows of dim f32 (an f32 K uses its part only
+// where kStagesF32Rows); for bf16 at least the AMX tiles' bf16 K rows of D rounded up to 32 and
+// V columns of Dv rounded up to 16 (AmxProducts in products-inl.h).
 inline std::int64_t StagedKFloats(const AttentionKernelParams& p) {
   return kBlockK * (p.dtype == DType::kBF16 ? F32OrPaddedBf16(p.head_dim, 32) : p.head_dim);
 }
@@ -140,24 +140,25 @@ inline void PrefetchRows(const void* rows, const std::int64_t* stride, std::int6
 template <typename T>
 inline TileRows StageRows(const void* rows, const std::int64_t* stride, std::int64_t dim,
                           std::int64_t j0, std::int64_t num_k, StagedRows& staged) {
-  if constexpr (std::is_same_v<T, float>) {
-    return {static_cast<const float*>(rows) + j0 * stride[1], stride[1], stride[3]};
-  } else {
-    if (!staged.Holds(rows, j0, num_k)) {
-      const T* source = static_cast<const T*>(rows);
-      for (std::int64_t j = 0; j < num_k; ++j) {
-        const std::int64_t at = (j0 + j) * stride[1];
-        float* dst = staged.buffer + j * dim;
-        if (stride[3] != 1) {
-          for (std::int64_t e = 0; e < dim; ++e) dst[e] = WideElement(source[at + e * stride[3]]);
-        } else {
-          WidenRow(source + at, dim, dst);
-        }
-      }
-      staged = {staged.buffer, rows, j0, num_k};
+  if constexpr (std::is_same_v<T, float>) {  // read in place where a copy does not pay
+    if constexpr (!kStagesF32Rows) {
+      return {static_cast<const float*>(rows) + j0 * stride[1], stride[1], stride[3]};
     }
-    return {staged.buffer, dim, 1};
   }
+  if (!staged.Holds(rows, j0, num_k)) {
+    const T* source = static_cast<const T*>(rows);
+    for (std::int64_t j = 0; j < num_k; ++j) {
+      const std::int64_t at = (j0 + j) * stride[1];
+      float* dst = staged.buffer + j * dim;
+      if (stride[3] != 1) {
+        for (std::int64_t e = 0; e < dim; ++e) dst[e] = WideElement(source[at + e * stride[3]]);
+      } else {
+        WidenRow(source + at, dim, dst);
+      }
+    }
+    staged = {staged.buffer, rows, j0, num_k};
+  }
+  return {staged.buffer, dim, 1};
 }
 
 // Rows [j0, j0 + num_k) of V (p.v's strides, `dim` elements each, stored as T) as f32 columns:
