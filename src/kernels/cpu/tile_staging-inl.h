@@ -140,10 +140,8 @@ inline void PrefetchRows(const void* rows, const std::int64_t* stride, std::int6
 template <typename T>
 inline TileRows StageRows(const void* rows, const std::int64_t* stride, std::int64_t dim,
                           std::int64_t j0, std::int64_t num_k, StagedRows& staged) {
-  if constexpr (std::is_same_v<T, float>) {  // read in place where a copy does not pay
-    if constexpr (!kStagesF32Rows) {
-      return {static_cast<const float*>(rows) + j0 * stride[1], stride[1], stride[3]};
-    }
+  if constexpr (std::is_same_v<T, float> && !kStagesF32Rows) {  // read in place
+    return {static_cast<const float*>(rows) + j0 * stride[1], stride[1], stride[3]};
   }
   if (!staged.Holds(rows, j0, num_k)) {
     const T* source = static_cast<const T*>(rows);
