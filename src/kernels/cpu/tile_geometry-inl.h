@@ -56,10 +56,12 @@ constexpr std::int64_t kBlockK = kLanes == 8 ? 64 : 128;
 // from L2. Staged (Zen 3, 2 threads, L = 4096-16384): BSHD 1.07-1.12x at D = 128, 1.00x at
 // D = 64; BHSD 1.02x and 1.06x. AVX-512 (128-key tiles) reads in place, as measured before.
 constexpr bool kStagesF32Rows = kLanes == 8;
-// Micro-kernel rows (keys or value dims): kRows x kQueryVecs accumulators. AVX2 has 5 x 2: with
-// 4 x 2 the 8 multiply-add chains only just cover the FMA latency of two pipes (4 cycles on
-// Zen 3), and the scores ran at 50-60% of the FMA peak; 5 x 2 ran at 78-94% (6 x 2: 73-91%).
-constexpr int kRows = kLanes == 8 ? 5 : 4;
+// Micro-kernel rows (keys or value dims): kRows x kQueryVecs accumulators. AVX2 has 6 x 2 (12
+// chains, 15 of its 16 registers): on Zen 3 the rate grows with the chains well past the 8 that
+// two pipes of 4 cycles' latency would seem to need; a lone loop over a 64-deep tile in L1 ran
+// 4 x 2 at 55%, 5 x 2 at 65-73%, 6 x 2 at 79-91% and 7 x 2 (a q vector then read from memory)
+// at 74% of the FMA peak, interleaved in one process (docs/kernels.md, "AVX2").
+constexpr int kRows = kLanes == 8 ? 6 : 4;
 // Query blocks sharing one K/V walk (flash_forward.cc's work plan): 1024 queries on AVX-512 and
 // on AVX2 (whose blocks are 4x narrower), so a staged K/V tile serves as many queries.
 constexpr std::int64_t kMaxBlocksPerTask = kLanes == 8 ? 64 : 16;

@@ -123,7 +123,7 @@ HWY_INLINE void OuterProductTail(std::int64_t n, int first_vec, const float* a, 
 
 // Runs OuterProductRows over `rows` rows: blocks of kRows, then the rows left, so no row past
 // `rows` is ever read (keys past the tile may be padding garbage or out of bounds). With kRows =
-// 5 (AVX2) the rows left are one block (64 keys or D = 64 leave 4: as single rows, 2 chains
+// 6 (AVX2) the rows left are one block (64 keys or D = 64 leave 4: as single rows, 2 chains
 // each, they cost 6-10% of a product); with kRows = 4 (AVX-512, scalar) single rows, as
 // before: tail blocks on every target made the backward (five products in its tile loop) 35%
 // slower to compile, for odd sizes only.
