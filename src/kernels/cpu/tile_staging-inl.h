@@ -62,10 +62,10 @@ inline void PackQuery(const AttentionKernelParams& p, QueryBlock& qb) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// K and V for the tile products. An f32 K is read where it lies, bf16/f16 K rows are widened
-// (exactly) into a per-thread staging tile (StageRows), and V of every dtype is staged as f32
-// columns (StageColumns), once per (rows, tile): the query blocks of a task that share a kv head
-// then reuse it.
+// K and V for the tile products. An f32 K is read where it lies on AVX-512 and copied into a
+// per-thread staging tile on AVX2 (kStagesF32Rows); bf16/f16 K rows are widened (exactly) into
+// it (StageRows); V of every dtype is staged as f32 columns (StageColumns). Each is staged once
+// per (rows, tile): the query blocks of a task that share a kv head then reuse it.
 
 // Rows [j0, j0 + num_k) of K or V: row j at data + j * row_stride, element e at + e * elem_stride.
 struct TileRows {
