@@ -60,7 +60,7 @@ constexpr bool kStagesF32Rows = kLanes == 8;
 // chains, 15 of its 16 registers): on Zen 3 the rate grows with the chains well past the 8 that
 // two pipes of 4 cycles' latency would seem to need; a lone loop over a 64-deep tile in L1 ran
 // 4 x 2 at 55%, 5 x 2 at 65-73%, 6 x 2 at 79-91% and 7 x 2 (a q vector then read from memory)
-// at 74% of the FMA peak, interleaved in one process (docs/kernels.md, "AVX2").
+// at 74% of the FMA peak, interleaved in one process (docs/kernels.md, "AVX2: 6 x 2").
 constexpr int kRows = kLanes == 8 ? 6 : 4;
 // Query blocks sharing one K/V walk (flash_forward.cc's work plan): 1024 queries on AVX-512 and
 // on AVX2 (whose blocks are 4x narrower), so a staged K/V tile serves as many queries.
