@@ -684,10 +684,13 @@ def main():
              TorchMatmulDecode("bf16"), OrtMha(args.ort_max_mib), OrtGqaDecode()]
     if Path(args.qkv).exists():
         impls += [Qkv("f32", args.qkv), Qkv("bf16", args.qkv)]
+    else:
+        print(f"note: {args.qkv} not found (scripts/build.sh builds it); not timing qkv's CLI")
     if (Path(args.python_module) / "qkv").is_dir():
         impls += [QkvTorchOp("f32", args.python_module), QkvTorchOp("bf16", args.python_module)]
     else:
-        print(f"note: {args.qkv} not found (scripts/build.sh builds it); timing peers only")
+        print(f"note: no Python module under {args.python_module} (scripts/test.sh builds "
+              "it); not timing qkv.torch")
     if args.training:
         global FLOP_FACTOR
         FLOP_FACTOR = 3.5
