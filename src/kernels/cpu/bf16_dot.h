@@ -103,6 +103,10 @@ void narrow_scores(const NarrowScores& a);
 //   bf16 of pair word pp[n * pp_head_stride + t * pp_row_stride + r] (pack_probs; when num_k is
 //   odd the last pair's high half must be +0, and row num_k of v is not read). No element of v
 //   past dv in a row is read.
+// While it walks, bytes [0, prefetch_bytes) of prefetch are prefetched toward L2 when prefetch is
+// not null, a few lines per key pair, spread evenly over the whole call (the flash kernel passes
+// the next tile's K rows: the memory is otherwise idle while the values read V from L2;
+// docs/kernels.md, "Decoding"). Prefetches never fault.
 struct NarrowValues {
   const std::uint32_t* pp;
   std::int64_t pp_head_stride, pp_row_stride;  // pair words
@@ -111,6 +115,8 @@ struct NarrowValues {
   float* o;
   std::int64_t o_head_stride, o_row_stride;  // floats
   std::int64_t heads, rows, num_k, dv;
+  const void* prefetch = nullptr;
+  std::int64_t prefetch_bytes = 0;
 };
 void narrow_values(const NarrowValues& a);
 

@@ -150,11 +150,25 @@ inline void scores_key(const NarrowScores& a, std::int64_t j, __m512 scale) {
   for (; n < a.heads; ++n) heads.template operator()<1>(n);
 }
 
+// NarrowValues' prefetch: the lines of [next, end) toward L2, `step` bytes per advance().
+struct PrefetchSpan {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  std::int64_t step = 0;
+
+  __attribute__((always_inline)) void advance() {
+    for (std::int64_t x = 0; x < step && next < end; x += 64, next += 64) {
+      _mm_prefetch(next, _MM_HINT_T1);
+    }
+  }
+};
+
 // Values of R rows (4 or 1) for output columns [0, 64) of v and o: R x 4 accumulators (16
 // columns each), loaded from o and stored back once per call; columns past `cols` are masked off
-// in every load and store.
+// in every load and store. Each key pair advances the prefetch.
 template <int R>
-__attribute__((always_inline)) inline void values_block(const std::uint32_t* __restrict pp,
+__attribute__((always_inline)) inline void values_block(PrefetchSpan& prefetch,
+                                                        const std::uint32_t* __restrict pp,
                                                         std::int64_t pp_row_stride,
                                                         const std::uint16_t* __restrict v,
                                                         std::int64_t v_row_stride,
@@ -185,6 +199,7 @@ __attribute__((always_inline)) inline void values_block(const std::uint32_t* __r
     }
   }
   for (std::int64_t t = 0; 2 * t < num_k; ++t) {
+    prefetch.advance();
     const std::uint16_t* lo_row = v + 2 * t * v_row_stride;
     const bool has_hi = 2 * t + 1 < num_k;  // odd num_k: the last pair is (value, 0)
     __m512bh value[kColVecs];
@@ -229,6 +244,15 @@ void narrow_scores(const NarrowScores& a) {
 
 void narrow_values(const NarrowValues& a) {
   constexpr std::int64_t kCols = 16 * kColVecs;
+  // The prefetch, spread over every values_block step (key pair) of the call.
+  const std::int64_t steps = a.heads * (a.rows / kRows + a.rows % kRows) *
+                             ((a.dv + kCols - 1) / kCols) * ((a.num_k + 1) / 2);
+  PrefetchSpan span;
+  if (a.prefetch != nullptr && a.prefetch_bytes > 0 && steps > 0) {
+    span.next = static_cast<const char*>(a.prefetch);
+    span.end = span.next + a.prefetch_bytes;
+    span.step = (a.prefetch_bytes / steps + 63) / 64 * 64;
+  }
   for (std::int64_t n = 0; n < a.heads; ++n) {
     const std::uint32_t* pp = a.pp + n * a.pp_head_stride;
     const std::uint16_t* v = a.v + n * a.v_head_stride;
@@ -236,13 +260,13 @@ void narrow_values(const NarrowValues& a) {
     std::int64_t r = 0;
     for (; r + kRows <= a.rows; r += kRows) {
       for (std::int64_t e = 0; e < a.dv; e += kCols) {
-        values_block<kRows>(pp + r, a.pp_row_stride, v + e, a.v_row_stride, a.num_k, a.dv - e,
-                            o + r * a.o_row_stride + e, a.o_row_stride);
+        values_block<kRows>(span, pp + r, a.pp_row_stride, v + e, a.v_row_stride, a.num_k,
+                            a.dv - e, o + r * a.o_row_stride + e, a.o_row_stride);
       }
     }
     for (; r < a.rows; ++r) {
       for (std::int64_t e = 0; e < a.dv; e += kCols) {
-        values_block<1>(pp + r, a.pp_row_stride, v + e, a.v_row_stride, a.num_k, a.dv - e,
+        values_block<1>(span, pp + r, a.pp_row_stride, v + e, a.v_row_stride, a.num_k, a.dv - e,
                         o + r * a.o_row_stride + e, a.o_row_stride);
       }
     }

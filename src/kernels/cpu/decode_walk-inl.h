@@ -186,14 +186,40 @@ inline void NarrowScoresBf16(const AttentionKernelParams& p, const NarrowBlock* 
   });
 }
 
-// All keys of each block's part at once (the score walk prefetched them).
+// The K rows of a run's next tile (keys [part.hi, part.hi + kBlockK), up to the first block's
+// key_end) as one byte range, for the value step to prefetch (bf16dot::NarrowValues::prefetch):
+// when the heads of one key are neighbours (BSHD) and the range holds at most twice the rows'
+// own bytes. Null otherwise: in BHSD, where V is not prefetched and the values read it from
+// memory, the same prefetch per head was 0.97x.
+struct ByteRange {
+  const char* first = nullptr;
+  std::int64_t bytes = 0;
+};
+
+inline ByteRange NextKeysOf(const AttentionKernelParams& p, const NarrowBlock& nb,
+                            const NarrowRun& run) {
+  constexpr std::int64_t kBytes = 2;  // bf16
+  const std::int64_t keys = std::min(kBlockK, nb.qb->key_end - nb.part.hi);
+  const std::int64_t span = (keys - 1) * p.k_stride[1] + (run.count - 1) * run.k + p.head_dim;
+  if (keys <= 0 || !(p.k_stride[2] < p.k_stride[1]) || run.k < 0 ||
+      span > 2 * keys * run.count * p.head_dim) {
+    return {};
+  }
+  const auto* k = static_cast<const std::uint16_t*>(nb.qb->k) + nb.part.hi * p.k_stride[1];
+  return {reinterpret_cast<const char*>(k), span * kBytes};
+}
+
+// All keys of each block's part at once (the score walk prefetched them), while the next
+// tile's K is prefetched.
 inline void NarrowValuesBf16(const AttentionKernelParams& p, const NarrowBlock* narrow,
                              std::int64_t count) {
   ForEachRun(narrow, count, [&](const NarrowBlock& nb, const NarrowRun& run) {
     const auto* v = static_cast<const std::uint16_t*>(nb.qb->v) + nb.part.lo * p.v_stride[1];
+    const ByteRange next = NextKeysOf(p, nb, run);
     bf16dot::narrow_values({reinterpret_cast<const std::uint32_t*>(nb.st), run.scratch, kBlockQ, v,
                             run.v, p.v_stride[1], nb.o, run.scratch, p.head_dim_v, run.count,
-                            nb.qb->num_q, nb.part.hi - nb.part.lo, p.head_dim_v});
+                            nb.qb->num_q, nb.part.hi - nb.part.lo, p.head_dim_v, next.first,
+                            next.bytes});
   });
 }
 
