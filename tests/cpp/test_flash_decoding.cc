@@ -6,7 +6,7 @@
 // bias, masks, softcap, odd head dims, BHSD, Longformer sparsity; on every Highway target; and
 // bit-identical on 1, 2, 3 and 5 threads.
 //
-// Which shapes split: fewer than 32 query blocks (a block holds up to 64 rows of one kv head's
+// Which shapes split: fewer than 64 query blocks (a block holds up to 64 rows of one kv head's
 // (head, query) space on AVX-512, 16 on AVX2) and Lk >= 2048. So Lk = 4099 and 20000 split here
 // and Lk <= 2047 does not; the decode path takes blocks of at most 16 rows (AVX-512; 4 on AVX2).
 #include <gtest/gtest.h>
@@ -88,6 +88,16 @@ std::vector<DecodeCase> decode_cases() {
           .seq_q = lq, .seq_kv = lk, .num_heads_q = 32, .num_heads_kv = 8, .head_dim = 128};
       add({.c = c});
     }
+  }
+  // Multi-head decoding (Hq = Hkv) and GQA at B = 4: 32 to 63 query blocks, which split the keys
+  // since 2026-12-03, in groups within one batch entry's heads (B = 2, Hkv = 24 on AVX-512: 4
+  // groups of 12), with key lengths and NaN padding past them.
+  for (auto [b, hq, hkv] : {std::tuple{1, 32, 32}, {2, 24, 24}, {4, 32, 8}}) {
+    DecodeCase dc{.c = {.batch = b, .seq_q = 1, .seq_kv = 4099, .num_heads_q = hq}};
+    dc.c.num_heads_kv = hkv;
+    dc.c.head_dim = 64;
+    dc.c.key_lengths = dc.c.nan_padding = b > 1;
+    add(dc);
   }
   // Masks and biases on split shapes and on one that does not split.
   for (std::int64_t lk : {2047, 4099}) {
@@ -195,7 +205,8 @@ TEST(FlashDecodingTargets, EveryTargetMatchesReference) {
 // threads, on every target.
 TEST(FlashDecodingThreads, BitIdenticalWhateverTheThreadCount) {
   std::vector<DecodeCase> cases;
-  for (auto [lq, hq, hkv] : {std::tuple{1, 32, 8}, {1, 8, 1}, {2, 32, 8}, {5, 32, 8}}) {
+  for (auto [lq, hq, hkv] :
+       {std::tuple{1, 32, 8}, {1, 8, 1}, {2, 32, 8}, {5, 32, 8}, {1, 24, 24}}) {
     DecodeCase dc{.c = {.batch = 2, .seq_q = lq, .seq_kv = 9000, .num_heads_q = hq}};
     dc.c.num_heads_kv = hkv;
     dc.c.head_dim = 64;

@@ -48,8 +48,9 @@ using namespace tiles;
 
 constexpr std::int64_t kMinTasks = 8;          // tasks a key split keeps, when it can
 constexpr std::int64_t kMinGroups = 16;        // groups the block grouping keeps, when it can
-constexpr std::int64_t kSplitGroupBlocks = 8;  // blocks per group at most, with a key split
-constexpr std::int64_t kSplitBelowItems = 32;  // fewer query blocks than this: split the keys
+constexpr std::int64_t kSplitGroupBlocks = 16;  // blocks per group at most, with a key split
+constexpr std::int64_t kSplitBelowItems = 64;   // fewer query blocks than this: split the keys
+static_assert(kSplitGroupBlocks <= kMaxBlocksPerTask);
 constexpr std::int64_t kSplitTasks = 16;       // tasks a key split aims for
 constexpr std::int64_t kMinSplitKeys = 1024;   // keys per split, at least (a multiple of kBlockK)
 constexpr std::int64_t kMaxSplits = 16;
@@ -82,9 +83,24 @@ WorkPlan PlanWork(const AttentionKernelParams& p) {
   if (w.items < kSplitBelowItems && max_splits >= 2) {
     // Few blocks, long keys (decoding): the splits supply the parallelism, so a group can take
     // more blocks (all kv heads of a decode step: each key tile is then one contiguous stretch of
-    // K and V in BSHD, read once); keep >= kMinTasks tasks when the splits alone cannot.
+    // K and V in BSHD, read once), but not those of two batch entries (two streams, shorter
+    // splits: 0.91x at B = 2, Hq = 32, Hkv = 8); keep >= kMinTasks tasks when the splits alone
+    // cannot. (Up to 32 items and 8 blocks per group before: 2026-12-03, Zen 4, 2 threads, Lq =
+    // 1, Lk = 16384, D = 128, in-process A/B: Hq = Hkv = 32 bf16 2.0x and f32 1.6x, Hq = Hkv =
+    // 16 bf16 1.36x, B = 4 with Hq = 32, Hkv = 8 bf16 2.7-3.5x and f32 1.25x; B = 1, H = 8,
+    // Lq = 256, Lk = 8192 f32 1.09-1.11x; docs/kernels.md, "Flash-decoding".)
     const std::int64_t groups_needed = (kMinTasks + max_splits - 1) / max_splits;
-    w.per_task = std::clamp<std::int64_t>(w.items / groups_needed, 1, kSplitGroupBlocks);
+    const std::int64_t batch_items = p.num_heads_kv * w.blocks_per_kv_head;
+    w.per_task = std::clamp<std::int64_t>(w.items / groups_needed, 1,
+                                          std::min(kSplitGroupBlocks, batch_items));
+    // A size that divides an entry's blocks, if one is at least half as large: no group then
+    // straddles two entries.
+    for (std::int64_t size = w.per_task; 2 * size > w.per_task; --size) {
+      if (batch_items % size == 0) {
+        w.per_task = size;
+        break;
+      }
+    }
     const std::int64_t groups = (w.items + w.per_task - 1) / w.per_task;
     const std::int64_t splits =
         std::clamp<std::int64_t>((kSplitTasks + groups - 1) / groups, 1, max_splits);
