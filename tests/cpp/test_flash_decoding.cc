@@ -89,13 +89,15 @@ std::vector<DecodeCase> decode_cases() {
       add({.c = c});
     }
   }
-  // Multi-head decoding (Hq = Hkv) and GQA at B = 4: 32 to 63 query blocks, which split the keys
-  // since 2026-12-03, in groups within one batch entry's heads (B = 2, Hkv = 24 on AVX-512: 4
-  // groups of 12), with key lengths and NaN padding past them.
-  for (auto [b, hq, hkv] : {std::tuple{1, 32, 32}, {2, 24, 24}, {4, 32, 8}}) {
-    DecodeCase dc{.c = {.batch = b, .seq_q = 1, .seq_kv = 4099, .num_heads_q = hq}};
+  // Multi-head decoding (Hq = Hkv) and GQA at B = 4: 32 to 127 narrow query blocks, which split
+  // the keys since 2026-12-03, in groups of up to 32 within one batch entry's heads (on AVX-512:
+  // B = 2, Hkv = 24 in groups of 24; B = 3, Hkv = 40 in groups of 20), with key lengths and NaN
+  // padding past them.
+  for (auto [b, hq, hkv, lk, d] : {std::tuple{1, 32, 32, 4099, 64}, {2, 24, 24, 4099, 64},
+                                   {4, 32, 8, 4099, 64}, {3, 40, 40, 2100, 16}}) {
+    DecodeCase dc{.c = {.batch = b, .seq_q = 1, .seq_kv = lk, .num_heads_q = hq}};
     dc.c.num_heads_kv = hkv;
-    dc.c.head_dim = 64;
+    dc.c.head_dim = d;
     dc.c.key_lengths = dc.c.nan_padding = b > 1;
     add(dc);
   }
