@@ -46,8 +46,8 @@ using namespace tiles;
 // ---------------------------------------------------------------------------------------------
 // The work plan: a function of the shape only (never of the thread count).
 
-constexpr std::int64_t kMinTasks = 8;          // tasks a key split keeps, when it can
-constexpr std::int64_t kMinGroups = 16;        // groups the block grouping keeps, when it can
+constexpr std::int64_t kMinTasks = 8;           // tasks a key split keeps, when it can
+constexpr std::int64_t kMinGroups = 16;         // groups the block grouping keeps, when it can
 constexpr std::int64_t kSplitGroupBlocks = 16;  // blocks per group at most, with a key split
 constexpr std::int64_t kSplitBelowItems = 64;   // fewer query blocks than this: split the keys
 // The same two for narrow blocks (decoding: at most kNarrowRows rows per kv head), whose scratch
@@ -59,9 +59,10 @@ constexpr std::int64_t kSplitBelowItems = 64;   // fewer query blocks than this:
 // into 32-block groups at 0.94x, so wide blocks keep 16 and 64.
 constexpr std::int64_t kSplitGroupNarrowBlocks = 32;
 constexpr std::int64_t kSplitBelowNarrowItems = 128;
+// Blocks one task may hold (the per-task arrays of Flash).
 constexpr std::int64_t kTaskBlocks = std::max(kMaxBlocksPerTask, kSplitGroupNarrowBlocks);
-constexpr std::int64_t kSplitTasks = 16;       // tasks a key split aims for
-constexpr std::int64_t kMinSplitKeys = 1024;   // keys per split, at least (a multiple of kBlockK)
+constexpr std::int64_t kSplitTasks = 16;      // tasks a key split aims for
+constexpr std::int64_t kMinSplitKeys = 1024;  // keys per split, at least (a multiple of kBlockK)
 constexpr std::int64_t kMaxSplits = 16;
 constexpr std::int64_t kMergeRows = 64;  // output rows per merge task
 
@@ -95,10 +96,11 @@ WorkPlan PlanWork(const AttentionKernelParams& p) {
     // more blocks (all kv heads of a decode step: each key tile is then one contiguous stretch of
     // K and V in BSHD, read once), but not those of two batch entries (two streams, shorter
     // splits: 0.91x at B = 2, Hq = 32, Hkv = 8); keep >= kMinTasks tasks when the splits alone
-    // cannot. (Up to 32 items and 8 blocks per group before: 2026-12-03, Zen 4, 2 threads, Lq =
-    // 1, Lk = 16384, D = 128, in-process A/B: Hq = Hkv = 32 bf16 2.0x and f32 1.6x, Hq = Hkv =
-    // 16 bf16 1.36x, B = 4 with Hq = 32, Hkv = 8 bf16 2.7-3.5x and f32 1.25x; B = 1, H = 8,
-    // Lq = 256, Lk = 8192 f32 1.09-1.11x; docs/kernels.md, "Flash-decoding".)
+    // cannot. (Up to 32 items and 8 blocks per group for every block before 2026-12-03; against
+    // that, Zen 4, 2 threads, Lq = 1, Lk = 16384, D = 128, in-process A/B, with 64 and 16: Hq =
+    // Hkv = 32 bf16 1.55-2.0x and f32 1.32-1.6x, Hq = Hkv = 16 bf16 1.34x, B = 4 with Hq = 32,
+    // Hkv = 8 bf16 2.7-3.5x and f32 1.25-1.38x; B = 1, H = 8, Lq = 256, Lk = 8192 f32
+    // 1.05-1.11x; docs/kernels.md, "Flash-decoding".)
     const std::int64_t groups_needed = (kMinTasks + max_splits - 1) / max_splits;
     const std::int64_t batch_items = p.num_heads_kv * w.blocks_per_kv_head;
     const std::int64_t group_blocks = narrow ? kSplitGroupNarrowBlocks : kSplitGroupBlocks;
