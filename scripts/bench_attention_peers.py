@@ -29,7 +29,8 @@ Peers (DESIGN.md section 6: timed in the same run, reported as ratios):
                          peak (peak_gflops) and read bandwidth measured in the same process
 
 Shapes (issue 4): B=1, H=8, D in {64, 128}, Lq = Lk = L in {1024, 4096, 16384}, causal and
-not; decode Lq=1, Lk=32768, Hq=32, Hkv=8, D=128. --quick drops L=16384.
+not; decode Lq=1, D=128: Lk=32768, Hq=32, Hkv=8 (GQA) and Lk=16384, Hq=Hkv=32 (multi-head).
+--quick drops L=16384.
 
 Method: each implementation is warmed up, then timed once per round; rounds interleave the
 implementations (rotating their order) so that they share the machine's noise, and the median
@@ -102,7 +103,9 @@ class Case:
 def default_cases(lengths):
     cases = [Case(1, 8, 8, L, L, D, causal) for D in (64, 128) for causal in (False, True)
              for L in lengths]
-    return cases + [Case(1, 32, 8, 1, 32768, 128, False)]
+    # Decode steps: GQA 32:8 (issue 16's shape) and multi-head (Hq = Hkv = 32, as in models
+    # without GQA), both D = 128 against a long KV cache.
+    return cases + [Case(1, 32, 8, 1, 32768, 128, False), Case(1, 32, 32, 1, 16384, 128, False)]
 
 
 class Skip(Exception):

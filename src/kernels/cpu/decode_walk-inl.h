@@ -261,7 +261,8 @@ void NarrowScoresWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
   const std::int64_t ks = p.k_stride[1], d = p.head_dim;
   const bool heads_inner = HeadsInner(p);
   // With heads inner, kDotKeys keys of every block in turn (the keys stay outermost across the
-  // blocks), the same rows kScoreAhead keys later prefetched as they are read.
+  // blocks); either way the rows kScoreAhead keys later are prefetched as they are read (BHSD
+  // too: 1.45-1.6x there, docs/kernels.md, "Software prefetch").
   const std::int64_t score_chunk = heads_inner ? kDotKeys : kBlockK;
   ForEachChunk(p, narrow, count, score_chunk,
                [&](const NarrowBlock& nb, std::int64_t a, std::int64_t b) {
@@ -269,7 +270,7 @@ void NarrowScoresWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
     float* st = nb.st + (a - nb.part.lo) * kBlockQ;
     const auto ahead = [&](std::int64_t x, std::int64_t keys) -> const T* {
       const bool inside = a + x + kScoreAhead + keys <= nb.qb->key_end;
-      return heads_inner && inside ? k + (x + kScoreAhead) * ks : nullptr;
+      return inside ? k + (x + kScoreAhead) * ks : nullptr;
     };
     std::int64_t x = 0;
     for (; x + kDotKeys <= b - a; x += kDotKeys) {
@@ -291,7 +292,7 @@ void NarrowValuesWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
   ForEachChunk(p, narrow, count, heads_inner ? kValueKeys : kBlockK,
                [&](const NarrowBlock& nb, std::int64_t a, std::int64_t b) {
     NarrowValueKeys(p, nb.qb->num_q, static_cast<const T*>(nb.qb->v) + a * vs, b - a,
-                    nb.st + (a - nb.part.lo) * kBlockQ, nb.o, heads_inner ? nb.qb->key_end - a : 0);
+                    nb.st + (a - nb.part.lo) * kBlockQ, nb.o, nb.qb->key_end - a);
   });
 }
 
@@ -303,11 +304,12 @@ void NarrowValuesWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
 // ahead, beat one key per step: kScoreAhead), the values kValueKeys keys at a time (o does not fit in registers: it
 // is loaded and stored once per chunk). In BHSD each head's rows are already one ascending run,
 // read a whole tile at a time per block (key-outermost was slower there). Each block's
-// arithmetic is the same either way; only the order of blocks interleaves. In BSHD the walk
-// also prefetches toward L2 (prefetcht1) the K rows kScoreAhead keys ahead of the scores and the
+// arithmetic is the same either way; only the order of blocks interleaves. The walk also
+// prefetches toward L2 (prefetcht1) the K rows kScoreAhead keys ahead of the scores and the
 // V rows kValueAhead keys ahead of the values: the hardware prefetchers alone left the core with
 // too few misses in flight (the multiply-adds waiting on one K line fill the scheduler). Measured
-// at Lk = 32768, Hq:Hkv = 32:8, 2 threads, 8 interleaved rounds: f32 1.13-1.16x, f16 1.51x;
+// at Lk = 32768, Hq:Hkv = 32:8, 2 threads, 8 interleaved rounds: f32 1.13-1.16x, f16 1.51x
+// (BSHD; BHSD, which had none until 2026-12-03: f32 1.55-1.6x);
 // toward L1 (prefetcht0) K was slower and V gained less; distances 1-4 (K) and 4-32 (V) within
 // noise of these; 4 heads of one key per step (16 independent sums) was 1.4x slower. bf16 on
 // vdpbf16ps goes through bf16dot's narrow products, a run of blocks per call: the scores keys
