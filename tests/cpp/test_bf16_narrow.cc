@@ -177,7 +177,8 @@ int run_values_case(std::int64_t heads, std::int64_t rows, std::int64_t num_k, s
                           v_row_stride, o.data(), o_head_stride, o_row_stride, heads, rows, num_k,
                           dv});
   // The same call with a prefetch range (the next tile's K in the flash kernel; here a buffer of
-  // 1 to 65 lines, so that some steps ask for no line and some for several) gives the same bits.
+  // 1 to 65 lines, so that some steps ask for no line and some for several) gives the same bits
+  // and returns (a prefetch that ran past its range cannot be seen here: it never faults).
   std::vector<float> o_prefetched = o_before;
   const std::vector<char> ahead(64 * (1 + seed % 65));
   bf16dot::narrow_values({pp.data(), pp_head_stride, pp_row_stride, v, v_head_stride,

@@ -7,8 +7,10 @@
 // bit-identical on 1, 2, 3 and 5 threads.
 //
 // Which shapes split: fewer than 64 query blocks (a block holds up to 64 rows of one kv head's
-// (head, query) space on AVX-512, 16 on AVX2) and Lk >= 2048. So Lk = 4099 and 20000 split here
-// and Lk <= 2047 does not; the decode path takes blocks of at most 16 rows (AVX-512; 4 on AVX2).
+// (head, query) space on AVX-512, 16 on AVX2), or fewer than 128 when every block is narrow (at
+// most 16 rows per kv head on AVX-512, 4 on AVX2), and Lk >= 2048. So Lk = 4099 and 20000 split
+// here and Lk <= 2047 does not; the decode path takes blocks of at most 16 rows (AVX-512; 4 on
+// AVX2).
 #include <gtest/gtest.h>
 
 #include <cstring>
