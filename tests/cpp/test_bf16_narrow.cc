@@ -1,8 +1,10 @@
 // The AVX512-BF16 decode products (bf16dot::narrow_scores, narrow_values in
 // src/kernels/cpu/bf16_narrow_avx512.cc) against float64 over heads x rows x depth / dv x keys,
-// with padded strides: the padding holds NaN, which must never be read, and guard values between
-// the outputs of neighbouring heads, which must stay untouched. Also pack_probs on one vector of
-// lanes, in place, as the decode path calls it. Every test skips on CPUs without AVX512-BF16.
+// the scores with the heads of a key side by side (BSHD) and each head's keys side by side (BHSD,
+// another walk: same bits), with padded strides: the padding holds NaN, which must never be
+// read, and guard values between the outputs of neighbouring heads, which must stay untouched.
+// Also pack_probs on one vector of lanes, in place, as the decode path calls it. Every test skips
+// on CPUs without AVX512-BF16.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -48,14 +50,20 @@ int run_scores_case(std::int64_t heads, std::int64_t rows, std::int64_t depth, s
   const std::string name = "heads " + std::to_string(heads) + " rows " + std::to_string(rows) +
                            " depth " + std::to_string(depth) + " keys " + std::to_string(num_k);
   const std::int64_t words = (depth + 1) / 2;
-  // k: [num_k][heads][depth + 3] one element past a 4-byte boundary, NaN in the padding.
+  // k: [num_k][heads][depth + 3] (heads inner, BSHD) one element past a 4-byte boundary, NaN in
+  // the padding; k_outer holds the same rows as [heads][num_k][depth + 3] plus 2 (BHSD).
   const std::int64_t k_head_stride = depth + 3, k_row_stride = heads * k_head_stride;
+  const std::int64_t outer_row_stride = depth + 3, outer_head_stride = num_k * (depth + 3) + 2;
   std::vector<std::uint16_t> k_storage(1 + num_k * k_row_stride, kNanBits);
+  std::vector<std::uint16_t> outer_storage(1 + heads * outer_head_stride, kNanBits);
   std::uint16_t* k = k_storage.data() + 1;
+  std::uint16_t* k_outer = outer_storage.data() + 1;
   for (std::int64_t j = 0; j < num_k; ++j) {
     for (std::int64_t n = 0; n < heads; ++n) {
       for (std::int64_t d = 0; d < depth; ++d) {
         k[j * k_row_stride + n * k_head_stride + d] = random_bf16(rng, -2.0f, 2.0f);
+        k_outer[n * outer_head_stride + j * outer_row_stride + d] =
+            k[j * k_row_stride + n * k_head_stride + d];
       }
     }
   }
@@ -83,6 +91,15 @@ int run_scores_case(std::int64_t heads, std::int64_t rows, std::int64_t depth, s
   bf16dot::narrow_scores({q.data(), q_head_stride, k, k_head_stride, k_row_stride, st.data(),
                           st_head_stride, st_row_stride, heads, rows, depth, num_k, out_scale,
                           prefetched.data(), 64, 128});
+  // Heads outer (a walk head by head, blocks of keys of one head) gives the same bits.
+  std::vector<float> st_outer(st.size(), kGuard);
+  bf16dot::narrow_scores({q.data(), q_head_stride, k_outer, outer_head_stride, outer_row_stride,
+                          st_outer.data(), st_head_stride, st_row_stride, heads, rows, depth,
+                          num_k, out_scale});
+  if (std::memcmp(st.data(), st_outer.data(), st.size() * sizeof(float)) != 0) {
+    ADD_FAILURE() << name << ": heads outer changed the scores";
+    return 1;
+  }
 
   int bad = 0;
   std::vector<bool> written(st.size(), false);
@@ -117,14 +134,14 @@ TEST(Bf16Narrow, ScoresMatchFloat64Reference) {
   for (std::int64_t heads : {1, 3, 4, 5, 8}) {
     for (std::int64_t rows : {1, 2, 4, 5, 6}) {
       for (std::int64_t depth : {1, 2, 31, 32, 33, 64, 128}) {
-        for (std::int64_t num_k : {1, 3, 8}) {
+        for (std::int64_t num_k : {1, 3, 8, 37}) {
           ++cases;
           if (run_scores_case(heads, rows, depth, num_k, seed++) > 0) ++failed;
         }
       }
     }
   }
-  EXPECT_EQ(cases, 525);
+  EXPECT_EQ(cases, 700);
   EXPECT_EQ(failed, 0) << "of " << cases << " cases";
 }
 
@@ -186,6 +203,17 @@ int run_values_case(std::int64_t heads, std::int64_t rows, std::int64_t num_k, s
                           rows, num_k, dv, ahead.data(), static_cast<std::int64_t>(ahead.size())});
   if (std::memcmp(o.data(), o_prefetched.data(), o.size() * sizeof(float)) != 0) {
     ADD_FAILURE() << name << ": a prefetch range changed the result";
+    return 1;
+  }
+  // And with one range per head (BHSD: each head's next K rows), heads 1 + seed % 3 lines apart.
+  std::vector<float> o_per_head = o_before;
+  const std::int64_t head_lines = 1 + static_cast<std::int64_t>(seed % 3);
+  const std::vector<char> per_head(64 * head_lines * heads);
+  bf16dot::narrow_values({pp.data(), pp_head_stride, pp_row_stride, v, v_head_stride,
+                          v_row_stride, o_per_head.data(), o_head_stride, o_row_stride, heads,
+                          rows, num_k, dv, per_head.data(), 64 * head_lines, 64 * head_lines});
+  if (std::memcmp(o.data(), o_per_head.data(), o.size() * sizeof(float)) != 0) {
+    ADD_FAILURE() << name << ": per-head prefetch ranges changed the result";
     return 1;
   }
 

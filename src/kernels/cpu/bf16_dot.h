@@ -79,11 +79,14 @@ void pack_probs(const float* st, std::int64_t num_k, int vecs, std::uint32_t* pt
 //   for n < heads, r < rows, j < num_k, with q(n, r, d) the bf16 of pair word
 //   q[n * q_head_stride + r * ceil(depth / 2) + d / 2] (low half for even d; past depth the
 //   pair's high half must be +0). Dot products accumulate in f32 (vdpbf16ps) and are multiplied
-//   by out_scale once. Keys are walked outermost, so k is read in address order when the heads
-//   of one key are neighbours (BSHD). No element of k past depth in a row is read.
-// While key j is walked, bytes [0, prefetch_bytes) of prefetch + j * prefetch_row_stride (bytes)
-// are prefetched toward L2 when prefetch is not null (the flash kernel passes the tile's V rows,
-// read right after: docs/kernels.md, "Decoding"). Prefetches never fault.
+//   by out_scale once. k is read in address order: keys outermost when the heads of one key are
+//   neighbours (k_head_stride < k_row_stride, BSHD), else head by head (BHSD; the K rows a few
+//   keys ahead are prefetched). The bits do not depend on the walk. No element of k past depth
+//   in a row is read.
+// While key j is walked (by the first head), bytes [0, prefetch_bytes) of prefetch +
+// j * prefetch_row_stride (bytes) are prefetched toward L2 when prefetch is not null (the flash
+// kernel passes the tile's V rows in BSHD, read right after: docs/kernels.md, "Decoding").
+// Prefetches never fault.
 struct NarrowScores {
   const std::uint32_t* q;
   std::int64_t q_head_stride;  // pair words
@@ -106,7 +109,9 @@ void narrow_scores(const NarrowScores& a);
 // While it walks, bytes [0, prefetch_bytes) of prefetch are prefetched toward L2 when prefetch is
 // not null, a few lines per key pair, spread evenly over the whole call (the flash kernel passes
 // the next tile's K rows: the memory is otherwise idle while the values read V from L2;
-// docs/kernels.md, "Decoding"). Prefetches never fault.
+// docs/kernels.md, "Decoding"); with prefetch_head_stride not 0, head n's range starts at
+// prefetch + n * prefetch_head_stride and is spread over head n's part of the walk (BHSD: each
+// head's next K rows). Prefetches never fault.
 struct NarrowValues {
   const std::uint32_t* pp;
   std::int64_t pp_head_stride, pp_row_stride;  // pair words
@@ -117,6 +122,7 @@ struct NarrowValues {
   std::int64_t heads, rows, num_k, dv;
   const void* prefetch = nullptr;
   std::int64_t prefetch_bytes = 0;
+  std::int64_t prefetch_head_stride = 0;  // bytes; not 0: head n's range starts n strides on
 };
 void narrow_values(const NarrowValues& a);
 
