@@ -2,8 +2,10 @@
 // scores over depths and key counts that do and do not fill a tile pair (16, 32 keys), values
 // with and without a rescale (factors of exactly 1 skip it), key_end (each 16-lane vector's keys;
 // the lanes past it must not count, whatever st holds there), padded value dims, pack_probs
-// bit for bit against f32_to_bf16_bits, and the peak probe. Every test skips on CPUs without
-// AMX-BF16; the flash kernel's whole case table on the AMX path is in test_attention_kernels.cc.
+// bit for bit against f32_to_bf16_bits, and the peak probe. In qkv_tests every test skips on
+// CPUs without AMX-BF16 (the flash kernel's whole case table on the AMX path is in
+// test_attention_kernels.cc); qkv_amx_emulated_tests (tests/amx_emulated/) runs them, and that
+// table, on a C++ model of the tile instructions wherever the CPU has AVX512-BF16.
 #include <gtest/gtest.h>
 
 #include <cmath>

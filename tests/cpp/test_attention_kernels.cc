@@ -9,6 +9,7 @@
 #include "attention_case.h"
 #include "bf16_skip.h"
 #include "every_target.h"
+#include "kernel_cases.h"
 #include "kernels/cpu/bf16_dot.h"
 #include "kernels/kernels.h"
 #include "kernels/product_path.h"
@@ -16,189 +17,7 @@
 namespace qkv::testing {
 namespace {
 
-std::vector<Case> kernel_cases() {
-  std::vector<Case> cases;
-  std::uint64_t seed = 100;
-  auto add = [&](Case c) {
-    c.seed = seed++;
-    cases.push_back(c);
-  };
-  // Odd sizes, square and not, plain.
-  for (std::int64_t lq : {1, 3, 7, 63, 64, 65, 127, 200}) {
-    for (std::int64_t lk : {1, 7, 64, 65, 129, 200}) {
-      add({.seq_q = lq, .seq_kv = lk, .head_dim = 16});
-    }
-  }
-  // Head dims, including non-powers of two; Dv != D.
-  for (std::int64_t d : {1, 16, 40, 64, 80, 96, 128, 256}) {
-    add({.seq_q = 33, .seq_kv = 70, .head_dim = d});
-  }
-  for (std::int64_t dv : {1, 17, 48, 130}) {
-    add({.seq_q = 20, .seq_kv = 150, .head_dim = 32, .head_dim_v = dv});
-  }
-  // GQA / MQA, batches.
-  for (auto [hq, hkv] : {std::pair{4, 2}, {6, 1}, {8, 8}, {3, 3}}) {
-    Case c{.batch = 2, .seq_q = 19, .seq_kv = 45, .head_dim = 24};
-    c.num_heads_q = hq;
-    c.num_heads_kv = hkv;
-    add(c);
-  }
-  // Many query blocks per kv head: the flash kernel walks the keys once for several blocks
-  // (and several heads of a GQA group) whose allowed ranges differ.
-  for (bool causal : {false, true}) {
-    Case c{.batch = 2, .seq_q = 300, .seq_kv = 310, .num_heads_q = 8, .num_heads_kv = 2};
-    c.causal = causal;
-    c.window_left = causal ? 100 : -1;
-    c.key_lengths = c.nan_padding = true;
-    add(c);
-  }
-  // Decoding: one or a few queries, the heads of a GQA group packed into one query block.
-  for (std::int64_t lq : {1, 3}) {
-    Case c{.batch = 2, .seq_kv = 300, .num_heads_q = 12, .num_heads_kv = 3, .head_dim = 32};
-    c.seq_q = lq;
-    c.causal = c.key_lengths = true;
-    c.mask = MaskKind::kRandom;
-    c.bias = BiasKind::kPerHeadRow;
-    add(c);
-  }
-  // Long decode steps: key splits, and tasks that hold several kv heads, which the bf16
-  // vdpbf16ps decode path serves in one call (runs of 4 and 8 heads, of 2 per batch with
-  // different key lengths); 4 and 1 rows per block, 6 rows (4 + 1 + 1), odd head dims and an
-  // odd last tile.
-  {
-    Case c{.seq_q = 1, .seq_kv = 4096, .num_heads_q = 32, .num_heads_kv = 8, .head_dim = 128};
-    add(c);
-    c.num_heads_q = c.num_heads_kv = 16;
-    c.head_dim = 40;
-    c.head_dim_v = 17;
-    add(c);
-    c.batch = 2;
-    c.seq_kv = 8191;
-    c.num_heads_q = 12;
-    c.num_heads_kv = 2;
-    c.head_dim = 33;
-    c.head_dim_v = 130;
-    c.key_lengths = c.causal = true;
-    add(c);
-    c.seq_q = 2;  // 2 queries x 6 heads: 12 rows
-    c.seq_kv = 4097;
-    add(c);
-  }
-  // Causal and windows, both alignments, Lq <, =, > Lk.
-  for (Align align : {Align::kBottomRight, Align::kTopLeft}) {
-    for (auto [lq, lk] : {std::pair{70, 70}, {65, 200}, {200, 65}, {1, 300}, {130, 131}}) {
-      Case c{.seq_q = lq, .seq_kv = lk, .head_dim = 32, .align = align};
-      for (auto [causal, left, right] :
-           {std::tuple{true, -1, -1}, {false, 17, 5}, {false, 0, -1}, {true, 40, -1}}) {
-        c.causal = causal;
-        c.window_left = left;
-        c.window_right = right;
-        add(c);
-      }
-    }
-  }
-  // Key lengths (padding), with NaN in the padded keys and values.
-  for (bool nan : {false, true}) {
-    for (auto [lq, lk] : {std::pair{37, 77}, {1, 150}, {129, 129}}) {
-      Case c{.batch = 3, .seq_q = lq, .seq_kv = lk, .num_heads_q = 2, .head_dim = 20};
-      c.key_lengths = true;
-      c.nan_padding = nan;
-      add(c);
-      c.causal = true;
-      add(c);
-    }
-  }
-  // Attend masks and biases, alone and combined with everything.
-  const Case masked{.batch = 2, .seq_q = 45, .seq_kv = 140, .num_heads_q = 2, .head_dim = 16};
-  for (MaskKind m : {MaskKind::kRandom, MaskKind::kRowBroadcast, MaskKind::kKeyPadding}) {
-    Case c = masked;
-    c.mask = m;
-    add(c);
-  }
-  for (BiasKind b : {BiasKind::kRandom, BiasKind::kWithNegInf, BiasKind::kPerHeadRow}) {
-    Case c = masked;
-    c.bias = b;
-    add(c);
-  }
-  {
-    Case c{.batch = 3, .seq_q = 66, .seq_kv = 190, .num_heads_q = 4, .num_heads_kv = 2};
-    c.head_dim = 40;
-    c.head_dim_v = 24;
-    c.causal = true;
-    c.window_left = 60;
-    c.key_lengths = c.nan_padding = true;
-    c.mask = MaskKind::kRandom;
-    c.bias = BiasKind::kWithNegInf;
-    c.softcap = 5.0f;
-    c.bhsd = true;
-    add(c);
-  }
-  // Softcap, explicit scale, large logits (|q.k| ~ 1e3), BHSD strides.
-  {
-    Case c{.seq_q = 50, .seq_kv = 90, .head_dim = 64, .softcap = 30.0f};
-    add(c);
-    c.softcap = 0.0f;
-    c.scale = 0.37f;
-    add(c);
-    c.scale.reset();
-    c.input_scale = 4.0f;  // q.k ~ 16 * sqrt(64) ... up to ~1e3 after scale on the tails
-    c.scale = 1.0f;
-    add(c);
-    // The same logits over 5 key tiles: the running max jumps by far more than the lazy max's
-    // slack between tiles (bf16 paths that round probabilities keep a stale max otherwise).
-    c.seq_kv = 600;
-    add(c);
-    c.seq_kv = 90;
-    c.input_scale = 1.0f;
-    c.scale.reset();
-    c.bhsd = true;
-    c.num_heads_q = 3;
-    add(c);
-  }
-  return cases;
-}
-
 class KernelSweep : public ::testing::TestWithParam<Case> {};
-
-void expect_close(const char* what, const std::string& kernel, const std::vector<float>& got,
-                  const std::vector<float>& want, double tol) {
-  const double err = max_abs_diff(got, want);
-  EXPECT_LE(err, tol) << what << " of " << kernel << ": max abs error " << err << " > " << tol;
-}
-
-void check_against_reference(const Problem& problem) {
-  const Result ref = problem.run(Kernel::kReference, true);
-  // Each kernel against the plain implementation of its own product path.
-  const DType dtype = problem.spec().dtype;
-  const ProductPath flash_path = attention_flash_product_path(dtype);
-  const ProductPath chunked_path = WideningProductPath(dtype);
-  const double tol = tolerance(ref.out, problem.plain(flash_path).out);
-  const double chunked_tol =
-      chunked_path == flash_path ? tol : tolerance(ref.out, problem.plain(chunked_path).out);
-  const double lse_tol = 2e-5 * std::max(1.0, max_abs(ref.lse));
-  // The reference honours the contract too: fully masked rows give out 0 / lse -inf, no NaN.
-  for (float x : ref.out) ASSERT_FALSE(std::isnan(x));
-
-  const Result flash = problem.run(Kernel::kFlash, false);
-  expect_close("out", "flash", flash.out, ref.out, tol);
-  expect_close("lse", "flash", flash.lse, ref.lse, lse_tol);
-
-  double chunked_err = 0.0;
-  for (std::int64_t chunk : {1, 128, 1000}) {
-    const Result chunked = problem.run(Kernel::kChunked, true, 0, chunk);
-    expect_close("out", "chunked", chunked.out, ref.out, chunked_tol);
-    expect_close("lse", "chunked", chunked.lse, ref.lse, lse_tol);
-    expect_close("probs", "chunked", chunked.probs, ref.probs, 2e-5);
-    chunked_err = std::max(chunked_err, max_abs_diff(chunked.out, ref.out));
-  }
-  // The paths that ran, and how much of the tolerance each used (DESIGN.md section 5: the
-  // tolerance is 4x the plain implementation's error, so honest ratios sit well below 1 but
-  // not at 0).
-  std::printf("[ err/tol  ] %-44s flash %-16s %.3f  chunked %-16s %.3f  (tol %.2e, %.2e)\n",
-              problem.spec().name().c_str(), product_path_name(flash_path),
-              max_abs_diff(flash.out, ref.out) / tol, product_path_name(chunked_path),
-              chunked_err / chunked_tol, tol, chunked_tol);
-}
 
 TEST_P(KernelSweep, MatchesReference) { check_against_reference(Problem(GetParam())); }
 
@@ -206,10 +25,6 @@ INSTANTIATE_TEST_SUITE_P(Cases, KernelSweep, ::testing::ValuesIn(kernel_cases())
                          [](const auto& info) { return info.param.name(); });
 
 // The same table with q, k, v stored as bf16 and as f16 (the oracle reads the same bits).
-std::vector<Case> with_dtype(std::vector<Case> cases, DType dtype) {
-  for (Case& c : cases) c.dtype = dtype;
-  return cases;
-}
 INSTANTIATE_TEST_SUITE_P(Bf16, KernelSweep,
                          ::testing::ValuesIn(with_dtype(kernel_cases(), DType::kBF16)),
                          [](const auto& info) { return info.param.name(); });

@@ -1,0 +1,66 @@
+// The flash kernel's AMX path (AmxProducts in src/kernels/cpu/products-inl.h) over the kernel
+// tests' whole case table, on any CPU with AVX512-BF16: this binary links amx_emulated.cc,
+// which runs src/kernels/cpu/amx_tiles.cc with its tile instructions modelled in C++. So the
+// path's staging (K rows, V columns transposed in registers, zero padding), packed query pairs,
+// deferred scale, key ends per lane vector and tile scopes per task are checked against the
+// reference oracle where the CPU has no AMX (qkv_tests runs the same on the real tiles, where
+// it has). The same binary also runs tests/cpp/test_amx.cc (the micro-kernels against float64)
+// on the model, which checks the model against amx.h's contract.
+#include <gtest/gtest.h>
+
+#include "attention_case.h"
+#include "bf16_skip.h"
+#include "kernel_cases.h"
+#include "kernels/cpu/amx.h"
+#include "kernels/cpu/bf16_dot.h"
+#include "kernels/kernels.h"
+#include "kernels/product_path.h"
+
+namespace qkv::testing {
+namespace {
+
+// On AMD CPUs the flash kernel prefers the vdpbf16ps pairs to the tiles (bf16dot::preferred);
+// switched off here, bf16 takes the (emulated) tiles, as on an Intel CPU with AMX.
+class AmxEmulated : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    QKV_SKIP_WITHOUT_AMX() << " (here: no AVX512-BF16, which amx_tiles.cc's other code needs)";
+    bf16dot::set_enabled(false);
+    ASSERT_EQ(attention_flash_product_path(DType::kBF16), ProductPath::kBf16Amx);
+  }
+  void TearDown() override { bf16dot::set_enabled(true); }
+};
+
+TEST_P(AmxEmulated, FlashMatchesReference) { check_against_reference(Problem(GetParam())); }
+
+INSTANTIATE_TEST_SUITE_P(Bf16, AmxEmulated,
+                         ::testing::ValuesIn(with_dtype(kernel_cases(), DType::kBF16)),
+                         [](const auto& info) { return info.param.name(); });
+
+// Each task loads its own tile configuration (TaskScope): results are the same bits whatever
+// the thread count, with key splits and several query blocks per kv head.
+TEST(AmxEmulatedThreads, BitIdenticalWhateverTheThreadCount) {
+  QKV_SKIP_WITHOUT_AMX();
+  bf16dot::set_enabled(false);
+  Case wide{.batch = 2, .seq_q = 300, .seq_kv = 333, .num_heads_q = 3, .head_dim = 64};
+  wide.causal = wide.key_lengths = true;
+  wide.bias = BiasKind::kRandom;
+  wide.dtype = DType::kBF16;
+  const Problem problem(wide);
+  AttentionParams params = problem.params();
+  params.kernel = Kernel::kFlash;
+  expect_same_bits_on_any_thread_count(problem, params);
+  bf16dot::set_enabled(true);
+}
+
+// The model is not vacuous: it faults where the hardware would.
+TEST(AmxEmulatedModel, FaultsOnTilesWithoutConfiguration) {
+  QKV_SKIP_WITHOUT_AMX();
+  alignas(64) float st[16 * amx::kLanes] = {};
+  alignas(64) std::uint32_t qp[16 * amx::kLanes] = {};
+  alignas(64) std::uint16_t k[16 * 32] = {};
+  EXPECT_DEATH(amx::scores(k, 32, qp, 32, 16, 1.0f, st), "no tile configuration loaded");
+}
+
+}  // namespace
+}  // namespace qkv::testing
