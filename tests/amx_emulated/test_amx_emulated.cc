@@ -1,5 +1,5 @@
 // The flash kernel's AMX path (AmxProducts in src/kernels/cpu/products-inl.h) over the kernel
-// tests' whole case table, on any CPU with AVX512-BF16: this binary links amx_emulated.cc,
+// tests' whole case table and the block-sparse one, on any CPU with AVX512-BF16: this binary links amx_emulated.cc,
 // which runs src/kernels/cpu/amx_tiles.cc with its tile instructions modelled in C++. So the
 // path's staging (K rows, V columns transposed in registers, zero padding), packed query pairs,
 // deferred scale, key ends per lane vector and tile scopes per task are checked against the
@@ -15,13 +15,15 @@
 #include "kernels/cpu/bf16_dot.h"
 #include "kernels/kernels.h"
 #include "kernels/product_path.h"
+#include "sparse_cases.h"
 
 namespace qkv::testing {
 namespace {
 
 // On AMD CPUs the flash kernel prefers the vdpbf16ps pairs to the tiles (bf16dot::preferred);
 // switched off here, bf16 takes the (emulated) tiles, as on an Intel CPU with AMX.
-class AmxEmulated : public ::testing::TestWithParam<Case> {
+template <class Param>
+class OnEmulatedTiles : public ::testing::TestWithParam<Param> {
  protected:
   void SetUp() override {
     QKV_SKIP_WITHOUT_AMX() << " (here: no AVX512-BF16, which amx_tiles.cc's other code needs)";
@@ -31,11 +33,21 @@ class AmxEmulated : public ::testing::TestWithParam<Case> {
   void TearDown() override { bf16dot::set_enabled(true); }
 };
 
+using AmxEmulated = OnEmulatedTiles<Case>;
 TEST_P(AmxEmulated, FlashMatchesReference) { check_against_reference(Problem(GetParam())); }
 
 INSTANTIATE_TEST_SUITE_P(Bf16, AmxEmulated,
                          ::testing::ValuesIn(with_dtype(kernel_cases(), DType::kBF16)),
                          [](const auto& info) { return info.param.name(); });
+
+// Block sparsity on the tiles: against dense attention with the equivalent mask and the
+// reference (sparse_cases.h).
+using AmxEmulatedSparse = OnEmulatedTiles<SparseCase>;
+
+TEST_P(AmxEmulatedSparse, MatchesDenseWithEquivalentMask) { check_sparse_case(GetParam()); }
+
+INSTANTIATE_TEST_SUITE_P(Bf16, AmxEmulatedSparse, ::testing::ValuesIn(sparse_cases(DType::kBF16)),
+                         sparse_case_name);
 
 // Each task loads its own tile configuration (TaskScope): results are the same bits whatever
 // the thread count, with key splits and several query blocks per kv head.

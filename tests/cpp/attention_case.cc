@@ -240,10 +240,10 @@ Grads run_backward(Problem& pr, const AttentionParams& params, std::vector<float
       view->dtype = c.dtype;
     }
   }
-  attention_backward(q, k, v, pr.view(f.out, c.seq_q, c.num_heads_q, dv),
-                     TensorView::contiguous(f.lse.data(), DType::kF32,
-                                            {c.batch, c.num_heads_q, c.seq_q, 1}),
-                     pr.view(dout, c.seq_q, c.num_heads_q, dv), grads, p);
+  attention_backward(
+      q, k, v, pr.view(f.out, c.seq_q, c.num_heads_q, dv),
+      TensorView::contiguous(f.lse.data(), DType::kF32, {c.batch, c.num_heads_q, c.seq_q, 1}),
+      pr.view(dout, c.seq_q, c.num_heads_q, dv), grads, p);
   return g;
 }
 
@@ -271,7 +271,7 @@ bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) {
          (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
-Result Problem::plain(ProductPath path) const {
+Result Problem::plain(ProductPath path, const std::vector<std::uint8_t>* keep) const {
   const Case& c = c_;
   auto& self = const_cast<Problem&>(*this);
   const TensorView qv = view(self.q, c.seq_q, c.num_heads_q, c.head_dim);
@@ -296,6 +296,8 @@ Result Problem::plain(ProductPath path) const {
           ok = ok && !(c.window_left >= 0 && j < diag - c.window_left);
           ok = ok && !(c.window_right >= 0 && j > diag + c.window_right);
           ok = ok && (key_lengths.empty() || j < key_lengths[b]);
+          ok = ok && (keep == nullptr ||
+                      (*keep)[((b * c.num_heads_q + h) * c.seq_q + i) * c.seq_kv + j] != 0);
           if (ok && !mask.empty()) {
             const auto& m = p.mask;
             ok = mask[(m.sizes[0] == 1 ? 0 : b) * m.strides[0] +

@@ -63,8 +63,9 @@ class Problem {
   // exp(s - max). Nothing else is rounded: rounding the scores too made the bf16 tolerance
   // about 100x the path's real error.
   Result plain() const { return plain(attention_flash_product_path(c_.dtype)); }
-  // The same for the given path (the chunked kernel's is WideningProductPath(dtype)).
-  Result plain(ProductPath path) const;
+  // The same for the given path (the chunked kernel's is WideningProductPath(dtype)); with
+  // `keep` (a full [B, Hq, Lq, Lk] mask, e.g. a sparsity's pairs), only the pairs it keeps too.
+  Result plain(ProductPath path, const std::vector<std::uint8_t>* keep = nullptr) const;
   const Case& spec() const { return c_; }
   AttentionParams params() const;
 

@@ -2,7 +2,9 @@
 // equivalent explicit mask (built by qkv::sparse_mask from the shared per-pair predicate), with
 // causal/window, key lengths, masks, bias, softcap, GQA, Lq != Lk and odd sizes; the predicate
 // itself against hand-written matrices; layouts that allow everything against dense attention;
-// BigBird's draw; fully masked rows; every Highway target; thread invariance; validation.
+// BigBird's draw; fully masked rows; every Highway target; thread invariance; validation. The
+// sweep runs in f32 and in bf16 (the CPU's bf16 flash path; sparse_cases.cc says what bf16
+// holds it to).
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -14,235 +16,22 @@
 #include "expect_error.h"
 #include "kernels/kernels.h"
 #include "qkv/sparse.h"
+#include "sparse_cases.h"
 
 namespace qkv::testing {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// A sparsity plus the storage its spans and views point into.
-struct SparseSpec {
-  std::string name = {};
-  enum class Kind { kLongformer, kBigBird, kBlock } kind = Kind::kLongformer;
-  std::int64_t window = 3, dilation = 1;
-  std::vector<std::int64_t> global = {};
-  BigBirdSparsity bigbird = {};
-  std::int64_t block_q = 16, block_k = 16;
-  bool per_head = false;
-  double density = 0.4;
-  std::vector<std::uint8_t> layout = {};  // kBlock: [1, Hq or 1, nqb, nkb]
-
-  Sparsity make(const Case& c) {
-    switch (kind) {
-      case Kind::kLongformer:
-        return LongformerSparsity{.window = window, .dilation = dilation, .global = global};
-      case Kind::kBigBird:
-        return bigbird;
-      case Kind::kBlock:
-        break;
-    }
-    const std::int64_t heads = per_head ? c.num_heads_q : 1;
-    const std::int64_t nqb = (c.seq_q + block_q - 1) / block_q;
-    const std::int64_t nkb = (c.seq_kv + block_k - 1) / block_k;
-    if (layout.empty()) {
-      std::mt19937_64 rng(c.seed * 7 + 1);
-      std::bernoulli_distribution keep(density);
-      layout.resize(static_cast<std::size_t>(heads * nqb * nkb));
-      for (auto& x : layout) x = density >= 1.0 || keep(rng) ? 1 : 0;
-      // A query block with no key block at all: fully masked rows.
-      if (density < 1.0 && nqb > 1) std::fill(layout.begin() + nkb, layout.begin() + 2 * nkb, 0);
-    }
-    return BlockSparsity{
-        .layout = TensorView::contiguous(layout.data(), DType::kU8, {1, heads, nqb, nkb}),
-        .block_q = block_q,
-        .block_k = block_k};
-  }
-};
-
-// The case's own mask (if any) AND the sparsity's pairs, as one full [B, Hq, Lq, Lk] mask.
-std::vector<std::uint8_t> equivalent_mask(const Problem& pr, const Sparsity& sparsity) {
-  const Case& c = pr.spec();
-  const std::vector<std::uint8_t> sparse =
-      sparse_mask(sparsity, c.seq_q, c.seq_kv, c.num_heads_q, c.align);
-  const AttentionParams base = pr.params();
-  std::vector<std::uint8_t> mask(static_cast<std::size_t>(c.batch) * sparse.size());
-  std::size_t at = 0;
-  for (std::int64_t b = 0; b < c.batch; ++b) {
-    for (std::size_t x = 0; x < sparse.size(); ++x, ++at) {
-      const std::int64_t j = static_cast<std::int64_t>(x) % c.seq_kv;
-      const std::int64_t i = static_cast<std::int64_t>(x) / c.seq_kv % c.seq_q;
-      const std::int64_t h = static_cast<std::int64_t>(x) / c.seq_kv / c.seq_q;
-      bool own = true;
-      if (!base.mask.empty()) {
-        const TensorView& m = base.mask;
-        own = static_cast<const std::uint8_t*>(
-                  m.data)[(m.sizes[0] == 1 ? 0 : b) * m.strides[0] +
-                          (m.sizes[1] == 1 ? 0 : h) * m.strides[1] +
-                          (m.sizes[2] == 1 ? 0 : i) * m.strides[2] + j * m.strides[3]] != 0;
-      }
-      mask[at] = own && sparse[x] != 0 ? 1 : 0;
-    }
-  }
-  return mask;
-}
-
-// Problem::run with a free choice of AttentionParams.
-Result run(const Problem& pr, AttentionParams params, Kernel kernel, int num_threads = 0,
-           bool with_probs = false) {
-  params.kernel = kernel;
-  params.num_threads = num_threads;
-  return pr.run_with(params, with_probs);
-}
-
-struct SparseCase {
-  Case c;
-  SparseSpec spec;
-  std::string name() const { return c.name() + "_" + spec.name; }
-};
-void PrintTo(const SparseCase& c, std::ostream* os) { *os << c.name(); }
-
-// Sparse vs dense-with-the-equivalent-mask on every kernel, and flash vs the reference.
-void check_sparse_case(SparseCase sc) {
-  const Problem pr(sc.c);
-  const Sparsity sparsity = sc.spec.make(sc.c);
-  std::vector<std::uint8_t> mask = equivalent_mask(pr, sparsity);
-  AttentionParams dense = pr.params();
-  dense.mask = TensorView::contiguous(mask.data(), DType::kU8,
-                                      {sc.c.batch, sc.c.num_heads_q, sc.c.seq_q, sc.c.seq_kv});
-  AttentionParams sparse = pr.params();
-  sparse.sparsity = sparsity;
-
-  const Result ref = run(pr, sparse, Kernel::kReference, 0, true);
-  const Result ref_dense = run(pr, dense, Kernel::kReference, 0, true);
-  // The reference sees the same pairs either way: identical bits.
-  EXPECT_TRUE(bit_equal(ref.out, ref_dense.out)) << "reference out";
-  EXPECT_TRUE(bit_equal(ref.lse, ref_dense.lse)) << "reference lse";
-  for (float x : ref.out) ASSERT_FALSE(std::isnan(x));
-
-  // flash: skipping tiles and trimming them to the allowed keys only drops exact zeros, on the
-  // same tile grid as the dense kernel: identical bits.
-  const Result flash = run(pr, sparse, Kernel::kFlash);
-  const Result flash_dense = run(pr, dense, Kernel::kFlash);
-  EXPECT_TRUE(bit_equal(flash.out, flash_dense.out))
-      << "flash out differs from dense flash + mask by "
-      << max_abs_diff(flash.out, flash_dense.out);
-  EXPECT_TRUE(bit_equal(flash.lse, flash_dense.lse))
-      << "flash lse differs by " << max_abs_diff(flash.lse, flash_dense.lse);
-  // And within DESIGN.md section 5 of the f64 reference (unit-scale inputs: the 2e-5 term).
-  const double tol = 2e-5 * std::max(1.0, max_abs(ref.out));
-  EXPECT_LE(max_abs_diff(flash.out, ref.out), tol) << "flash out vs reference";
-  EXPECT_LE(max_abs_diff(flash.lse, ref.lse), 2e-5 * std::max(1.0, max_abs(ref.lse)))
-      << "flash lse vs reference";
-
-  // chunked applies the predicate pair by pair on every tile: identical to its masked run.
-  const Result chunked = run(pr, sparse, Kernel::kChunked, 0, true);
-  const Result chunked_dense = run(pr, dense, Kernel::kChunked, 0, true);
-  EXPECT_TRUE(bit_equal(chunked.out, chunked_dense.out)) << "chunked out";
-  EXPECT_TRUE(bit_equal(chunked.probs, chunked_dense.probs)) << "chunked probs";
-  EXPECT_LE(max_abs_diff(chunked.probs, ref.probs), 2e-5) << "chunked probs vs reference";
-}
-
-std::vector<SparseCase> sparse_cases() {
-  std::vector<SparseCase> cases;
-  std::uint64_t seed = 500;
-  auto add = [&](Case c, SparseSpec s) {
-    c.seed = seed++;
-    cases.push_back({c, s});
-  };
-  SparseSpec longformer{.name = "lf_w3", .window = 3};
-  SparseSpec dilated{.name = "lf_w9_dil3_g", .window = 9, .dilation = 3, .global = {0}};
-  SparseSpec lf_global{.name = "lf_w40_g", .window = 40, .global = {130, 0, 5, 5}};
-  SparseSpec bigbird{.name = "bb_b16_r2_g1", .kind = SparseSpec::Kind::kBigBird};
-  bigbird.bigbird = {.block = 16, .num_random_blocks = 2, .num_global_blocks = 1, .seed = 3};
-  SparseSpec bigbird7{.name = "bb_b7_r3_g2", .kind = SparseSpec::Kind::kBigBird};
-  bigbird7.bigbird = {.block = 7, .num_random_blocks = 3, .num_global_blocks = 2, .seed = 9};
-  SparseSpec block{.name = "blk16x16", .kind = SparseSpec::Kind::kBlock};
-  SparseSpec block_odd{.name = "blk100x7_heads",
-                       .kind = SparseSpec::Kind::kBlock,
-                       .block_q = 100,
-                       .block_k = 7,
-                       .per_head = true};
-  SparseSpec block_one{.name = "blk1x1",
-                       .kind = SparseSpec::Kind::kBlock,
-                       .block_q = 1,
-                       .block_k = 1,
-                       .density = 0.3};
-  SparseSpec block_wide{.name = "blk64x128_heads",
-                        .kind = SparseSpec::Kind::kBlock,
-                        .block_q = 64,
-                        .block_k = 128,
-                        .per_head = true,
-                        .density = 0.6};
-
-  // Odd sizes, square and not, every pattern.
-  for (std::int64_t lq : {1, 7, 63, 65, 200, 517}) {
-    for (std::int64_t lk : {1, 7, 63, 65, 200, 517}) {
-      if (lq * lk > 100000 && lq != lk) continue;  // keep the reference's time down
-      const Case c{.seq_q = lq, .seq_kv = lk, .head_dim = 16};
-      for (const SparseSpec& s : {longformer, dilated, lf_global, bigbird7, block_odd, block_one}) {
-        SparseSpec spec = s;
-        if (spec.kind == SparseSpec::Kind::kLongformer) {
-          std::erase_if(spec.global, [&](std::int64_t g) { return g >= lk; });  // bottom-right
-        }
-        add(c, spec);
-      }
-    }
-  }
-  // Every pattern with causal (both alignments), window, key lengths, mask, bias, softcap,
-  // GQA, batches.
-  for (const SparseSpec& spec :
-       {longformer, dilated, lf_global, bigbird, bigbird7, block, block_odd, block_wide}) {
-    for (Align align : {Align::kBottomRight, Align::kTopLeft}) {
-      Case c{.batch = 2, .seq_q = 150, .seq_kv = 200, .num_heads_q = 4, .num_heads_kv = 2};
-      c.head_dim = 24;
-      c.causal = true;
-      c.align = align;
-      c.key_lengths = c.nan_padding = true;
-      add(c, spec);
-    }
-    Case c{.batch = 2, .seq_q = 200, .seq_kv = 140, .num_heads_q = 6, .num_heads_kv = 3};
-    c.head_dim = 32;
-    c.head_dim_v = 20;
-    c.mask = MaskKind::kRandom;
-    c.bias = BiasKind::kWithNegInf;
-    c.softcap = 10.0f;
-    c.window_left = 80;
-    c.window_right = 30;
-    c.bhsd = true;
-    add(c, spec);
-    // Decoding: few queries, a GQA group's heads in one query block.
-    c = {.batch = 2, .seq_q = 3, .seq_kv = 300, .num_heads_q = 12, .num_heads_kv = 3};
-    c.head_dim = 16;
-    c.causal = c.key_lengths = true;
-    c.bias = BiasKind::kPerHeadRow;
-    add(c, spec);
-  }
-  // Many query blocks per task, long enough for several key tiles on each side of the band.
-  {
-    const Case c{.seq_q = 700, .seq_kv = 700, .num_heads_q = 2, .head_dim = 16};
-    SparseSpec wide{.name = "lf_w150_g", .window = 150, .global = {3, 400, 699}};
-    add(c, wide);
-    SparseSpec wide_dil{.name = "lf_w200_dil130", .window = 200, .dilation = 130};
-    add(c, wide_dil);
-    SparseSpec bb{.name = "bb_b64_r3_g2", .kind = SparseSpec::Kind::kBigBird};
-    bb.bigbird = {.block = 64, .num_random_blocks = 3, .num_global_blocks = 2, .seed = 1};
-    add(c, bb);
-  }
-  return cases;
-}
-
 class SparseSweep : public ::testing::TestWithParam<SparseCase> {};
 
 TEST_P(SparseSweep, MatchesDenseWithEquivalentMask) { check_sparse_case(GetParam()); }
 
-INSTANTIATE_TEST_SUITE_P(Cases, SparseSweep, ::testing::ValuesIn(sparse_cases()),
-                         [](const auto& info) {
-                           std::string name = info.param.name();
-                           for (char& ch : name) {
-                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-                           }
-                           return name + "_" + std::to_string(info.index);
-                         });
+INSTANTIATE_TEST_SUITE_P(Cases, SparseSweep, ::testing::ValuesIn(sparse_cases()), sparse_case_name);
+// bf16 storage: the flash kernel's bf16 path on this CPU (vdpbf16ps on AMD, widened elsewhere;
+// the AMX path in tests/amx_emulated/).
+INSTANTIATE_TEST_SUITE_P(Bf16, SparseSweep, ::testing::ValuesIn(sparse_cases(DType::kBF16)),
+                         sparse_case_name);
 
 // The shared predicate against matrices written out by hand (Lq = Lk = 6, so i' = i).
 TEST(SparsePredicate, LongformerByHand) {
@@ -358,11 +147,11 @@ TEST(SparseEdges, CoveringEverythingEqualsDense) {
         LongformerSparsity{.window = 0, .global = all},  // not everything: control below
         BigBirdSparsity{.block = 64, .num_random_blocks = 0, .num_global_blocks = 9}};
     for (Kernel kernel : {Kernel::kFlash, Kernel::kChunked, Kernel::kReference}) {
-      const Result dense = run(pr, pr.params(), kernel);
+      const Result dense = run_kernel(pr, pr.params(), kernel);
       for (int n = 0; n < 4; ++n) {
         AttentionParams params = pr.params();
         params.sparsity = patterns[n];
-        const Result sparse = run(pr, params, kernel);
+        const Result sparse = run_kernel(pr, params, kernel);
         const bool equal = bit_equal(sparse.out, dense.out) && bit_equal(sparse.lse, dense.lse);
         EXPECT_EQ(equal, n != 2) << "pattern " << n << " kernel " << static_cast<int>(kernel);
       }
@@ -383,7 +172,7 @@ TEST(SparseEdges, FullyMaskedRows) {
                     .block_q = 64,
                     .block_k = 64};
   for (Kernel kernel : {Kernel::kFlash, Kernel::kChunked, Kernel::kReference}) {
-    const Result r = run(pr, params, kernel);
+    const Result r = run_kernel(pr, params, kernel);
     for (std::int64_t h = 0; h < 2; ++h) {
       for (std::int64_t i = 0; i < 130; ++i) {
         const bool empty = i >= 64 && i < 128;
@@ -463,7 +252,7 @@ TEST(SparseValidation, NamesTheArgumentAndSizes) {
   const auto attempt = [&](Sparsity sparsity) {
     AttentionParams params = pr.params();
     params.sparsity = sparsity;
-    run(pr, params, Kernel::kAuto);
+    run_kernel(pr, params, Kernel::kAuto);
   };
   expect_error([&] { attempt(LongformerSparsity{.window = -1}); },
                "sparsity: Longformer window w = -1 must be >= 0");
