@@ -50,7 +50,7 @@ INSTANTIATE_TEST_SUITE_P(Bf16, AmxEmulatedSparse, ::testing::ValuesIn(sparse_cas
                          sparse_case_name);
 
 // Each task loads its own tile configuration (TaskScope): results are the same bits whatever
-// the thread count, with key splits and several query blocks per kv head.
+// the thread count, with key splits and several query blocks per kv head, dense and sparse.
 TEST(AmxEmulatedThreads, BitIdenticalWhateverTheThreadCount) {
   QKV_SKIP_WITHOUT_AMX();
   bf16dot::set_enabled(false);
@@ -61,6 +61,9 @@ TEST(AmxEmulatedThreads, BitIdenticalWhateverTheThreadCount) {
   const Problem problem(wide);
   AttentionParams params = problem.params();
   params.kernel = Kernel::kFlash;
+  expect_same_bits_on_any_thread_count(problem, params);
+  const std::int64_t global[] = {0, 150};
+  params.sparsity = LongformerSparsity{.window = 60, .dilation = 2, .global = global};
   expect_same_bits_on_any_thread_count(problem, params);
   bf16dot::set_enabled(true);
 }

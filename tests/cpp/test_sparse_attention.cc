@@ -202,17 +202,20 @@ TEST(SparseThreads, BitIdenticalWhateverTheThreadCount) {
   Case c{.batch = 2, .seq_q = 600, .seq_kv = 640, .num_heads_q = 4, .num_heads_kv = 2};
   c.head_dim = 32;
   c.causal = c.key_lengths = true;
-  const Problem pr(c);
   const std::int64_t global[] = {0, 300};
   const Sparsity patterns[] = {
       LongformerSparsity{.window = 100, .dilation = 2, .global = global},
       BigBirdSparsity{.block = 32, .num_random_blocks = 3, .num_global_blocks = 1, .seed = 5}};
-  for (const Sparsity& sparsity : patterns) {
-    AttentionParams params = pr.params();
-    params.sparsity = sparsity;
-    for (Kernel kernel : {Kernel::kFlash, Kernel::kChunked}) {
-      params.kernel = kernel;
-      expect_same_bits_on_any_thread_count(pr, params);
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    c.dtype = dtype;
+    const Problem pr(c);
+    for (const Sparsity& sparsity : patterns) {
+      AttentionParams params = pr.params();
+      params.sparsity = sparsity;
+      for (Kernel kernel : {Kernel::kFlash, Kernel::kChunked}) {
+        params.kernel = kernel;
+        expect_same_bits_on_any_thread_count(pr, params);
+      }
     }
   }
 }
