@@ -14,6 +14,8 @@ enum class ProductPath {
   kF16Widened,   // f16 operands widened to f32 (exact), Highway FMA
   kBf16Pairs,    // bf16 pairs on vdpbf16ps (AVX512-BF16), f32 accumulation, probabilities in bf16
   kBf16Amx,      // bf16 on AMX tiles (tdpbf16ps), f32 accumulation, probabilities in bf16
+  kF16Amx,       // f16 split into bf16 hi + lo on AMX tiles (3 products for q k^T, 2 for p v),
+                 // f32 accumulation, probabilities in bf16
 };
 
 // The f32 FMA path for dtype (bf16 and f16 widened): the chunked kernel always takes it (its
@@ -24,7 +26,8 @@ constexpr ProductPath WideningProductPath(DType dtype) {
                                 : ProductPath::kF32;
 }
 
-// "f32-fma", "bf16-widened-fma", "f16-widened-fma", "bf16-vdpbf16ps", "bf16-amx".
+// "f32-fma", "bf16-widened-fma", "f16-widened-fma", "bf16-vdpbf16ps", "bf16-amx",
+// "f16-amx-split".
 constexpr const char* product_path_name(ProductPath path) {
   switch (path) {
     case ProductPath::kBf16Widened:
@@ -35,16 +38,24 @@ constexpr const char* product_path_name(ProductPath path) {
       return "bf16-vdpbf16ps";
     case ProductPath::kBf16Amx:
       return "bf16-amx";
+    case ProductPath::kF16Amx:
+      return "f16-amx-split";
     case ProductPath::kF32:
       break;
   }
   return "f32-fma";
 }
 
-// Whether the path rounds the probabilities to the input dtype before the value product (the
-// vdpbf16ps and AMX paths do, as FlashAttention does on GPUs; the others keep them in f32).
+// Whether the path rounds the probabilities to bf16 before the value product (the vdpbf16ps and
+// AMX paths do, as FlashAttention does on GPUs; the others keep them in f32).
 constexpr bool rounds_probabilities(ProductPath path) {
-  return path == ProductPath::kBf16Pairs || path == ProductPath::kBf16Amx;
+  return path == ProductPath::kBf16Pairs || path == ProductPath::kBf16Amx ||
+         path == ProductPath::kF16Amx;
+}
+
+// Whether the path's products run on AMX tiles (`qkv bench` divides their rate by the AMX peak).
+constexpr bool runs_on_amx(ProductPath path) {
+  return path == ProductPath::kBf16Amx || path == ProductPath::kF16Amx;
 }
 
 // The path the flash kernel takes for dtype on the Highway target it dispatches to now and this

@@ -53,10 +53,12 @@ constexpr const char* kBenchUsage =
     "                   resolves to flash). 'reference' is the scalar oracle: slow\n"
     "  --dtype T        f32 (default), bf16 or f16: storage of q, k and v (the kernels accumulate\n"
     "                   in f32; bf16 runs on AMX tiles where the CPU has AMX-BF16, on\n"
-    "                   vdpbf16ps on AMD CPUs with AVX512-BF16, else widened to f32, as f16\n"
-    "                   always is; json: products). The fp32 peak is also printed (json:\n"
-    "                   fp32_peak_gflops), and the AMX tile peak where bf16 has it\n"
-    "                   (amx_peak_gflops; %peak of bf16-amx rows divides by it)\n"
+    "                   vdpbf16ps on AMD CPUs with AVX512-BF16, else widened to f32; f16 on\n"
+    "                   AMX tiles as bf16 hi + lo parts where the CPU has AMX-BF16, else\n"
+    "                   widened; json: products). The fp32 peak is also printed (json:\n"
+    "                   fp32_peak_gflops), and the AMX tile peak where bf16 or f16 has it\n"
+    "                   (amx_peak_gflops; %peak of bf16-amx and f16-amx-split rows divides\n"
+    "                   by it)\n"
     "  --threads N      threads for the kernels and the FMA probe (default 0 = OpenMP's default)\n"
     "  --repeats R      timed repeats per case, median reported (default 5; fewer when one call\n"
     "                   takes over 2 s, unless given)\n"
@@ -404,16 +406,18 @@ double kv_gbytes_per_second(const BenchCase& c, const BenchResult& r, DType dtyp
   return kv_bytes / r.seconds / 1e9;
 }
 // The machine probes of one run: the fp32 FMA peak, the vdpbf16ps peak (bf16 runs on a CPU with
-// AVX512-BF16; else 0), the AMX tile peak (bf16 runs on a CPU with AMX-BF16; else 0), and the
-// streaming read bandwidth. %peak divides by the peak of the instructions the row's products ran
-// on (peak_for).
+// AVX512-BF16; else 0), the AMX tile peak (bf16 and f16 runs on a CPU with AMX-BF16; else 0),
+// and the streaming read bandwidth. %peak divides by the peak of the instructions the row's
+// products ran on (peak_for; f16-amx-split runs 2.5x the tile work of the FLOPs it counts).
 struct Probes {
   tools::FmaPeak fp32_peak, pairs_peak, amx_peak;
   tools::ReadBandwidth bandwidth;
 
   const tools::FmaPeak& peak_for(const BenchResult& r) const {
     if (r.products == "bf16-vdpbf16ps" && pairs_peak.gflops > 0.0) return pairs_peak;
-    if (r.products == "bf16-amx" && amx_peak.gflops > 0.0) return amx_peak;
+    if ((r.products == "bf16-amx" || r.products == "f16-amx-split") && amx_peak.gflops > 0.0) {
+      return amx_peak;
+    }
     return fp32_peak;
   }
 };
@@ -467,7 +471,8 @@ void print_table_header(int threads, DType dtype, const Probes& probes) {
   }
   if (probes.amx_peak.gflops > 0.0) {
     std::printf(
-        "AMX tile peak %.1f GFLOP/s (%.2fx the fp32 peak): %%peak of bf16-amx rows divides by it\n",
+        "AMX tile peak %.1f GFLOP/s (%.2fx the fp32 peak): %%peak of bf16-amx and f16-amx-split "
+        "rows divides by it\n",
         probes.amx_peak.gflops, probes.amx_peak.gflops / probes.fp32_peak.gflops);
   }
   std::printf("memory: %s\n\n",
@@ -525,7 +530,9 @@ int run_bench(std::vector<std::string> args) {
   probes.fp32_peak = tools::measure_fma_peak(threads);
   if (options.dtype == DType::kBF16 && !options.linear) {
     probes.pairs_peak = tools::measure_bf16_peak(threads);  // 0 without AVX512-BF16
-    probes.amx_peak = tools::measure_amx_peak(threads);     // 0 without AMX-BF16
+  }
+  if (options.dtype != DType::kF32 && !options.linear) {
+    probes.amx_peak = tools::measure_amx_peak(threads);  // 0 without AMX-BF16
   }
   probes.bandwidth = tools::measure_read_bandwidth(threads);
   if (options.json) {

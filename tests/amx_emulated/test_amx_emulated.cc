@@ -21,7 +21,8 @@ namespace qkv::testing {
 namespace {
 
 // On AMD CPUs the flash kernel prefers the vdpbf16ps pairs to the tiles (bf16dot::preferred);
-// switched off here, bf16 takes the (emulated) tiles, as on an Intel CPU with AMX.
+// switched off here, bf16 takes the (emulated) tiles, as on an Intel CPU with AMX, and so does
+// f16 (as bf16 hi + lo parts).
 template <class Param>
 class OnEmulatedTiles : public ::testing::TestWithParam<Param> {
  protected:
@@ -29,6 +30,7 @@ class OnEmulatedTiles : public ::testing::TestWithParam<Param> {
     QKV_SKIP_WITHOUT_AMX() << " (here: no AVX512-BF16, which amx_tiles.cc's other code needs)";
     bf16dot::set_enabled(false);
     ASSERT_EQ(attention_flash_product_path(DType::kBF16), ProductPath::kBf16Amx);
+    ASSERT_EQ(attention_flash_product_path(DType::kF16), ProductPath::kF16Amx);
   }
   void TearDown() override { bf16dot::set_enabled(true); }
 };
@@ -39,6 +41,9 @@ TEST_P(AmxEmulated, FlashMatchesReference) { check_against_reference(Problem(Get
 INSTANTIATE_TEST_SUITE_P(Bf16, AmxEmulated,
                          ::testing::ValuesIn(with_dtype(kernel_cases(), DType::kBF16)),
                          [](const auto& info) { return info.param.name(); });
+INSTANTIATE_TEST_SUITE_P(F16, AmxEmulated,
+                         ::testing::ValuesIn(with_dtype(kernel_cases(), DType::kF16)),
+                         [](const auto& info) { return info.param.name(); });
 
 // Block sparsity on the tiles: against dense attention with the equivalent mask and the
 // reference (sparse_cases.h).
@@ -47,6 +52,8 @@ using AmxEmulatedSparse = OnEmulatedTiles<SparseCase>;
 TEST_P(AmxEmulatedSparse, MatchesDenseWithEquivalentMask) { check_sparse_case(GetParam()); }
 
 INSTANTIATE_TEST_SUITE_P(Bf16, AmxEmulatedSparse, ::testing::ValuesIn(sparse_cases(DType::kBF16)),
+                         sparse_case_name);
+INSTANTIATE_TEST_SUITE_P(F16, AmxEmulatedSparse, ::testing::ValuesIn(sparse_cases(DType::kF16)),
                          sparse_case_name);
 
 // Each task loads its own tile configuration (TaskScope): results are the same bits whatever
@@ -57,14 +64,16 @@ TEST(AmxEmulatedThreads, BitIdenticalWhateverTheThreadCount) {
   Case wide{.batch = 2, .seq_q = 300, .seq_kv = 333, .num_heads_q = 3, .head_dim = 64};
   wide.causal = wide.key_lengths = true;
   wide.bias = BiasKind::kRandom;
-  wide.dtype = DType::kBF16;
-  const Problem problem(wide);
-  AttentionParams params = problem.params();
-  params.kernel = Kernel::kFlash;
-  expect_same_bits_on_any_thread_count(problem, params);
-  const std::int64_t global[] = {0, 150};
-  params.sparsity = LongformerSparsity{.window = 60, .dilation = 2, .global = global};
-  expect_same_bits_on_any_thread_count(problem, params);
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    wide.dtype = dtype;
+    const Problem problem(wide);
+    AttentionParams params = problem.params();
+    params.kernel = Kernel::kFlash;
+    expect_same_bits_on_any_thread_count(problem, params);
+    const std::int64_t global[] = {0, 150};
+    params.sparsity = LongformerSparsity{.window = 60, .dilation = 2, .global = global};
+    expect_same_bits_on_any_thread_count(problem, params);
+  }
   bf16dot::set_enabled(true);
 }
 

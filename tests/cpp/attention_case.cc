@@ -13,11 +13,6 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Rounds `x` to the storage type (bf16/f16; f32: unchanged).
-float round_to(DType dtype, float x) {
-  return dtype == DType::kF32 ? x : half_bits_to_f32(dtype, f32_to_half_bits(dtype, x));
-}
-
 std::vector<float> normal(std::mt19937_64& rng, std::int64_t n, float scale) {
   std::normal_distribution<float> dist(0.0f, 1.0f);
   std::vector<float> data(static_cast<std::size_t>(n));
@@ -331,11 +326,12 @@ Result Problem::plain(ProductPath path, const std::vector<std::uint8_t>* keep) c
           s[j] = s[j] == kNegInf ? 0.0f : std::exp(s[j] - max);
           sum += s[j];
         }
-        // Where the path rounds the probabilities, exp(s - max) is rounded before it weights v
+        // Where the path rounds the probabilities (to bf16, whatever the inputs' dtype: the f16
+        // AMX path too), exp(s - max) is rounded before it weights v
         // and the f32 sum divides after (as the kernel's online softmax does); else p = e / sum.
         const float inv = round_probs ? 1.0f / sum : 1.0f;
         for (std::int64_t j = 0; j < c.seq_kv; ++j) {
-          s[j] = round_probs ? round_to(c.dtype, s[j]) : s[j] / sum;
+          s[j] = round_probs ? round_to_bf16(s[j]) : s[j] / sum;
         }
         for (std::int64_t e = 0; e < head_dim_v(); ++e) {
           float acc = 0.0f;

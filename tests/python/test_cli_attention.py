@@ -421,16 +421,16 @@ def test_bench_dtype(cli, dtype):
     assert record["gflops"] > 0 and record["fp32_peak_gflops"] > 0
     # The product path that ran (kernel auto = flash here): vdpbf16ps pairs for bf16 on an AMD
     # CPU with AVX512-BF16 (bf16dot::preferred: slower than FMA on Intel's), AMX tiles on a CPU
-    # with AMX-BF16, else f32 FMA on the operands widened.
+    # with AMX-BF16 (f16 as bf16 hi + lo parts), else f32 FMA on the operands widened.
     flags = cpu_flags()
     pairs = dtype == "bf16" and "avx512_bf16" in flags and cpu_vendor() == "AuthenticAMD"
-    amx = dtype == "bf16" and not pairs and {"amx_bf16", "amx_tile", "avx512_bf16"} <= flags
+    amx = dtype != "f32" and not pairs and {"amx_bf16", "amx_tile", "avx512_bf16"} <= flags
     if dtype == "f32":
         assert record["products"] == "f32-fma"
     elif pairs:
         assert record["products"] == "bf16-vdpbf16ps"
     elif amx:
-        assert record["products"] == "bf16-amx"
+        assert record["products"] == ("bf16-amx" if dtype == "bf16" else "f16-amx-split")
         assert record["amx_peak_gflops"] > 0
     else:
         assert record["products"] == f"{dtype}-widened-fma"

@@ -144,23 +144,27 @@ struct PairProducts {
   }
 };
 
-// bf16 on AMX tiles (kernels/cpu/amx.h): on the AVX3 targets of a CPU with AMX-BF16, both
-// tile products of the wide blocks run as tdpbf16ps, f32 accumulation. As on the vdpbf16ps
+// bf16 and f16 on AMX tiles (kernels/cpu/amx.h): on the AVX3 targets of a CPU with AMX-BF16,
+// both tile products of the wide blocks run as tdpbf16ps, f32 accumulation. As on the vdpbf16ps
 // path, q is unscaled (its bf16 values are exact) and the scores are multiplied by scale in f32
 // (inside the softmax's exp, SoftmaxScale, where no softcap or bias needs them scaled before),
 // and the values use the probabilities rounded to bf16 (the row sums stay f32). K rows are
 // staged as padded bf16 rows, V as bf16 columns, once per tile for the blocks of a task; the
-// tile configuration is loaded once per task (TaskScope). The decode path's narrow blocks keep
-// the widened products: a few query rows fill no tile, and decoding is bound by the reads.
+// tile configuration is loaded once per task (TaskScope). f16 (T = hwy::float16_t; the tiles
+// multiply bf16 only, and the CPUs with AMX-FP16 are not the ones this was written on) takes
+// each value as bf16 hi + lo (exact; tile_staging-inl.h): the scores are one product over three
+// segments of the depth (qh . kh + qh . kl + ql . kh), the values two (P . Vh + P . Vl), so f16
+// loses nothing but the probabilities' rounding to bf16, for 3x and 2x the tile work. The decode
+// path's narrow blocks keep the widened products: a few query rows fill no tile, and decoding is
+// bound by the reads.
+template <typename T>
 struct AmxProducts {
-  static constexpr ProductPath kPath = ProductPath::kBf16Amx;
+  static constexpr bool kSplit = std::is_same_v<T, hwy::float16_t>;
+  static constexpr ProductPath kPath = kSplit ? ProductPath::kF16Amx : ProductPath::kBf16Amx;
   static constexpr bool kAmxLanes = kBlockQ == amx::kLanes;
-  using Narrow = WideProducts<hwy::bfloat16_t>;
+  using Narrow = WideProducts<T>;
   using TaskScope = amx::TileScope;
 
-  static std::int64_t Depth(const AttentionKernelParams& p) {
-    return amx::round_up(p.head_dim, amx::kDepthStep);
-  }
   // The scores leave the tiles unscaled and the online softmax multiplies them by the scale
   // inside its exp's FMA, saving a pass over the tile, unless softcap or a bias needs them
   // scaled first (MaskScoreTile).
@@ -171,25 +175,35 @@ struct AmxProducts {
     return DeferScale(p) ? p.scale : 1.0f;
   }
   static void StartBlock(const AttentionKernelParams& p, QueryBlock& qb) {
-    PackQueryPairs(p, qb);
-    std::uint32_t* qt = reinterpret_cast<std::uint32_t*>(qb.qt);
-    std::fill(qt + (p.head_dim + 1) / 2 * kBlockQ, qt + Depth(p) / 2 * kBlockQ, 0u);
+    if constexpr (kSplit) {
+      PackQuerySplit(p, qb);
+    } else {
+      PackQueryPairs(p, qb);
+      std::uint32_t* qt = reinterpret_cast<std::uint32_t*>(qb.qt);
+      std::fill(qt + (p.head_dim + 1) / 2 * kBlockQ, qt + AmxDepth(p) / 2 * kBlockQ, 0u);
+    }
     std::fill(qb.ot, qb.ot + OtRows(p) * kBlockQ, 0.0f);
   }
   static void Scores(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
                      std::int64_t num_k, float* HWY_RESTRICT st, Staging& staging,
                      const std::int64_t*) {
-    const std::int64_t depth = Depth(p);
-    const std::uint16_t* k = StageKeyTile(p, qb, j0, num_k, depth, staging.k);
+    const std::int64_t depth = AmxDepth(p);
+    const std::uint16_t* k = kSplit ? StageKeySplit(p, qb, j0, num_k, staging.k)
+                                    : StageKeyTile(p, qb, j0, num_k, depth, staging.k);
     amx::scores(k, depth, reinterpret_cast<const std::uint32_t*>(qb.qt), depth, num_k,
                 DeferScale(p) ? 1.0f : p.scale, st);
   }
   static void Values(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
                      std::int64_t num_k, const float* st, const float* alpha, Staging& staging,
                      const std::int64_t* vec_end) {
-    const std::uint16_t* vt = StageValueTile(p, qb, j0, num_k, staging.v);
+    const std::uint16_t* vt = kSplit ? StageValueSplit(p, qb, j0, num_k, staging.v)
+                                     : StageValueTile(p, qb, j0, num_k, staging.v);
     amx::pack_probs(st, num_k, vec_end, staging.prob_pairs);
     amx::values(vt, kBlockK, staging.prob_pairs, num_k, p.head_dim_v, alpha, vec_end, qb.ot);
+    if constexpr (kSplit) {  // + P . Vl, the lo parts' columns OtRows(p) rows further
+      amx::values(vt + OtRows(p) * kBlockK, kBlockK, staging.prob_pairs, num_k, p.head_dim_v,
+                  nullptr, vec_end, qb.ot);
+    }
   }
 
   static void NarrowQuery(const AttentionKernelParams& p, NarrowBlock& nb) {
@@ -210,32 +224,37 @@ struct AmxProducts {
 
 // The path of the flash kernel for dtype on this target and CPU, for bf16: the vdpbf16ps pairs
 // where bf16dot::preferred() (AMD: faster than FMA there, slower on Intel; or forced), else AMX
-// tiles where amx::available(), else widened (the chunked kernel always widens:
-// WideningProductPath).
+// tiles where amx::available(), else widened; for f16: AMX tiles (hi + lo parts) where
+// amx::available(), else widened (the chunked kernel always widens: WideningProductPath).
 inline ProductPath FlashProductPath(DType dtype) {
   if constexpr (PairProducts::kPairLanes) {
     if (dtype == DType::kBF16 && bf16dot::preferred()) return ProductPath::kBf16Pairs;
   }
-  if constexpr (AmxProducts::kAmxLanes) {
+  if constexpr (AmxProducts<hwy::bfloat16_t>::kAmxLanes) {
     if (dtype == DType::kBF16 && amx::available()) return ProductPath::kBf16Amx;
+    if (dtype == DType::kF16 && amx::available()) return ProductPath::kF16Amx;
   }
   return WideningProductPath(dtype);
 }
 
-// f(Products{}) for the path: the one place that instantiates the skeletons. (kBf16Pairs and
-// kBf16Amx exist only where kPairLanes and kAmxLanes hold; FlashProductPath never picks them
+// f(Products{}) for the path: the one place that instantiates the skeletons. (kBf16Pairs and the
+// AMX paths exist only where kPairLanes and kAmxLanes hold; FlashProductPath never picks them
 // elsewhere.)
 template <class F>
 void WithProducts(ProductPath path, F&& f) {
+  constexpr bool kAmxLanes = AmxProducts<hwy::bfloat16_t>::kAmxLanes;
   switch (path) {
     case ProductPath::kBf16Amx:
-      if constexpr (AmxProducts::kAmxLanes) return f(AmxProducts{});
+      if constexpr (kAmxLanes) return f(AmxProducts<hwy::bfloat16_t>{});
       [[fallthrough]];
     case ProductPath::kBf16Pairs:
       if constexpr (PairProducts::kPairLanes) return f(PairProducts{});
       [[fallthrough]];
     case ProductPath::kBf16Widened:
       return f(WideProducts<hwy::bfloat16_t>{});
+    case ProductPath::kF16Amx:
+      if constexpr (kAmxLanes) return f(AmxProducts<hwy::float16_t>{});
+      [[fallthrough]];
     case ProductPath::kF16Widened:
       return f(WideProducts<hwy::float16_t>{});
     case ProductPath::kF32:

@@ -163,10 +163,19 @@ constexpr std::int64_t F32OrPaddedBf16(std::int64_t n, std::int64_t step) {
   return std::max(n, (n + step - 1) / step * step / 2);
 }
 
-// Rows of a block's qt and ot: D and Dv, padded for the AMX tiles, whose q pairs cover D rounded
-// up to 32 and whose outputs come 16 value dims at a time. (The padding rows hold zeros; no
+// bf16 elements of a q or K row on the AMX tiles: D rounded up to 32, and for f16, whose values
+// the tiles take as bf16 hi + lo parts, three such segments (AmxProducts in products-inl.h).
+inline std::int64_t AmxDepth(const AttentionKernelParams& p) {
+  const std::int64_t padded = (p.head_dim + 31) / 32 * 32;
+  return p.dtype == DType::kF16 ? 3 * padded : padded;
+}
+
+// Rows of a block's qt and ot: D and Dv, padded for the AMX tiles, whose q pairs cover
+// AmxDepth and whose outputs come 16 value dims at a time. (The padding rows hold zeros; no
 // other path reads them.)
-inline std::int64_t QtRows(const AttentionKernelParams& p) { return F32OrPaddedBf16(p.head_dim, 32); }
+inline std::int64_t QtRows(const AttentionKernelParams& p) {
+  return std::max(p.head_dim, AmxDepth(p) / 2);
+}
 inline std::int64_t OtRows(const AttentionKernelParams& p) { return (p.head_dim_v + 15) / 16 * 16; }
 
 // Scratch one QueryBlock needs: floats, and int64s.

@@ -10,10 +10,12 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 
+#include "core/float16.h"
 #include "hwy/highway.h"
 #include "kernels/cpu/tile_geometry-inl.h"
 #include "kernels/cpu/transpose-inl.h"
@@ -90,27 +92,31 @@ struct Staging {
 };
 
 // Floats of the K and V staging tiles: kBlockK rows of dim f32 (an f32 K uses its part only
-// where kStagesF32Rows); for bf16 at least the AMX tiles' bf16 K rows of D rounded up to 32 and
-// V columns of Dv rounded up to 16 (AmxProducts in products-inl.h).
+// where kStagesF32Rows); for bf16 and f16 at least the AMX tiles' bf16 K rows of AmxDepth and
+// V columns of Dv rounded up to 16 (two sets of them for f16's hi and lo parts; AmxProducts in
+// products-inl.h).
 inline std::int64_t StagedKFloats(const AttentionKernelParams& p) {
-  return kBlockK * (p.dtype == DType::kBF16 ? F32OrPaddedBf16(p.head_dim, 32) : p.head_dim);
+  return kBlockK * (p.dtype == DType::kF32 ? p.head_dim : std::max(p.head_dim, AmxDepth(p) / 2));
 }
 inline std::int64_t StagedVFloats(const AttentionKernelParams& p) {
-  return kBlockK * (p.dtype == DType::kBF16 ? F32OrPaddedBf16(p.head_dim_v, 16) : p.head_dim_v);
+  const std::int64_t columns = (p.head_dim_v + 15) / 16 * 16;  // bf16 elements of one set
+  const std::int64_t sets = p.dtype == DType::kF16 ? 2 : 1;
+  return kBlockK * (p.dtype == DType::kF32 ? p.head_dim_v
+                                           : std::max(p.head_dim_v, sets * columns / 2));
 }
 
-// Floats of the staging tiles; bf16 adds the probabilities as pair words for the vdpbf16ps and
-// AMX products (PairProducts, AmxProducts in products-inl.h).
+// Floats of the staging tiles; bf16 and f16 add the probabilities as pair words for the
+// vdpbf16ps and AMX products (PairProducts, AmxProducts in products-inl.h).
 inline std::int64_t StagingFloats(const AttentionKernelParams& p) {
   return StagedKFloats(p) + StagedVFloats(p) +
-         (p.dtype == DType::kBF16 ? kBlockK / 2 * kBlockQ : 0);
+         (p.dtype != DType::kF32 ? kBlockK / 2 * kBlockQ : 0);
 }
 
 inline Staging BindStaging(const AttentionKernelParams& p, float* floats) {
   Staging s;
   s.k.buffer = floats;
   s.v.buffer = floats + StagedKFloats(p);
-  if (p.dtype == DType::kBF16) {
+  if (p.dtype != DType::kF32) {
     s.prob_pairs = reinterpret_cast<std::uint32_t*>(s.v.buffer + StagedVFloats(p));
   }
   return s;
@@ -410,6 +416,108 @@ inline const std::uint16_t* StageValueTile(const AttentionKernelParams& p, const
   }
   staged = {staged.buffer, qb.v, j0, num_k};
   return vt;
+}
+
+// ---------------------------------------------------------------------------------------------
+// f16 operands for the AMX tiles, which multiply bf16 only: each f16 value x becomes two bf16,
+// hi = bf16(x) (to nearest even) and lo = bf16(x - hi). x has 11 significant bits and hi its
+// first 8, so x - hi has at most 3 and lo is exact: x = hi + lo, and q . k is
+// qh . kh + qh . kl + ql . kh up to the ql . kl term (2^-16 of |q| |k|, below f16's own rounding).
+// The products therefore lose nothing f16 had; AmxProducts<hwy::float16_t> in products-inl.h.
+
+struct SplitBf16 {
+  std::uint16_t hi = 0, lo = 0;
+};
+
+// x = hi + lo for the f16 `bits` (inf and NaN: hi carries them, lo = 0).
+HWY_INLINE SplitBf16 SplitF16(std::uint16_t bits) {
+  const float x = f16_bits_to_f32(bits);
+  const std::uint16_t hi = f32_to_bf16_bits(x);
+  if (!std::isfinite(x)) return {hi, 0};
+  return {hi, f32_to_bf16_bits(x - bf16_bits_to_f32(hi))};
+}
+
+// The parts of element d of row `row` (q, k: p's strides along D), zero past D.
+HWY_INLINE SplitBf16 SplitAt(const void* base, std::int64_t row, std::int64_t d,
+                             const AttentionKernelParams& p, std::int64_t d_stride) {
+  if (d >= p.head_dim) return {};
+  return SplitF16(static_cast<const std::uint16_t*>(base)[row + d * d_stride]);
+}
+
+// qt as three segments of pair rows, each D rounded up to 32 (AmxDepth / 2 rows in all):
+// (qh[2t], qh[2t + 1]), the same again, then (ql[2t], ql[2t + 1]); unscaled, zero past num_q
+// and D. The K rows (StageKeySplit) hold kh, kl, kh, so one tile product over the three segments
+// sums qh . kh + qh . kl + ql . kh.
+inline void PackQuerySplit(const AttentionKernelParams& p, QueryBlock& qb) {
+  std::uint32_t* qt = reinterpret_cast<std::uint32_t*>(qb.qt);
+  const std::int64_t segment = AmxDepth(p) / 6;  // pair rows
+  for (std::int64_t l = 0; l < kBlockQ; ++l) {
+    const bool real = l < qb.num_q;
+    const std::int64_t row = real ? LaneRow(p.q_stride, qb, l) : 0;
+    for (std::int64_t t = 0; t < segment; ++t) {
+      SplitBf16 a, b;
+      if (real) {
+        a = SplitAt(p.q, row, 2 * t, p, p.q_stride[3]);
+        b = SplitAt(p.q, row, 2 * t + 1, p, p.q_stride[3]);
+      }
+      const std::uint32_t hi = a.hi | static_cast<std::uint32_t>(b.hi) << 16;
+      qt[t * kBlockQ + l] = hi;
+      qt[(segment + t) * kBlockQ + l] = hi;
+      qt[(2 * segment + t) * kBlockQ + l] = a.lo | static_cast<std::uint32_t>(b.lo) << 16;
+    }
+  }
+}
+
+// Keys [j0, j0 + num_k) as bf16 rows of AmxDepth elements: kh, kl, kh, each segment D rounded
+// up to 32 and zero past D, and zero rows up to a multiple of 16.
+inline const std::uint16_t* StageKeySplit(const AttentionKernelParams& p, const QueryBlock& qb,
+                                          std::int64_t j0, std::int64_t num_k,
+                                          StagedRows& staged) {
+  std::uint16_t* rows = reinterpret_cast<std::uint16_t*>(staged.buffer);
+  if (staged.Holds(qb.k, j0, num_k)) return rows;
+  const std::int64_t depth = AmxDepth(p), segment = depth / 3;
+  for (std::int64_t j = 0; j < num_k; ++j) {
+    const std::int64_t row = (j0 + j) * p.k_stride[1];
+    std::uint16_t* dst = rows + j * depth;
+    for (std::int64_t d = 0; d < segment; ++d) {
+      const SplitBf16 x = SplitAt(qb.k, row, d, p, p.k_stride[3]);
+      dst[d] = x.hi;
+      dst[segment + d] = x.lo;
+      dst[2 * segment + d] = x.hi;
+    }
+  }
+  std::fill(rows + num_k * depth, rows + (num_k + 15) / 16 * 16 * depth, std::uint16_t{0});
+  staged = {staged.buffer, qb.k, j0, num_k};
+  return rows;
+}
+
+// Values [j0, j0 + num_k) as two sets of bf16 columns (StageValueTile's layout: vt[e][j], rows
+// kBlockK elements apart, zero past Dv and num_k up to round_up(num_k, 32)): the hi parts, then,
+// round_up(Dv, 16) rows further, the lo parts.
+inline const std::uint16_t* StageValueSplit(const AttentionKernelParams& p, const QueryBlock& qb,
+                                            std::int64_t j0, std::int64_t num_k,
+                                            StagedRows& staged) {
+  std::uint16_t* hi = reinterpret_cast<std::uint16_t*>(staged.buffer);
+  if (staged.Holds(qb.v, j0, num_k)) return hi;
+  const std::int64_t dv = p.head_dim_v, rows = (dv + 15) / 16 * 16;
+  const std::int64_t keys = (num_k + 31) / 32 * 32;
+  std::uint16_t* lo = hi + rows * kBlockK;
+  const auto* v = static_cast<const std::uint16_t*>(qb.v) + j0 * p.v_stride[1];
+  for (std::uint16_t* set : {hi, lo}) {  // the zero padding
+    for (std::int64_t e = 0; e < rows; ++e) {
+      std::fill(set + e * kBlockK + (e < dv ? num_k : 0), set + e * kBlockK + keys,
+                std::uint16_t{0});
+    }
+  }
+  for (std::int64_t j = 0; j < num_k; ++j) {  // rows of v in order, scattered into columns
+    for (std::int64_t e = 0; e < dv; ++e) {
+      const SplitBf16 x = SplitF16(v[j * p.v_stride[1] + e * p.v_stride[3]]);
+      hi[e * kBlockK + j] = x.hi;
+      lo[e * kBlockK + j] = x.lo;
+    }
+  }
+  staged = {staged.buffer, qb.v, j0, num_k};
+  return hi;
 }
 
 }  // namespace tiles
