@@ -76,13 +76,21 @@ constexpr std::int64_t kAnyKey = std::numeric_limits<std::int64_t>::min();
 // no prefetch).
 HWY_INLINE void PrefetchL2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
+template <typename T>
+HWY_INLINE float WideElement(T x);
+
 // kLanes elements of an f32, bf16 or f16 row (T = float, hwy::bfloat16_t, hwy::float16_t) as
-// f32 (exact), and one element.
+// f32 (exact), and one element. (On HWY_SCALAR, Highway 1.0.3 widens f16 by bit arithmetic that
+// turns inf into 65536 and NaN into finite values; the one lane is widened as WideElement does.
+// The x86 targets use the hardware conversion, which keeps them. test_f16_split.cc.)
 template <typename T>
 HWY_INLINE VF LoadWide(DF df, const T* HWY_RESTRICT src) {
   if constexpr (std::is_same_v<T, float>) {
     return hn::LoadU(df, src);
   } else {
+#if HWY_TARGET == HWY_SCALAR
+    if constexpr (std::is_same_v<T, hwy::float16_t>) return hn::Set(df, WideElement(*src));
+#endif
     return hn::PromoteTo(df, hn::LoadU(hn::Rebind<T, DF>(), src));
   }
 }

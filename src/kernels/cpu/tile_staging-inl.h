@@ -100,9 +100,10 @@ inline std::int64_t StagedKFloats(const AttentionKernelParams& p) {
 }
 inline std::int64_t StagedVFloats(const AttentionKernelParams& p) {
   const std::int64_t columns = (p.head_dim_v + 15) / 16 * 16;  // bf16 elements of one set
-  const std::int64_t sets = p.dtype == DType::kF16 ? 2 : 1;
-  return kBlockK * (p.dtype == DType::kF32 ? p.head_dim_v
-                                           : std::max(p.head_dim_v, sets * columns / 2));
+  if (p.dtype == DType::kF16) {  // hi and lo columns, and their rows before the transpose
+    return kBlockK * (columns + p.head_dim_v);
+  }
+  return kBlockK * (p.dtype == DType::kF32 ? p.head_dim_v : std::max(p.head_dim_v, columns / 2));
 }
 
 // Floats of the staging tiles; bf16 and f16 add the probabilities as pair words for the
@@ -359,38 +360,35 @@ inline const std::uint16_t* StageKeyTile(const AttentionKernelParams& p, const Q
   return rows;
 }
 
-// Values [j0, j0 + num_k) as bf16 columns: vt[e][j] = v[j0 + j][e] for e < round_up(Dv, 16)
-// and j < round_up(num_k, 32), zero past Dv and num_k; rows kBlockK elements apart. Built as
+// bf16 columns vt[e][j] = v[j * row_stride + e * elem_stride] for e < round_up(dv, 16) and
+// j < round_up(num_k, 32), zero past dv and num_k; rows of vt kBlockK elements apart. Built as
 // pair words (two keys in one uint32, the layout a row of the tile reads): squares of 16 key
-// pairs x kLanes value dims are transposed in registers where V has unit stride along Dv.
-inline const std::uint16_t* StageValueTile(const AttentionKernelParams& p, const QueryBlock& qb,
-                                           std::int64_t j0, std::int64_t num_k,
-                                           StagedRows& staged) {
-  std::uint16_t* vt = reinterpret_cast<std::uint16_t*>(staged.buffer);
-  if (staged.Holds(qb.v, j0, num_k)) return vt;
-  std::uint32_t* words = reinterpret_cast<std::uint32_t*>(staged.buffer);
+// pairs x kLanes value dims are transposed in registers where elem_stride is 1.
+inline void StageColumnsBf16(const std::uint16_t* v, std::int64_t row_stride,
+                             std::int64_t elem_stride, std::int64_t dv, std::int64_t num_k,
+                             std::uint16_t* vt) {
+  std::uint32_t* words = reinterpret_cast<std::uint32_t*>(vt);
   constexpr std::int64_t kRowWords = kBlockK / 2;
-  const std::uint16_t* v = static_cast<const std::uint16_t*>(qb.v) + j0 * p.v_stride[1];
-  const std::int64_t dv = p.head_dim_v, rows = (dv + 15) / 16 * 16;
+  const std::int64_t rows = (dv + 15) / 16 * 16;
   const std::int64_t pairs = (num_k + 31) / 32 * 16;
   const auto element = [&](std::int64_t j, std::int64_t e) -> std::uint32_t {
-    return j < num_k && e < dv ? v[j * p.v_stride[1] + e * p.v_stride[3]] : 0;
+    return j < num_k && e < dv ? v[j * row_stride + e * elem_stride] : 0;
   };
   std::int64_t t0 = 0, e_squares = 0;
 #if HWY_TARGET != HWY_SCALAR
   using DU = hn::RebindToUnsigned<DF>;  // kLanes pair words
   const DU du;
   const hn::Rebind<std::uint16_t, DU> du16;  // kLanes bf16
-  if (p.v_stride[3] == 1) {
+  if (elem_stride == 1) {
     e_squares = dv / kLanes * kLanes;
     for (; 2 * (t0 + kLanes) <= num_k; t0 += kLanes) {
       for (std::int64_t e0 = 0; e0 < e_squares; e0 += kLanes) {
         hn::Vec<DU> w[kLanes];
         HWY_UNROLL(16)
         for (std::int64_t r = 0; r < kLanes; ++r) {
-          const std::uint16_t* lo = v + 2 * (t0 + r) * p.v_stride[1] + e0;
+          const std::uint16_t* lo = v + 2 * (t0 + r) * row_stride + e0;
           const auto lo_words = hn::PromoteTo(du, hn::LoadU(du16, lo));
-          const auto hi_words = hn::PromoteTo(du, hn::LoadU(du16, lo + p.v_stride[1]));
+          const auto hi_words = hn::PromoteTo(du, hn::LoadU(du16, lo + row_stride));
           w[r] = hn::Or(lo_words, hn::ShiftLeft<16>(hi_words));
         }
         TransposeSquare(du, w);
@@ -414,6 +412,16 @@ inline const std::uint16_t* StageValueTile(const AttentionKernelParams& p, const
       words[e * kRowWords + t] = element(2 * t, e) | element(2 * t + 1, e) << 16;
     }
   }
+}
+
+// Values [j0, j0 + num_k) as bf16 columns (StageColumnsBf16): vt[e][j] = v[j0 + j][e].
+inline const std::uint16_t* StageValueTile(const AttentionKernelParams& p, const QueryBlock& qb,
+                                           std::int64_t j0, std::int64_t num_k,
+                                           StagedRows& staged) {
+  std::uint16_t* vt = reinterpret_cast<std::uint16_t*>(staged.buffer);
+  if (staged.Holds(qb.v, j0, num_k)) return vt;
+  StageColumnsBf16(static_cast<const std::uint16_t*>(qb.v) + j0 * p.v_stride[1], p.v_stride[1],
+                   p.v_stride[3], p.head_dim_v, num_k, vt);
   staged = {staged.buffer, qb.v, j0, num_k};
   return vt;
 }
@@ -435,6 +443,25 @@ HWY_INLINE SplitBf16 SplitF16(std::uint16_t bits) {
   const std::uint16_t hi = f32_to_bf16_bits(x);
   if (!std::isfinite(x)) return {hi, 0};
   return {hi, f32_to_bf16_bits(x - bf16_bits_to_f32(hi))};
+}
+
+// SplitF16 on kLanes f16 at src (unaligned): hi and lo as the bits of kLanes bf16.
+HWY_INLINE void SplitF16Lanes(const hwy::float16_t* src, std::uint16_t* hi, std::uint16_t* lo) {
+  const DF df;
+  using DU = hn::RebindToUnsigned<DF>;
+  const DU du;
+  const hn::Rebind<std::uint16_t, DU> du16;
+  const VF x = LoadWide(df, src);  // exact
+  const auto bits = hn::BitCast(du, x);
+  // To nearest even as f32_to_bf16_bits does (NaN: its top half with the quiet bit set).
+  const auto odd = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
+  auto hi_bits = hn::ShiftRight<16>(hn::Add(bits, hn::Add(odd, hn::Set(du, 0x7fffu))));
+  hi_bits = hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(x)),
+                           hn::Or(hn::ShiftRight<16>(bits), hn::Set(du, 0x40u)), hi_bits);
+  const VF rest = hn::Sub(x, hn::BitCast(df, hn::ShiftLeft<16>(hi_bits)));  // exact
+  const auto lo_bits = hn::ShiftRight<16>(hn::BitCast(du, hn::IfThenElseZero(hn::IsFinite(x), rest)));
+  hn::StoreU(hn::TruncateTo(du16, hi_bits), du16, hi);
+  hn::StoreU(hn::TruncateTo(du16, lo_bits), du16, lo);
 }
 
 // The parts of element d of row `row` (q, k: p's strides along D), zero past D.
@@ -476,46 +503,54 @@ inline const std::uint16_t* StageKeySplit(const AttentionKernelParams& p, const 
   std::uint16_t* rows = reinterpret_cast<std::uint16_t*>(staged.buffer);
   if (staged.Holds(qb.k, j0, num_k)) return rows;
   const std::int64_t depth = AmxDepth(p), segment = depth / 3;
+  const std::int64_t lanes = p.k_stride[3] == 1 ? p.head_dim / kLanes * kLanes : 0;
   for (std::int64_t j = 0; j < num_k; ++j) {
     const std::int64_t row = (j0 + j) * p.k_stride[1];
     std::uint16_t* dst = rows + j * depth;
-    for (std::int64_t d = 0; d < segment; ++d) {
+    for (std::int64_t d = 0; d < lanes; d += kLanes) {
+      SplitF16Lanes(static_cast<const hwy::float16_t*>(qb.k) + row + d, dst + d,
+                    dst + segment + d);
+    }
+    for (std::int64_t d = lanes; d < segment; ++d) {
       const SplitBf16 x = SplitAt(qb.k, row, d, p, p.k_stride[3]);
       dst[d] = x.hi;
       dst[segment + d] = x.lo;
-      dst[2 * segment + d] = x.hi;
     }
+    std::memcpy(dst + 2 * segment, dst, segment * sizeof(std::uint16_t));
   }
   std::fill(rows + num_k * depth, rows + (num_k + 15) / 16 * 16 * depth, std::uint16_t{0});
   staged = {staged.buffer, qb.k, j0, num_k};
   return rows;
 }
 
-// Values [j0, j0 + num_k) as two sets of bf16 columns (StageValueTile's layout: vt[e][j], rows
+// Values [j0, j0 + num_k) as two sets of bf16 columns (StageColumnsBf16's layout: vt[e][j], rows
 // kBlockK elements apart, zero past Dv and num_k up to round_up(num_k, 32)): the hi parts, then,
-// round_up(Dv, 16) rows further, the lo parts.
+// round_up(Dv, 16) rows further, the lo parts. The rows are split first into two [num_k][Dv]
+// scratch tiles past the columns (StagedVFloats), then transposed.
 inline const std::uint16_t* StageValueSplit(const AttentionKernelParams& p, const QueryBlock& qb,
                                             std::int64_t j0, std::int64_t num_k,
                                             StagedRows& staged) {
   std::uint16_t* hi = reinterpret_cast<std::uint16_t*>(staged.buffer);
   if (staged.Holds(qb.v, j0, num_k)) return hi;
   const std::int64_t dv = p.head_dim_v, rows = (dv + 15) / 16 * 16;
-  const std::int64_t keys = (num_k + 31) / 32 * 32;
   std::uint16_t* lo = hi + rows * kBlockK;
-  const auto* v = static_cast<const std::uint16_t*>(qb.v) + j0 * p.v_stride[1];
-  for (std::uint16_t* set : {hi, lo}) {  // the zero padding
-    for (std::int64_t e = 0; e < rows; ++e) {
-      std::fill(set + e * kBlockK + (e < dv ? num_k : 0), set + e * kBlockK + keys,
-                std::uint16_t{0});
+  std::uint16_t* hi_rows = lo + rows * kBlockK;  // [kBlockK][dv] each
+  std::uint16_t* lo_rows = hi_rows + kBlockK * dv;
+  const auto* v = static_cast<const hwy::float16_t*>(qb.v) + j0 * p.v_stride[1];
+  const std::int64_t lanes = p.v_stride[3] == 1 ? dv / kLanes * kLanes : 0;
+  for (std::int64_t j = 0; j < num_k; ++j) {
+    const hwy::float16_t* row = v + j * p.v_stride[1];
+    for (std::int64_t e = 0; e < lanes; e += kLanes) {
+      SplitF16Lanes(row + e, hi_rows + j * dv + e, lo_rows + j * dv + e);
+    }
+    for (std::int64_t e = lanes; e < dv; ++e) {
+      const SplitBf16 x = SplitF16(row[e * p.v_stride[3]].bits);
+      hi_rows[j * dv + e] = x.hi;
+      lo_rows[j * dv + e] = x.lo;
     }
   }
-  for (std::int64_t j = 0; j < num_k; ++j) {  // rows of v in order, scattered into columns
-    for (std::int64_t e = 0; e < dv; ++e) {
-      const SplitBf16 x = SplitF16(v[j * p.v_stride[1] + e * p.v_stride[3]]);
-      hi[e * kBlockK + j] = x.hi;
-      lo[e * kBlockK + j] = x.lo;
-    }
-  }
+  StageColumnsBf16(hi_rows, dv, 1, dv, num_k, hi);
+  StageColumnsBf16(lo_rows, dv, 1, dv, num_k, lo);
   staged = {staged.buffer, qb.v, j0, num_k};
   return hi;
 }
