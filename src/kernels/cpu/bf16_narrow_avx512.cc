@@ -13,6 +13,7 @@
 // and no conversion.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kernels/cpu/bf16_dot.h"
@@ -328,22 +329,37 @@ void narrow_values(const NarrowValues& a) {
   };
   const bool per_head = a.prefetch_head_stride != 0;
   PrefetchSpan span = per_head ? PrefetchSpan{} : span_of(0, a.heads * head_steps);
-  for (std::int64_t n = 0; n < a.heads; ++n) {
-    if (per_head) span = span_of(n, head_steps);
-    const std::uint32_t* pp = a.pp + n * a.pp_head_stride;
-    const std::uint16_t* v = a.v + n * a.v_head_stride;
-    float* o = a.o + n * a.o_head_stride;
-    std::int64_t r = 0;
-    for (; r + kRows <= a.rows; r += kRows) {
-      for (std::int64_t e = 0; e < a.dv; e += kCols) {
-        values_block<kRows>(span, pp + r, a.pp_row_stride, v + e, a.v_row_stride, a.num_k,
-                            a.dv - e, o + r * a.o_row_stride + e, a.o_row_stride);
+  // Single rows of several heads whose V rows of one key are neighbours (BSHD multi-head
+  // decoding): the keys go outermost in chunks of kValueChunk, so V is read in address order
+  // (head by head over the whole part, each head's 256 bytes per key lie 8 KiB apart with 32
+  // heads, and the part's V outgrows L2 with the next tile's K arriving). Same bits: each
+  // output still adds its keys in order. Zen 4, Hq = Hkv = 32, Lq = 1, Lk = 16384, D = 128,
+  // 2 threads, in-process A/B, 7 runs: 1.01-1.07x, median 1.05 (controls of unchanged code in
+  // the same harness 0.94-1.00x, median 0.97); B = 2, Hq = Hkv = 16, D = 64: 0.99x. Chunking
+  // GQA 32:8's 4-row blocks too was 0.90x, so only single rows.
+  constexpr std::int64_t kValueChunk = 16;
+  const bool chunked = !per_head && a.heads > 1 && a.rows < kRows &&
+                       a.v_head_stride < a.v_row_stride;
+  const std::int64_t chunk = chunked ? kValueChunk : a.num_k;
+  for (std::int64_t k0 = 0; k0 < a.num_k; k0 += chunk) {
+    const std::int64_t keys = std::min(chunk, a.num_k - k0);
+    for (std::int64_t n = 0; n < a.heads; ++n) {
+      if (per_head) span = span_of(n, head_steps);
+      const std::uint32_t* pp = a.pp + n * a.pp_head_stride + k0 / 2 * a.pp_row_stride;
+      const std::uint16_t* v = a.v + n * a.v_head_stride + k0 * a.v_row_stride;
+      float* o = a.o + n * a.o_head_stride;
+      std::int64_t r = 0;
+      for (; r + kRows <= a.rows; r += kRows) {
+        for (std::int64_t e = 0; e < a.dv; e += kCols) {
+          values_block<kRows>(span, pp + r, a.pp_row_stride, v + e, a.v_row_stride, keys,
+                              a.dv - e, o + r * a.o_row_stride + e, a.o_row_stride);
+        }
       }
-    }
-    for (; r < a.rows; ++r) {
-      for (std::int64_t e = 0; e < a.dv; e += kCols) {
-        values_block<1>(span, pp + r, a.pp_row_stride, v + e, a.v_row_stride, a.num_k, a.dv - e,
-                        o + r * a.o_row_stride + e, a.o_row_stride);
+      for (; r < a.rows; ++r) {
+        for (std::int64_t e = 0; e < a.dv; e += kCols) {
+          values_block<1>(span, pp + r, a.pp_row_stride, v + e, a.v_row_stride, keys, a.dv - e,
+                          o + r * a.o_row_stride + e, a.o_row_stride);
+        }
       }
     }
   }
