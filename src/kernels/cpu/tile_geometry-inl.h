@@ -165,12 +165,6 @@ inline VecKeys TileVecKeys(const std::int64_t* hi, std::int64_t j0, std::int64_t
   return keys;
 }
 
-// Floats that hold either n f32 or n rounded up to `step` bf16: a buffer any product path can
-// fill (the AMX tiles read bf16 padded with zeros, AmxProducts in products-inl.h).
-constexpr std::int64_t F32OrPaddedBf16(std::int64_t n, std::int64_t step) {
-  return std::max(n, (n + step - 1) / step * step / 2);
-}
-
 // bf16 elements of a q or K row on the AMX tiles: D rounded up to 32, and for f16, whose values
 // the tiles take as bf16 hi + lo parts, three such segments (AmxProducts in products-inl.h).
 inline std::int64_t AmxDepth(const AttentionKernelParams& p) {

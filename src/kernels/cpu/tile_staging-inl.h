@@ -93,8 +93,8 @@ struct Staging {
 
 // Floats of the K and V staging tiles: kBlockK rows of dim f32 (an f32 K uses its part only
 // where kStagesF32Rows); for bf16 and f16 at least the AMX tiles' bf16 K rows of AmxDepth and
-// V columns of Dv rounded up to 16 (two sets of them for f16's hi and lo parts; AmxProducts in
-// products-inl.h).
+// V columns of Dv rounded up to 16 (for f16 two sets, its hi and lo parts, and the split rows
+// they are transposed from: StageValueSplit; AmxProducts in products-inl.h).
 inline std::int64_t StagedKFloats(const AttentionKernelParams& p) {
   return kBlockK * (p.dtype == DType::kF32 ? p.head_dim : std::max(p.head_dim, AmxDepth(p) / 2));
 }
