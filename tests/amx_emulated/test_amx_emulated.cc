@@ -8,6 +8,9 @@
 // on the model, which checks the model against amx.h's contract.
 #include <gtest/gtest.h>
 
+#include <thread>
+#include <vector>
+
 #include "attention_case.h"
 #include "bf16_skip.h"
 #include "kernel_cases.h"
@@ -73,6 +76,39 @@ TEST(AmxEmulatedThreads, BitIdenticalWhateverTheThreadCount) {
     const std::int64_t global[] = {0, 150};
     params.sparsity = LongformerSparsity{.window = 60, .dilation = 2, .global = global};
     expect_same_bits_on_any_thread_count(problem, params);
+  }
+  bf16dot::set_enabled(true);
+}
+
+// Several threads calling the AMX path at once (std::threads; scripts/test_sanitizers.sh runs
+// this under TSan with OMP_NUM_THREADS=1, since libgomp's barriers are invisible to TSan): each
+// gets the bits of the same call made alone. Shapes and dtypes differ between threads, so
+// scratch or tile state shared between calls would show.
+TEST(AmxEmulatedConcurrency, ThreadsCallingAtOnceGetTheirOwnBits) {
+  QKV_SKIP_WITHOUT_AMX();
+  bf16dot::set_enabled(false);
+  std::vector<Case> cases;
+  for (int i = 0; i < 4; ++i) {
+    Case c{.batch = 1 + i % 2, .seq_q = 70 + 37 * i, .seq_kv = 150 + 61 * i, .num_heads_q = 2};
+    c.head_dim = 32 + 16 * i;
+    c.causal = i % 2 == 0;
+    c.dtype = i < 2 ? DType::kBF16 : DType::kF16;
+    c.seed = 900 + i;
+    cases.push_back(c);
+  }
+  std::vector<Problem> problems(cases.begin(), cases.end());
+  std::vector<Result> alone, together(cases.size());
+  for (const Problem& problem : problems) alone.push_back(problem.run(Kernel::kFlash, false));
+  std::vector<std::thread> threads;
+  for (std::size_t i = 0; i < problems.size(); ++i) {
+    threads.emplace_back([&, i] {
+      for (int round = 0; round < 3; ++round) together[i] = problems[i].run(Kernel::kFlash, false);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (std::size_t i = 0; i < problems.size(); ++i) {
+    EXPECT_TRUE(bit_equal(together[i].out, alone[i].out)) << cases[i].name();
+    EXPECT_TRUE(bit_equal(together[i].lse, alone[i].lse)) << cases[i].name();
   }
   bf16dot::set_enabled(true);
 }
