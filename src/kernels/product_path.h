@@ -53,11 +53,6 @@ constexpr bool rounds_probabilities(ProductPath path) {
          path == ProductPath::kF16Amx;
 }
 
-// Whether the path's products run on AMX tiles (`qkv bench` divides their rate by the AMX peak).
-constexpr bool runs_on_amx(ProductPath path) {
-  return path == ProductPath::kBf16Amx || path == ProductPath::kF16Amx;
-}
-
 // The path the flash kernel takes for dtype on the Highway target it dispatches to now and this
 // CPU (kernels/cpu/flash_forward.cc).
 ProductPath attention_flash_product_path(DType dtype);

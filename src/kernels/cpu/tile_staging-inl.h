@@ -464,7 +464,22 @@ HWY_INLINE void SplitF16Lanes(const hwy::float16_t* src, std::uint16_t* hi, std:
   hn::StoreU(hn::TruncateTo(du16, lo_bits), du16, lo);
 }
 
-// The parts of element d of row `row` (q, k: p's strides along D), zero past D.
+// hi[i], lo[i] = the parts of row[i * stride] for i < n (SplitF16Lanes where stride is 1, the
+// rest one by one), and zero for n <= i < padded.
+HWY_INLINE void SplitRow(const hwy::float16_t* row, std::int64_t n, std::int64_t stride,
+                         std::int64_t padded, std::uint16_t* hi, std::uint16_t* lo) {
+  const std::int64_t lanes = stride == 1 ? n / kLanes * kLanes : 0;
+  for (std::int64_t i = 0; i < lanes; i += kLanes) SplitF16Lanes(row + i, hi + i, lo + i);
+  for (std::int64_t i = lanes; i < n; ++i) {
+    const SplitBf16 x = SplitF16(row[i * stride].bits);
+    hi[i] = x.hi;
+    lo[i] = x.lo;
+  }
+  std::fill(hi + n, hi + padded, std::uint16_t{0});
+  std::fill(lo + n, lo + padded, std::uint16_t{0});
+}
+
+// The parts of element d of row `row` (q: p's strides along D), zero past D.
 HWY_INLINE SplitBf16 SplitAt(const void* base, std::int64_t row, std::int64_t d,
                              const AttentionKernelParams& p, std::int64_t d_stride) {
   if (d >= p.head_dim) return {};
@@ -503,19 +518,11 @@ inline const std::uint16_t* StageKeySplit(const AttentionKernelParams& p, const 
   std::uint16_t* rows = reinterpret_cast<std::uint16_t*>(staged.buffer);
   if (staged.Holds(qb.k, j0, num_k)) return rows;
   const std::int64_t depth = AmxDepth(p), segment = depth / 3;
-  const std::int64_t lanes = p.k_stride[3] == 1 ? p.head_dim / kLanes * kLanes : 0;
+  const auto* k = static_cast<const hwy::float16_t*>(qb.k);
   for (std::int64_t j = 0; j < num_k; ++j) {
-    const std::int64_t row = (j0 + j) * p.k_stride[1];
     std::uint16_t* dst = rows + j * depth;
-    for (std::int64_t d = 0; d < lanes; d += kLanes) {
-      SplitF16Lanes(static_cast<const hwy::float16_t*>(qb.k) + row + d, dst + d,
-                    dst + segment + d);
-    }
-    for (std::int64_t d = lanes; d < segment; ++d) {
-      const SplitBf16 x = SplitAt(qb.k, row, d, p, p.k_stride[3]);
-      dst[d] = x.hi;
-      dst[segment + d] = x.lo;
-    }
+    SplitRow(k + (j0 + j) * p.k_stride[1], p.head_dim, p.k_stride[3], segment, dst,
+             dst + segment);
     std::memcpy(dst + 2 * segment, dst, segment * sizeof(std::uint16_t));
   }
   std::fill(rows + num_k * depth, rows + (num_k + 15) / 16 * 16 * depth, std::uint16_t{0});
@@ -537,17 +544,8 @@ inline const std::uint16_t* StageValueSplit(const AttentionKernelParams& p, cons
   std::uint16_t* hi_rows = lo + rows * kBlockK;  // [kBlockK][dv] each
   std::uint16_t* lo_rows = hi_rows + kBlockK * dv;
   const auto* v = static_cast<const hwy::float16_t*>(qb.v) + j0 * p.v_stride[1];
-  const std::int64_t lanes = p.v_stride[3] == 1 ? dv / kLanes * kLanes : 0;
   for (std::int64_t j = 0; j < num_k; ++j) {
-    const hwy::float16_t* row = v + j * p.v_stride[1];
-    for (std::int64_t e = 0; e < lanes; e += kLanes) {
-      SplitF16Lanes(row + e, hi_rows + j * dv + e, lo_rows + j * dv + e);
-    }
-    for (std::int64_t e = lanes; e < dv; ++e) {
-      const SplitBf16 x = SplitF16(row[e * p.v_stride[3]].bits);
-      hi_rows[j * dv + e] = x.hi;
-      lo_rows[j * dv + e] = x.lo;
-    }
+    SplitRow(v + j * p.v_stride[1], dv, p.v_stride[3], dv, hi_rows + j * dv, lo_rows + j * dv);
   }
   StageColumnsBf16(hi_rows, dv, 1, dv, num_k, hi);
   StageColumnsBf16(lo_rows, dv, 1, dv, num_k, lo);
