@@ -1,6 +1,7 @@
-// The flash kernel's AMX path (AmxProducts in src/kernels/cpu/products-inl.h) over the kernel
-// tests' whole case table and the block-sparse one, on any CPU with AVX512-BF16: this binary links amx_emulated.cc,
-// which runs src/kernels/cpu/amx_tiles.cc with its tile instructions modelled in C++. So the
+// The flash kernel's AMX path (AmxProducts in src/kernels/cpu/products-inl.h, bf16 and f16) over
+// the kernel tests' whole case table and the block-sparse one, on any CPU with AVX512-BF16: this
+// binary links amx_emulated.cc, which runs src/kernels/cpu/amx_tiles.cc with its tile
+// instructions modelled in C++. So the
 // path's staging (K rows, V columns transposed in registers, zero padding), packed query pairs,
 // deferred scale, key ends per lane vector and tile scopes per task are checked against the
 // reference oracle where the CPU has no AMX (qkv_tests runs the same on the real tiles, where
@@ -24,18 +25,22 @@ namespace qkv::testing {
 namespace {
 
 // On AMD CPUs the flash kernel prefers the vdpbf16ps pairs to the tiles (bf16dot::preferred);
-// switched off here, bf16 takes the (emulated) tiles, as on an Intel CPU with AMX, and so does
-// f16 (as bf16 hi + lo parts).
+// switched off for a scope, bf16 takes the (emulated) tiles, as on an Intel CPU with AMX, and so
+// does f16 (as bf16 hi + lo parts).
+struct PairsOff {
+  PairsOff() { bf16dot::set_enabled(false); }
+  ~PairsOff() { bf16dot::set_enabled(true); }
+};
+
 template <class Param>
 class OnEmulatedTiles : public ::testing::TestWithParam<Param> {
  protected:
   void SetUp() override {
     QKV_SKIP_WITHOUT_AMX() << " (here: no AVX512-BF16, which amx_tiles.cc's other code needs)";
-    bf16dot::set_enabled(false);
     ASSERT_EQ(attention_flash_product_path(DType::kBF16), ProductPath::kBf16Amx);
     ASSERT_EQ(attention_flash_product_path(DType::kF16), ProductPath::kF16Amx);
   }
-  void TearDown() override { bf16dot::set_enabled(true); }
+  const PairsOff pairs_off_;
 };
 
 using AmxEmulated = OnEmulatedTiles<Case>;
@@ -63,7 +68,7 @@ INSTANTIATE_TEST_SUITE_P(F16, AmxEmulatedSparse, ::testing::ValuesIn(sparse_case
 // the thread count, with key splits and several query blocks per kv head, dense and sparse.
 TEST(AmxEmulatedThreads, BitIdenticalWhateverTheThreadCount) {
   QKV_SKIP_WITHOUT_AMX();
-  bf16dot::set_enabled(false);
+  const PairsOff pairs_off;
   Case wide{.batch = 2, .seq_q = 300, .seq_kv = 333, .num_heads_q = 3, .head_dim = 64};
   wide.causal = wide.key_lengths = true;
   wide.bias = BiasKind::kRandom;
@@ -77,7 +82,6 @@ TEST(AmxEmulatedThreads, BitIdenticalWhateverTheThreadCount) {
     params.sparsity = LongformerSparsity{.window = 60, .dilation = 2, .global = global};
     expect_same_bits_on_any_thread_count(problem, params);
   }
-  bf16dot::set_enabled(true);
 }
 
 // Several threads calling the AMX path at once (std::threads; scripts/test_sanitizers.sh runs
@@ -86,7 +90,7 @@ TEST(AmxEmulatedThreads, BitIdenticalWhateverTheThreadCount) {
 // scratch or tile state shared between calls would show.
 TEST(AmxEmulatedConcurrency, ThreadsCallingAtOnceGetTheirOwnBits) {
   QKV_SKIP_WITHOUT_AMX();
-  bf16dot::set_enabled(false);
+  const PairsOff pairs_off;
   std::vector<Case> cases;
   for (int i = 0; i < 4; ++i) {
     Case c{.batch = 1 + i % 2, .seq_q = 70 + 37 * i, .seq_kv = 150 + 61 * i, .num_heads_q = 2};
@@ -110,7 +114,6 @@ TEST(AmxEmulatedConcurrency, ThreadsCallingAtOnceGetTheirOwnBits) {
     EXPECT_TRUE(bit_equal(together[i].out, alone[i].out)) << cases[i].name();
     EXPECT_TRUE(bit_equal(together[i].lse, alone[i].lse)) << cases[i].name();
   }
-  bf16dot::set_enabled(true);
 }
 
 // The model is not vacuous: it faults where the hardware would.

@@ -2,7 +2,8 @@
 // tokens, BigBird, block layouts shared or per head) over odd sizes and with causal/window, key
 // lengths, masks, bias, softcap, GQA and decoding; and the check each case passes, sparse
 // against dense attention given the equivalent explicit mask. test_sparse_attention.cc runs it
-// in f32 and bf16; the emulated AMX tiles' binary (tests/amx_emulated/) in bf16 on bf16-amx.
+// in f32 and bf16; the emulated AMX tiles' binary (tests/amx_emulated/) in bf16 and f16 on the
+// AMX path.
 #pragma once
 
 #include <gtest/gtest.h>
