@@ -4,6 +4,8 @@
 // exercised. docs/kernels.md, "Product paths".
 #pragma once
 
+#include <vector>
+
 #include "qkv/tensor.h"
 
 namespace qkv {
@@ -56,5 +58,15 @@ constexpr bool rounds_probabilities(ProductPath path) {
 // The path the flash kernel takes for dtype on the Highway target it dispatches to now and this
 // CPU (kernels/cpu/flash_forward.cc).
 ProductPath attention_flash_product_path(DType dtype);
+
+// The paths the flash kernel can take for dtype on this CPU and Highway target, its own choice
+// first, and pinning one of them for the rest of the process (`qkv bench --products`), through
+// the switches of kernels/cpu/bf16_dot.h and amx.h: the vdpbf16ps pairs forced, or switched off
+// so that AMX takes bf16, or both off (widened). pin_flash_product_path returns false, with the
+// switches back at their defaults, when the path is not one of flash_product_paths(dtype). Both
+// expect the switches at their defaults (nothing pinned before) and no kernel running; the
+// kernel results of each path are its own (the paths round differently).
+std::vector<ProductPath> flash_product_paths(DType dtype);
+bool pin_flash_product_path(DType dtype, ProductPath path);
 
 }  // namespace qkv

@@ -18,6 +18,7 @@
 
 #include "core/float16.h"
 #include "core/parallel.h"
+#include "kernels/product_path.h"
 #include "qkv/attention.h"
 #include "qkv/attention_backward.h"
 #include "qkv/tensor.h"
@@ -33,7 +34,7 @@ namespace {
 
 constexpr const char* kBenchUsage =
     "usage: qkv bench [--json] [--shape B,Hq,Hkv,Lq,Lk,D] [--causal] [--kernel K] [--dtype T]\n"
-    "                 [--threads N] [--repeats R] [--backward]\n"
+    "                 [--products P] [--threads N] [--repeats R] [--backward]\n"
     "\n"
     "Times qkv::attention on random inputs (fixed seed) and reports GFLOP/s as a fraction of this\n"
     "machine's peak for the dtype's instructions, measured first in the same process on the same\n"
@@ -59,6 +60,12 @@ constexpr const char* kBenchUsage =
     "                   fp32_peak_gflops), and the AMX tile peak where bf16 or f16 has it\n"
     "                   (amx_peak_gflops; %peak of bf16-amx and f16-amx-split rows divides\n"
     "                   by it)\n"
+    "  --products P     auto (default: the CPU's choice, as above) or the flash kernel's product\n"
+    "                   path to pin for --dtype, to compare paths on one CPU: f32-fma;\n"
+    "                   bf16-widened-fma, bf16-vdpbf16ps (any CPU with AVX512-BF16), bf16-amx;\n"
+    "                   f16-widened-fma, f16-amx-split. A path this CPU cannot run is an error\n"
+    "                   that lists the ones it can. Flash forward only (not with --backward,\n"
+    "                   --linear or --kernel chunked/reference)\n"
     "  --threads N      threads for the kernels and the FMA probe (default 0 = OpenMP's default)\n"
     "  --repeats R      timed repeats per case, median reported (default 5; fewer when one call\n"
     "                   takes over 2 s, unless given)\n"
@@ -103,6 +110,7 @@ struct BenchOptions {
   std::optional<LinearAttentionParams> linear;  // --linear: time linear_attention instead
   SparseCliOptions sparse;                      // --sparse, --sparse-layout, --sparse-block
   bool backward = false;                        // --backward: time attention_backward
+  std::optional<ProductPath> products;          // --products: the flash kernel's path, pinned
 };
 
 Kernel parse_kernel(const std::string& name) {
@@ -124,6 +132,49 @@ std::vector<Kernel> parse_kernels(const std::string& text) {
     start = comma + 1;
   }
   return kernels;
+}
+
+constexpr ProductPath kProductPaths[] = {ProductPath::kF32,        ProductPath::kBf16Widened,
+                                         ProductPath::kBf16Pairs,  ProductPath::kBf16Amx,
+                                         ProductPath::kF16Widened, ProductPath::kF16Amx};
+
+// The storage dtype a product path multiplies.
+DType product_path_dtype(ProductPath path) {
+  switch (path) {
+    case ProductPath::kBf16Widened:
+    case ProductPath::kBf16Pairs:
+    case ProductPath::kBf16Amx:
+      return DType::kBF16;
+    case ProductPath::kF16Widened:
+    case ProductPath::kF16Amx:
+      return DType::kF16;
+    case ProductPath::kF32:
+      break;
+  }
+  return DType::kF32;
+}
+
+std::optional<ProductPath> parse_products(const std::string& name) {
+  if (name == "auto") return std::nullopt;
+  std::string names;
+  for (ProductPath path : kProductPaths) {
+    if (name == product_path_name(path)) return path;
+    names += std::string(", ") + product_path_name(path);
+  }
+  throw UsageError("--products: unknown path '" + name + "' (expected auto" + names + ")");
+}
+
+// --products: pins the flash kernel's path for the whole run (before the probes, which follow
+// the same switches), or says which paths this CPU runs instead.
+void pin_products(ProductPath path, DType dtype) {
+  if (pin_flash_product_path(dtype, path)) return;
+  std::string names;
+  for (ProductPath p : flash_product_paths(dtype)) {
+    names += std::string(names.empty() ? "" : ", ") + product_path_name(p);
+  }
+  throw UsageError(std::string("--products ") + product_path_name(path) +
+                   ": not available on this CPU (" + dtype_name(dtype) + " runs on: " + names +
+                   ")");
 }
 
 BenchCase parse_shape(const std::string& text) {
@@ -175,6 +226,8 @@ BenchOptions parse_options(std::vector<std::string> argv, bool* help) {
       } else {
         throw UsageError("--dtype: expected f32, bf16 or f16, got '" + dtype + "'");
       }
+    } else if (arg == "--products") {
+      options.products = parse_products(args.value(arg));
     } else if (arg == "--threads") {
       const std::int64_t threads = parse_int(arg, args.value(arg));
       if (threads < 0 || threads > 4096) {
@@ -203,6 +256,25 @@ BenchOptions parse_options(std::vector<std::string> argv, bool* help) {
       if (kernel == Kernel::kChunked) {
         throw UsageError("--kernel chunked: the backward has no chunked kernel (auto, flash or reference)");
       }
+    }
+  }
+  if (options.products) {
+    const char* name = product_path_name(*options.products);
+    if (options.linear || options.backward) {
+      throw UsageError(std::string("--products: pins the flash forward's products; not with ") +
+                       (options.linear ? "--linear" : "--backward"));
+    }
+    for (Kernel kernel : options.kernels) {
+      if (kernel == Kernel::kChunked || kernel == Kernel::kReference) {
+        throw UsageError(std::string("--products: pins the flash kernel's products; --kernel ") +
+                         (kernel == Kernel::kChunked ? "chunked" : "reference") +
+                         " has its own (use auto or flash)");
+      }
+    }
+    if (product_path_dtype(*options.products) != options.dtype) {
+      throw UsageError(std::string("--products ") + name + ": a " +
+                       dtype_name(product_path_dtype(*options.products)) +
+                       " path, but --dtype is " + dtype_name(options.dtype));
     }
   }
   return options;
@@ -522,6 +594,7 @@ int run_bench(std::vector<std::string> args) {
     cases = default_sweep(options.causal);
   }
   const int threads = resolve_num_threads(options.threads);
+  if (options.products) pin_products(*options.products, options.dtype);
 
   std::fprintf(stderr,
                "qkv bench: measuring the fp32 FMA peak and read bandwidth on %d thread%s...\n",

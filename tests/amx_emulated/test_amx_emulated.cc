@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "attention_case.h"
@@ -114,6 +115,39 @@ TEST(AmxEmulatedConcurrency, ThreadsCallingAtOnceGetTheirOwnBits) {
     EXPECT_TRUE(bit_equal(together[i].out, alone[i].out)) << cases[i].name();
     EXPECT_TRUE(bit_equal(together[i].lse, alone[i].lse)) << cases[i].name();
   }
+}
+
+// `qkv bench --products` on a CPU with both AVX512-BF16 and AMX (here the emulated tiles): all
+// three bf16 paths and both f16 ones are listed and pin, AMX included where the vendor's choice
+// is the pairs (AMD), and a run on each pinned path meets the reference.
+TEST(AmxEmulatedProductPaths, EveryPathPins) {
+  QKV_SKIP_WITHOUT_AMX();
+  const ProductPath bf16_chosen = attention_flash_product_path(DType::kBF16);
+  const struct Restore {  // the defaults back, however the test ends
+    ProductPath bf16;
+    ~Restore() { pin_flash_product_path(DType::kBF16, bf16); }
+  } restore{bf16_chosen};
+  const std::vector<ProductPath> bf16 = flash_product_paths(DType::kBF16);
+  const std::vector<ProductPath> f16 = flash_product_paths(DType::kF16);
+  EXPECT_EQ(bf16.size(), 3u);
+  EXPECT_EQ(f16, (std::vector<ProductPath>{ProductPath::kF16Amx, ProductPath::kF16Widened}));
+  Case c{
+      .batch = 1, .seq_q = 70, .seq_kv = 90, .num_heads_q = 4, .num_heads_kv = 2, .head_dim = 24};
+  c.causal = true;
+  const std::pair<DType, ProductPath> runs[] = {{DType::kBF16, ProductPath::kBf16Pairs},
+                                                {DType::kBF16, ProductPath::kBf16Amx},
+                                                {DType::kBF16, ProductPath::kBf16Widened},
+                                                {DType::kF16, ProductPath::kF16Amx},
+                                                {DType::kF16, ProductPath::kF16Widened}};
+  for (const auto& [dtype, path] : runs) {
+    SCOPED_TRACE(product_path_name(path));
+    c.dtype = dtype;
+    ASSERT_TRUE(pin_flash_product_path(dtype, path));
+    ASSERT_EQ(attention_flash_product_path(dtype), path);
+    check_against_reference(Problem(c));
+  }
+  ASSERT_TRUE(pin_flash_product_path(DType::kBF16, bf16_chosen));
+  EXPECT_EQ(attention_flash_product_path(DType::kBF16), bf16_chosen);
 }
 
 // The model is not vacuous: it faults where the hardware would.

@@ -4,7 +4,9 @@
 // Highway target this machine can run; and bit-identical results whatever the thread count.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <vector>
 
 #include "attention_case.h"
 #include "bf16_skip.h"
@@ -90,6 +92,39 @@ TEST(KernelTargets, Bf16OnVdpbf16psWhereverAvailable) {
   for (const Case& c : with_dtype(kernel_cases(), DType::kBF16)) {
     SCOPED_TRACE(c.name());
     check_against_reference(Problem(c));
+  }
+}
+
+// flash_product_paths and pin_flash_product_path (`qkv bench --products`): the CPU's own choice
+// comes first and the widened path is always there; every listed path pins (the kernel then
+// reports it), every other is refused with the choice left as it was; pinning the CPU's own
+// choice again restores the defaults. Which paths a CPU has: test_cli_attention.py, from its
+// flags.
+TEST(KernelTargets, ProductPathsPinAndRestore) {
+  const ProductPath all[] = {ProductPath::kF32,        ProductPath::kBf16Widened,
+                             ProductPath::kBf16Pairs,  ProductPath::kBf16Amx,
+                             ProductPath::kF16Widened, ProductPath::kF16Amx};
+  for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    const ProductPath chosen = attention_flash_product_path(dtype);
+    const struct Restore {  // the defaults back, however the test ends
+      DType dtype;
+      ProductPath path;
+      ~Restore() { pin_flash_product_path(dtype, path); }
+    } restore{dtype, chosen};
+    const std::vector<ProductPath> paths = flash_product_paths(dtype);
+    ASSERT_FALSE(paths.empty());
+    EXPECT_EQ(paths[0], chosen);
+    EXPECT_NE(std::find(paths.begin(), paths.end(), WideningProductPath(dtype)), paths.end());
+    EXPECT_EQ(attention_flash_product_path(dtype), chosen);
+    for (ProductPath path : all) {
+      SCOPED_TRACE(product_path_name(path));
+      const bool listed = std::find(paths.begin(), paths.end(), path) != paths.end();
+      EXPECT_EQ(pin_flash_product_path(dtype, path), listed);
+      EXPECT_EQ(attention_flash_product_path(dtype), listed ? path : chosen);
+      ASSERT_TRUE(pin_flash_product_path(dtype, chosen));
+      EXPECT_TRUE(bf16dot::available() == bf16dot::cpu_supported());
+    }
   }
 }
 

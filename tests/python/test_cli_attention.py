@@ -457,6 +457,67 @@ def test_bench_dtype(cli, dtype):
     assert record["kv_fraction_of_read_between_repeats"] == 0
 
 
+PRODUCT_PATHS = ["f32-fma", "bf16-widened-fma", "bf16-vdpbf16ps", "bf16-amx", "f16-widened-fma",
+                 "f16-amx-split"]
+
+
+def flash_paths(dtype):
+    """The product paths the flash kernel can take for dtype on this CPU, from its flags."""
+    flags = cpu_flags()
+    pairs = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= flags
+    amx = pairs and {"amx_bf16", "amx_tile"} <= flags
+    if dtype == "f32":
+        return {"f32-fma"}
+    if dtype == "bf16":
+        return ({"bf16-widened-fma"} | ({"bf16-vdpbf16ps"} if pairs else set())
+                | ({"bf16-amx"} if amx else set()))
+    return {"f16-widened-fma"} | ({"f16-amx-split"} if amx else set())
+
+
+@pytest.mark.parametrize("path", PRODUCT_PATHS)
+def test_bench_products_pins_the_path(cli, path):
+    # Every path this CPU runs can be pinned and is the one that ran (the JSON's products, and
+    # the peak it is measured against); any other is refused, naming the ones it can run.
+    import json
+    dtype = path.split("-")[0]
+    args = ["bench", "--json", "--shape", "1,2,1,70,90,16", "--repeats", "1", "--threads", "1",
+            "--dtype", dtype, "--products", path]
+    available = flash_paths(dtype)
+    if path not in available:
+        message = cli.fails(*args, expect=[f"--products {path}: not available on this CPU"])
+        listed = message.split(f"({dtype} runs on: ", 1)[1].rstrip(")").split(", ")
+        assert set(listed) == available
+        return
+    result = cli.run(*args)
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record["products"] == path
+    assert record["gflops"] > 0
+    if path == "bf16-vdpbf16ps":
+        assert record["hwy_target"] == "AVX512_BF16"
+    elif path in ("bf16-amx", "f16-amx-split"):
+        assert record["peak_gflops"] == record["amx_peak_gflops"] > 0
+    else:
+        assert record["peak_gflops"] == record["fp32_peak_gflops"]
+
+
+BENCH_PRODUCTS_ERRORS = {
+    "unknown": (["--products", "fma"], ["--products: unknown path 'fma' (expected auto, f32-fma"]),
+    "dtype": (["--products", "bf16-widened-fma"],
+              ["--products bf16-widened-fma: a bf16 path, but --dtype is f32"]),
+    "chunked": (["--products", "f32-fma", "--kernel", "flash,chunked"],
+                ["--products: pins the flash kernel's products; --kernel chunked"]),
+    "backward": (["--products", "f32-fma", "--backward"], ["not with --backward"]),
+    "linear": (["--products", "f32-fma", "--linear", "elu"], ["not with --linear"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BENCH_PRODUCTS_ERRORS))
+def test_bench_products_errors(cli, case):
+    args, expect = BENCH_PRODUCTS_ERRORS[case]
+    cli.fails("bench", "--shape", "1,2,1,70,90,16", "--repeats", "1", *args, expect=expect)
+
+
 def test_bench_decode_sweeps_read_probe_between_repeats(cli):
     import json
     result = cli.run("bench", "--json", "--shape", "1,4,2,1,3000,32", "--repeats", "3",
