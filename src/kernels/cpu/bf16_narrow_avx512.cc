@@ -168,12 +168,23 @@ __attribute__((always_inline)) inline void scores_keys(const NarrowScores& a, st
   for (; r < a.rows; ++r) scores_block<H, J, 1>(a, words, q + r * words, k, st + r, scale);
 }
 
+// The line of p toward L2 (prefetcht1). A volatile asm statement, not _mm_prefetch: GCC 12 takes
+// _mm_prefetch for a "looping const" function, and a helper or lambda made of nothing but
+// prefetches can then be deleted as a const call whose result is unused once -ffinite-loops
+// drops the "looping". It was: reading one more NarrowScores field in the score walk's prefetch
+// lambda removed every prefetch from narrow_scores, K's included (BSHD GQA decode 0.55x).
+__attribute__((always_inline)) inline void prefetch_line(const char* p) {
+  asm volatile("prefetcht1 %0" : : "m"(*p));
+}
+
 // Toward L2: the lines of [first, first + bytes).
 __attribute__((always_inline)) inline void prefetch_lines(const char* first, std::int64_t bytes) {
-  for (std::int64_t x = 0; x < bytes; x += 64) _mm_prefetch(first + x, _MM_HINT_T1);
+  for (std::int64_t x = 0; x < bytes; x += 64) prefetch_line(first + x);
 }
 
 // NarrowValues' prefetch: the lines of [next, end) toward L2, `step` bytes per advance().
+// (_mm_prefetch is safe here: advance() moves `next`, so no pass takes it for a const call; as
+// prefetch_line, the value walk ran 1-3% slower.)
 struct PrefetchSpan {
   const char* next = nullptr;
   const char* end = nullptr;
@@ -186,18 +197,32 @@ struct PrefetchSpan {
   }
 };
 
+// NarrowValues::v_ahead: the V rows `keys` ahead of the one being read, toward L2, from this
+// head's rows and then the next head's (null: the last head), `rows` each.
+struct RowsAhead {
+  const std::uint16_t* v = nullptr;  // null: nothing asked for
+  const std::uint16_t* next = nullptr;
+  std::int64_t keys = 0, rows = 0, row_stride = 0, row_bytes = 0;
+
+  __attribute__((always_inline)) void at(std::int64_t key) const {
+    if (v == nullptr) return;
+    std::int64_t i = key + keys;
+    const std::uint16_t* head = v;
+    if (i >= rows) i -= rows, head = next;
+    if (head != nullptr && i < rows) {
+      prefetch_lines(reinterpret_cast<const char*>(head + i * row_stride), row_bytes);
+    }
+  }
+};
+
 // Values of R rows (4 or 1) for output columns [0, 64) of v and o: R x 4 accumulators (16
 // columns each), loaded from o and stored back once per call; columns past `cols` are masked off
-// in every load and store. Each key pair advances the prefetch.
+// in every load and store. Each key pair advances the prefetch and asks for its two rows ahead.
 template <int R>
-__attribute__((always_inline)) inline void values_block(PrefetchSpan& prefetch,
-                                                        const std::uint32_t* __restrict pp,
-                                                        std::int64_t pp_row_stride,
-                                                        const std::uint16_t* __restrict v,
-                                                        std::int64_t v_row_stride,
-                                                        std::int64_t num_k, std::int64_t cols,
-                                                        float* __restrict o,
-                                                        std::int64_t o_row_stride) {
+__attribute__((always_inline)) inline void values_block(
+    PrefetchSpan& prefetch, const RowsAhead& ahead, const std::uint32_t* __restrict pp,
+    std::int64_t pp_row_stride, const std::uint16_t* __restrict v, std::int64_t v_row_stride,
+    std::int64_t num_k, std::int64_t cols, float* __restrict o, std::int64_t o_row_stride) {
   // vpermt2w indices: words 2i <- lo row word i (index i), 2i + 1 <- hi row word i (32 + i),
   // for the low 16 columns of a 32-column load, then for the high 16.
   alignas(64) static const std::uint16_t kLowPairs[32] = {
@@ -223,6 +248,8 @@ __attribute__((always_inline)) inline void values_block(PrefetchSpan& prefetch,
   }
   for (std::int64_t t = 0; 2 * t < num_k; ++t) {
     prefetch.advance();
+    ahead.at(2 * t);
+    ahead.at(2 * t + 1);
     const std::uint16_t* lo_row = v + 2 * t * v_row_stride;
     const bool has_hi = 2 * t + 1 < num_k;  // odd num_k: the last pair is (value, 0)
     __m512bh value[kColVecs];
@@ -257,11 +284,11 @@ __attribute__((always_inline)) inline void values_block(PrefetchSpan& prefetch,
 void narrow_scores(const NarrowScores& a) {
   const __m512 scale = _mm512_set1_ps(a.out_scale);
   const std::int64_t words = (a.depth + 1) / 2;
-  const auto prefetch_rows = [&](std::int64_t j, std::int64_t keys) {
+  const auto prefetch_rows = [&](std::int64_t n, std::int64_t j, std::int64_t keys) {
     if (a.prefetch == nullptr) return;
+    const char* head = static_cast<const char*>(a.prefetch) + n * a.prefetch_head_stride;
     for (std::int64_t i = j; i < j + keys; ++i) {
-      prefetch_lines(static_cast<const char*>(a.prefetch) + i * a.prefetch_row_stride,
-                     a.prefetch_bytes);
+      prefetch_lines(head + i * a.prefetch_row_stride, a.prefetch_bytes);
     }
   };
   if (a.heads > 1 && a.k_head_stride < a.k_row_stride) {
@@ -269,7 +296,7 @@ void narrow_scores(const NarrowScores& a) {
     // 4 heads per block (4 keys of each 4 heads in turn was 25% slower with GQA 32:8; 16 heads
     // of one row per block 20% slower with 32 heads).
     for (std::int64_t j = 0; j < a.num_k; ++j) {
-      prefetch_rows(j, 1);
+      prefetch_rows(0, j, 1);
       std::int64_t n = 0;
       for (; n + 4 <= a.heads; n += 4) scores_keys<4, 1>(a, words, n, j, scale);
       for (; n < a.heads; ++n) scores_keys<1, 1>(a, words, n, j, scale);
@@ -299,12 +326,12 @@ void narrow_scores(const NarrowScores& a) {
     for (std::int64_t n = 0; n < a.heads; ++n) {
       std::int64_t j = 0;
       for (; j + kKeys <= a.num_k; j += kKeys) {
-        if (n == 0) prefetch_rows(j, kKeys);
+        if (n == 0 || a.prefetch_head_stride != 0) prefetch_rows(n, j, kKeys);
         prefetch_k(n, j, kKeys);
         scores_keys<1, kKeys>(a, words, n, j, scale);
       }
       for (; j < a.num_k; ++j) {
-        if (n == 0) prefetch_rows(j, 1);
+        if (n == 0 || a.prefetch_head_stride != 0) prefetch_rows(n, j, 1);
         prefetch_k(n, j, 1);
         scores_keys<1, 1>(a, words, n, j, scale);
       }
@@ -348,17 +375,27 @@ void narrow_values(const NarrowValues& a) {
       const std::uint32_t* pp = a.pp + n * a.pp_head_stride + k0 / 2 * a.pp_row_stride;
       const std::uint16_t* v = a.v + n * a.v_head_stride + k0 * a.v_row_stride;
       float* o = a.o + n * a.o_head_stride;
+      // The first block's first column pass asks for the rows ahead (whole rows: the other
+      // passes and blocks read them from L2 after it).
+      constexpr RowsAhead kNone{};
+      RowsAhead ahead;
+      if (a.v_ahead > 0) {
+        const std::uint16_t* next = n + 1 < a.heads ? v + a.v_head_stride : nullptr;
+        ahead = {v, next, a.v_ahead, keys, a.v_row_stride, 2 * a.dv};
+      }
       std::int64_t r = 0;
       for (; r + kRows <= a.rows; r += kRows) {
         for (std::int64_t e = 0; e < a.dv; e += kCols) {
-          values_block<kRows>(span, pp + r, a.pp_row_stride, v + e, a.v_row_stride, keys,
-                              a.dv - e, o + r * a.o_row_stride + e, a.o_row_stride);
+          values_block<kRows>(span, r == 0 && e == 0 ? ahead : kNone, pp + r, a.pp_row_stride,
+                              v + e, a.v_row_stride, keys, a.dv - e, o + r * a.o_row_stride + e,
+                              a.o_row_stride);
         }
       }
       for (; r < a.rows; ++r) {
         for (std::int64_t e = 0; e < a.dv; e += kCols) {
-          values_block<1>(span, pp + r, a.pp_row_stride, v + e, a.v_row_stride, keys, a.dv - e,
-                          o + r * a.o_row_stride + e, a.o_row_stride);
+          values_block<1>(span, r == 0 && e == 0 ? ahead : kNone, pp + r, a.pp_row_stride, v + e,
+                          a.v_row_stride, keys, a.dv - e, o + r * a.o_row_stride + e,
+                          a.o_row_stride);
         }
       }
     }
