@@ -28,6 +28,27 @@ constexpr ProductPath WideningProductPath(DType dtype) {
                                 : ProductPath::kF32;
 }
 
+// Every path, as `qkv bench --products` lists them.
+inline constexpr ProductPath kProductPaths[] = {ProductPath::kF32,        ProductPath::kBf16Widened,
+                                                ProductPath::kBf16Pairs,  ProductPath::kBf16Amx,
+                                                ProductPath::kF16Widened, ProductPath::kF16Amx};
+
+// The storage dtype a path multiplies.
+constexpr DType product_path_dtype(ProductPath path) {
+  switch (path) {
+    case ProductPath::kBf16Widened:
+    case ProductPath::kBf16Pairs:
+    case ProductPath::kBf16Amx:
+      return DType::kBF16;
+    case ProductPath::kF16Widened:
+    case ProductPath::kF16Amx:
+      return DType::kF16;
+    case ProductPath::kF32:
+      break;
+  }
+  return DType::kF32;
+}
+
 // "f32-fma", "bf16-widened-fma", "f16-widened-fma", "bf16-vdpbf16ps", "bf16-amx",
 // "f16-amx-split".
 constexpr const char* product_path_name(ProductPath path) {

@@ -134,26 +134,6 @@ std::vector<Kernel> parse_kernels(const std::string& text) {
   return kernels;
 }
 
-constexpr ProductPath kProductPaths[] = {ProductPath::kF32,        ProductPath::kBf16Widened,
-                                         ProductPath::kBf16Pairs,  ProductPath::kBf16Amx,
-                                         ProductPath::kF16Widened, ProductPath::kF16Amx};
-
-// The storage dtype a product path multiplies.
-DType product_path_dtype(ProductPath path) {
-  switch (path) {
-    case ProductPath::kBf16Widened:
-    case ProductPath::kBf16Pairs:
-    case ProductPath::kBf16Amx:
-      return DType::kBF16;
-    case ProductPath::kF16Widened:
-    case ProductPath::kF16Amx:
-      return DType::kF16;
-    case ProductPath::kF32:
-      break;
-  }
-  return DType::kF32;
-}
-
 std::optional<ProductPath> parse_products(const std::string& name) {
   if (name == "auto") return std::nullopt;
   std::string names;

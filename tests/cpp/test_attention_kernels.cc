@@ -101,9 +101,6 @@ TEST(KernelTargets, Bf16OnVdpbf16psWhereverAvailable) {
 // choice again restores the defaults. Which paths a CPU has: test_cli_attention.py, from its
 // flags.
 TEST(KernelTargets, ProductPathsPinAndRestore) {
-  const ProductPath all[] = {ProductPath::kF32,        ProductPath::kBf16Widened,
-                             ProductPath::kBf16Pairs,  ProductPath::kBf16Amx,
-                             ProductPath::kF16Widened, ProductPath::kF16Amx};
   for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
     SCOPED_TRACE(dtype_name(dtype));
     const ProductPath chosen = attention_flash_product_path(dtype);
@@ -117,9 +114,10 @@ TEST(KernelTargets, ProductPathsPinAndRestore) {
     EXPECT_EQ(paths[0], chosen);
     EXPECT_NE(std::find(paths.begin(), paths.end(), WideningProductPath(dtype)), paths.end());
     EXPECT_EQ(attention_flash_product_path(dtype), chosen);
-    for (ProductPath path : all) {
+    for (ProductPath path : kProductPaths) {
       SCOPED_TRACE(product_path_name(path));
       const bool listed = std::find(paths.begin(), paths.end(), path) != paths.end();
+      if (listed) EXPECT_EQ(product_path_dtype(path), dtype);
       EXPECT_EQ(pin_flash_product_path(dtype, path), listed);
       EXPECT_EQ(attention_flash_product_path(dtype), listed ? path : chosen);
       ASSERT_TRUE(pin_flash_product_path(dtype, chosen));
