@@ -117,7 +117,9 @@ TEST(KernelTargets, ProductPathsPinAndRestore) {
     for (ProductPath path : kProductPaths) {
       SCOPED_TRACE(product_path_name(path));
       const bool listed = std::find(paths.begin(), paths.end(), path) != paths.end();
-      if (listed) EXPECT_EQ(product_path_dtype(path), dtype);
+      if (listed) {
+        EXPECT_EQ(product_path_dtype(path), dtype);
+      }
       EXPECT_EQ(pin_flash_product_path(dtype, path), listed);
       EXPECT_EQ(attention_flash_product_path(dtype), listed ? path : chosen);
       ASSERT_TRUE(pin_flash_product_path(dtype, chosen));
