@@ -28,7 +28,7 @@ from ._qkv import EncoderLayerTape, Sparsity
 
 __all__ = ["attention", "attention_backward", "linear_attention", "longformer", "bigbird", "block_layout",
            "bigbird_layout", "Sparsity", "SentenceEmbedder", "EncoderLayer", "EncoderLayerTape",
-           "cross_entropy", "AdamW"]
+           "cross_entropy", "AdamW", "product_path"]
 __version__ = "0.1.0"
 
 try:  # numpy has no bfloat16 of its own; ml_dtypes' is the one JAX and others use.
@@ -298,6 +298,27 @@ def linear_attention(q: Array, k: Array, v: Array, *, layout: str = "bshd",
                           _int("num_threads", num_threads), _int("chunk_size", chunk_size),
                           layout, q_bits | (k_bits << 1) | (v_bits << 2))
     return _result(framework, out)
+
+
+_PATH_DTYPES = {"float32": "f32", "f32": "f32", "bfloat16": "bf16", "bf16": "bf16",
+                "float16": "f16", "f16": "f16", "half": "f16"}
+
+
+def product_path(dtype: Any = "float32") -> str:
+    """The instructions qkv's flash kernel multiplies q, k and v of this dtype with on this CPU
+    (the products the `qkv bench` rows name): "f32-fma"; "bf16-amx" (AMX tiles, a CPU with
+    AMX-BF16), "bf16-vdpbf16ps" (AMD CPUs with AVX512-BF16) or "bf16-widened-fma"; "f16-amx-split"
+    or "f16-widened-fma". dtype: a name ("float32", "bfloat16", "float16", "f32", "bf16", "f16")
+    or a numpy / torch / JAX dtype."""
+    name = str(dtype).replace("torch.", "")
+    if name not in _PATH_DTYPES:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            pass
+    if name not in _PATH_DTYPES:
+        raise ValueError(f"dtype: expected float32, bfloat16 or float16, got {dtype!r}")
+    return _qkv._product_path(_PATH_DTYPES[name])
 
 
 def longformer(window: int = 256, dilation: int = 1, global_: Sequence[int] = ()) -> Sparsity:

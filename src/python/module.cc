@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/int_math.h"
+#include "kernels/product_path.h"
 #include "python/arrays.h"
 #include "python/layers.h"
 #include "python/options.h"
@@ -462,6 +463,13 @@ void define_module(nb::module_& m) {
         "out"_a.none(), "key_lengths"_a.none(), "feature_map"_a, "nb_features"_a, "seed"_a,
         "scale"_a.none(), "causal"_a, "align"_a, "kernel"_a, "num_threads"_a, "chunk_size"_a,
         "layout"_a, "bf16_bits"_a);
+  m.def(
+      "_product_path",
+      [](const std::string& dtype) {
+        const DType d = dtype == "bf16" ? DType::kBF16 : dtype == "f16" ? DType::kF16 : DType::kF32;
+        return std::string(product_path_name(attention_flash_product_path(d)));
+      },
+      "dtype"_a);
   m.def("_time_attention", &time_attention, "q"_a, "k"_a, "v"_a, "out"_a, "repeats"_a);
   m.def("_data_address", &data_address, "array"_a);
 

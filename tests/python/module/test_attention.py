@@ -351,3 +351,56 @@ def test_results_do_not_depend_on_thread_count(rng):
                for n in (1, 2, 3)]
     for out in results[1:]:
         np.testing.assert_array_equal(out, results[0])
+
+
+def cpu_flags():
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_vendor():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+@pytest.mark.parametrize("dtype, names", [
+    ("f32", ["float32", "f32", np.float32, np.dtype(np.float32), torch.float32, jnp.float32]),
+    ("bf16", ["bfloat16", "bf16", ml_dtypes.bfloat16, torch.bfloat16, jnp.bfloat16]),
+    ("f16", ["float16", "f16", "half", np.float16, torch.float16, jnp.float16]),
+])
+def test_product_path_names_the_instructions_for_this_cpu(dtype, names):
+    # What the flash kernel takes, from the CPU's flags (as qkv bench reports it): vdpbf16ps
+    # pairs for bf16 on an AMD CPU with AVX512-BF16, AMX tiles where AMX-BF16 is there (f16 as
+    # bf16 hi + lo parts), else f32 FMA on the widened operands.
+    flags = cpu_flags()
+    avx512_bf16 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= flags
+    amx = avx512_bf16 and {"amx_bf16", "amx_tile"} <= flags
+    if dtype == "f32":
+        expected = "f32-fma"
+    elif dtype == "bf16" and avx512_bf16 and cpu_vendor() == "AuthenticAMD":
+        expected = "bf16-vdpbf16ps"
+    elif amx:
+        expected = "bf16-amx" if dtype == "bf16" else "f16-amx-split"
+    else:
+        expected = f"{dtype}-widened-fma"
+    for name in names:
+        assert qkv.product_path(name) == expected, name
+
+
+@pytest.mark.parametrize("bad", ["float64", "int8", "bf8", None, 3])
+def test_product_path_refuses_other_dtypes(bad):
+    with pytest.raises(ValueError, match="dtype: expected float32, bfloat16 or float16"):
+        qkv.product_path(bad)
