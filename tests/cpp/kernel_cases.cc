@@ -87,6 +87,17 @@ std::vector<Case> kernel_cases() {
     c.seq_q = 2;  // 2 queries x 6 heads: 12 rows
     c.seq_kv = 4097;
     add(c);
+    // BHSD, where each narrow block is a task of its own: multi-head and GQA, split.
+    c.seq_q = 1;
+    c.num_heads_q = c.num_heads_kv = 6;
+    c.head_dim = c.head_dim_v = 64;
+    c.bhsd = true;
+    add(c);
+    c.num_heads_q = 12;
+    c.head_dim = 33;
+    c.head_dim_v = 130;
+    c.key_lengths = false;
+    add(c);
   }
   // Causal and windows, both alignments, Lq <, =, > Lk.
   for (Align align : {Align::kBottomRight, Align::kTopLeft}) {

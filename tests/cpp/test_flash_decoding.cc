@@ -103,6 +103,18 @@ std::vector<DecodeCase> decode_cases() {
     dc.c.key_lengths = dc.c.nan_padding = b > 1;
     add(dc);
   }
+  // The same in BHSD, where every narrow block is a task of its own (one head's K and V rows as
+  // two runs, flash_forward.cc PlanWork): multi-head at B = 1 and 2 (key lengths, NaN past them)
+  // and GQA, split; 128 blocks, which do not split.
+  for (auto [b, hq, hkv, lk] : {std::tuple{1, 32, 32, 4099}, {2, 12, 12, 8191},
+                                {2, 16, 4, 4099}, {4, 32, 32, 300}}) {
+    DecodeCase dc{.c = {.batch = b, .seq_q = 1, .seq_kv = lk, .num_heads_q = hq}};
+    dc.c.num_heads_kv = hkv;
+    dc.c.head_dim = 64;
+    dc.c.key_lengths = dc.c.nan_padding = b > 1;
+    dc.c.bhsd = true;
+    add(dc);
+  }
   // Masks and biases on split shapes and on one that does not split.
   for (std::int64_t lk : {2047, 4099}) {
     for (std::int64_t lq : {1, 5}) {
@@ -219,6 +231,8 @@ TEST(FlashDecodingThreads, BitIdenticalWhateverTheThreadCount) {
     dc.c.seed = 77 + lq;
     cases.push_back(dc);
   }
+  cases.push_back(cases.back());  // multi-head in BHSD: one block per task
+  cases.back().c.bhsd = true;
   cases.push_back(cases.front());
   cases.back().sparse_window = 200;
   cases.back().global = {3};

@@ -86,11 +86,22 @@ WorkPlan PlanWork(const AttentionKernelParams& p) {
   // at B=1, H=8, L=4096, 2 threads, the bf16 AMX path ran 1.02-1.06x and f32 1.02x faster than
   // with 8; keeping 16 groups leaves L=1024 as it was, where 8 groups ran 5-7% slower for lack
   // of balance. AVX2's blocks of 16 queries: 64 per group, docs/kernels.md, "AVX2".)
-  w.per_task = std::clamp<std::int64_t>(w.items / kMinGroups, 1, kMaxBlocksPerTask);
+  // Narrow blocks (decoding) whose kv heads lie apart (BHSD, the layout qkv.torch passes): one
+  // per group, so each task reads one head's K and V rows as two ascending runs, as long as
+  // its keys (in BSHD the heads of one key are neighbours, and a group of all heads reads
+  // them as one run instead: below). Against the groups of BSHD's rules (all 32 heads, or 4
+  // kv heads, per group), Zen 4, 2 threads, Lq = 1, D = 128, in-process A/B, two runs: Hq =
+  // Hkv = 32, Lk = 16384: f32 1.19-1.23x, bf16 1.72-1.88x (4 heads per group: 1.12-1.13x and
+  // 1.37-1.70x); GQA 32:8, Lk = 32768: f32 1.07-1.09x, bf16 1.14-1.20x. The same in BSHD ran
+  // 0.38-0.62x.
+  const bool narrow = p.num_heads_q / p.num_heads_kv * p.seq_q <= kNarrowRows;
+  const bool one_per_group = narrow && !HeadsInner(p);
+  w.per_task = one_per_group
+                   ? 1
+                   : std::clamp<std::int64_t>(w.items / kMinGroups, 1, kMaxBlocksPerTask);
   w.splits = 1;
   w.split_keys = p.seq_kv;
   const std::int64_t max_splits = std::min(kMaxSplits, p.seq_kv / kMinSplitKeys);
-  const bool narrow = p.num_heads_q / p.num_heads_kv * p.seq_q <= kNarrowRows;
   if (w.items < (narrow ? kSplitBelowNarrowItems : kSplitBelowItems) && max_splits >= 2) {
     // Few blocks, long keys (decoding): the splits supply the parallelism, so a group can take
     // more blocks (all kv heads of a decode step: each key tile is then one contiguous stretch of
@@ -103,7 +114,8 @@ WorkPlan PlanWork(const AttentionKernelParams& p) {
     // 1.05-1.11x; docs/kernels.md, "Flash-decoding".)
     const std::int64_t groups_needed = (kMinTasks + max_splits - 1) / max_splits;
     const std::int64_t batch_items = p.num_heads_kv * w.blocks_per_kv_head;
-    const std::int64_t group_blocks = narrow ? kSplitGroupNarrowBlocks : kSplitGroupBlocks;
+    const std::int64_t group_blocks =
+        one_per_group ? 1 : narrow ? kSplitGroupNarrowBlocks : kSplitGroupBlocks;
     w.per_task =
         std::clamp<std::int64_t>(w.items / groups_needed, 1, std::min(group_blocks, batch_items));
     // A size that divides an entry's blocks, if one is at least half as large: no group then
