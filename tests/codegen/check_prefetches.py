@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""The built kernels keep their software prefetches.
+
+The decode walk and the flash tasks prefetch K and V rows toward L2 (docs/kernels.md, "Software
+prefetch"); they are worth 1.1-1.6x on decoding, and nothing else notices when they go: the
+results stay the same bits. GCC 12 once deleted every prefetch of bf16dot::narrow_scores (a
+helper made only of _mm_prefetch calls taken for an unused const call; decode ran 0.55x), so
+this disassembles the binary (objdump, from binutils) and counts the prefetch instructions of
+each function that must have them.
+
+    check_prefetches.py BINARY      exit 0: all there; 1: some function has too few (listed)
+"""
+
+import re
+import subprocess
+import sys
+from collections import Counter
+
+# (pattern over the demangled function names, at least this many prefetch instructions, in at
+# least this many of the functions that match). Minimums are below today's counts (GCC 12 -O2:
+# 5, 8, 7-11, 6-10, 2): a site may be merged or unrolled, none may vanish.
+REQUIRED = [
+    (r"^qkv::bf16dot::narrow_scores\(", 3, 1),  # K ahead and V rows (prefetch_line)
+    (r"^qkv::bf16dot::narrow_values\(", 4, 1),  # next K (PrefetchSpan), V rows (RowsAhead)
+    # The f32 / widened decode walk on each x86 target: K kScoreAhead and V kValueAhead keys on.
+    (r"^qkv::N_AVX(2|3)::tiles::NarrowScoresWide<float>\(.*lambda", 1, 2),
+    (r"NarrowValueKeys<float>\(", 1, 2),
+    # A flash task (one of Flash's lambdas): the next tile's K and V rows (PrefetchRows), on each
+    # x86 target.
+    (r"^qkv::N_AVX(2|3)::Flash<qkv::N_AVX(2|3)::tiles::WideProducts<float> >.*lambda", 2, 2),
+]
+
+
+def prefetch_counts(binary):
+    listing = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", binary],
+                             check=True, capture_output=True, text=True).stdout
+    counts, name = Counter(), None
+    for line in listing.splitlines():
+        header = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
+        if header:
+            name = header.group(1)
+            counts[name] += 0
+        elif name is not None and "\tprefetch" in line:
+            counts[name] += 1
+    return counts
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    counts = prefetch_counts(sys.argv[1])
+    problems = []
+    for pattern, at_least, functions in REQUIRED:
+        found = [n for name, n in counts.items() if re.search(pattern, name)]
+        enough = sum(n >= at_least for n in found)
+        print(f"{pattern}: prefetches per matching function: {found}")
+        if enough < functions:
+            problems.append(f"{pattern}: {enough} function(s) with >= {at_least} prefetch "
+                            f"instruction(s), expected {functions} (counts: {found})")
+    if problems:
+        print("software prefetches missing from " + sys.argv[1] + ":\n  " + "\n  ".join(problems))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
