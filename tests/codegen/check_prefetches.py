@@ -17,11 +17,11 @@ import sys
 from collections import Counter
 
 # (pattern over the demangled function names, at least this many prefetch instructions, in at
-# least this many of the functions that match). Minimums are below today's counts (GCC 12 -O2:
-# 5, 8, 7-11, 6-10, 2): a site may be merged or unrolled, none may vanish.
+# least this many of the functions that match). Minimums are at or below today's counts (GCC 12
+# -O2: 5, 2, 7-11, 6-10, 2): a site may be merged or unrolled, none may vanish.
 REQUIRED = [
     (r"^qkv::bf16dot::narrow_scores\(", 3, 1),  # K ahead and V rows (prefetch_line)
-    (r"^qkv::bf16dot::narrow_values\(", 4, 1),  # next K (PrefetchSpan), V rows (RowsAhead)
+    (r"^qkv::bf16dot::narrow_values\(", 2, 1),  # the next tile's K (PrefetchSpan, 4 and 1 rows)
     # The f32 / widened decode walk on each x86 target: K kScoreAhead and V kValueAhead keys on.
     (r"^qkv::N_AVX(2|3)::tiles::NarrowScoresWide<float>\(.*lambda", 1, 2),
     (r"NarrowValueKeys<float>\(", 1, 2),

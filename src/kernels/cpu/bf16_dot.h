@@ -86,9 +86,8 @@ void pack_probs(const float* st, std::int64_t num_k, int vecs, std::uint32_t* pt
 //   in a row is read.
 // While key j is walked (by the first head), bytes [0, prefetch_bytes) of prefetch +
 // j * prefetch_row_stride (bytes) are prefetched toward L2 when prefetch is not null (the flash
-// kernel passes the tile's V rows, read right after: docs/kernels.md, "Decoding"); with
-// prefetch_head_stride not 0, head n's range lies n strides on and goes out as head n walks key j
-// (the head-by-head walk only). Prefetches never fault.
+// kernel passes the tile's V rows, read right after: docs/kernels.md, "Decoding"). Prefetches
+// never fault.
 struct NarrowScores {
   const std::uint32_t* q;
   std::int64_t q_head_stride;  // pair words
@@ -100,7 +99,6 @@ struct NarrowScores {
   float out_scale;
   const void* prefetch = nullptr;
   std::int64_t prefetch_row_stride = 0, prefetch_bytes = 0;
-  std::int64_t prefetch_head_stride = 0;  // bytes; not 0: head n's rows start n strides on
 };
 void narrow_scores(const NarrowScores& a);
 
@@ -112,12 +110,7 @@ void narrow_scores(const NarrowScores& a);
 // While it walks, bytes [0, prefetch_bytes) of prefetch are prefetched toward L2 when prefetch is
 // not null, a few lines per key pair, spread evenly over the whole call (the flash kernel passes
 // the next tile's K rows: the memory is otherwise idle while the values read V from L2;
-// docs/kernels.md, "Decoding"); with prefetch_head_stride not 0, head n's range starts at
-// prefetch + n * prefetch_head_stride and is spread over head n's part of the walk (BHSD: each
-// head's next K rows). With v_ahead > 0, the walk also prefetches toward L2 the V rows (dv
-// elements) v_ahead keys ahead of the pair it reads, running on into the next head's rows at the
-// end of each head's (the flash kernel asks for this where its score walk did not prefetch V).
-// Prefetches never fault.
+// docs/kernels.md, "Decoding"). Prefetches never fault.
 struct NarrowValues {
   const std::uint32_t* pp;
   std::int64_t pp_head_stride, pp_row_stride;  // pair words
@@ -128,8 +121,6 @@ struct NarrowValues {
   std::int64_t heads, rows, num_k, dv;
   const void* prefetch = nullptr;
   std::int64_t prefetch_bytes = 0;
-  std::int64_t prefetch_head_stride = 0;  // bytes; not 0: head n's range starts n strides on
-  std::int64_t v_ahead = 0;               // keys
 };
 void narrow_values(const NarrowValues& a);
 

@@ -197,30 +197,12 @@ struct PrefetchSpan {
   }
 };
 
-// NarrowValues::v_ahead: the V rows `keys` ahead of the one being read, toward L2, from this
-// head's rows and then the next head's (null: the last head), `rows` each.
-struct RowsAhead {
-  const std::uint16_t* v = nullptr;  // null: nothing asked for
-  const std::uint16_t* next = nullptr;
-  std::int64_t keys = 0, rows = 0, row_stride = 0, row_bytes = 0;
-
-  __attribute__((always_inline)) void at(std::int64_t key) const {
-    if (v == nullptr) return;
-    std::int64_t i = key + keys;
-    const std::uint16_t* head = v;
-    if (i >= rows) i -= rows, head = next;
-    if (head != nullptr && i < rows) {
-      prefetch_lines(reinterpret_cast<const char*>(head + i * row_stride), row_bytes);
-    }
-  }
-};
-
 // Values of R rows (4 or 1) for output columns [0, 64) of v and o: R x 4 accumulators (16
 // columns each), loaded from o and stored back once per call; columns past `cols` are masked off
-// in every load and store. Each key pair advances the prefetch and asks for its two rows ahead.
+// in every load and store. Each key pair advances the prefetch.
 template <int R>
 __attribute__((always_inline)) inline void values_block(
-    PrefetchSpan& prefetch, const RowsAhead& ahead, const std::uint32_t* __restrict pp,
+    PrefetchSpan& prefetch, const std::uint32_t* __restrict pp,
     std::int64_t pp_row_stride, const std::uint16_t* __restrict v, std::int64_t v_row_stride,
     std::int64_t num_k, std::int64_t cols, float* __restrict o, std::int64_t o_row_stride) {
   // vpermt2w indices: words 2i <- lo row word i (index i), 2i + 1 <- hi row word i (32 + i),
@@ -248,8 +230,6 @@ __attribute__((always_inline)) inline void values_block(
   }
   for (std::int64_t t = 0; 2 * t < num_k; ++t) {
     prefetch.advance();
-    ahead.at(2 * t);
-    ahead.at(2 * t + 1);
     const std::uint16_t* lo_row = v + 2 * t * v_row_stride;
     const bool has_hi = 2 * t + 1 < num_k;  // odd num_k: the last pair is (value, 0)
     __m512bh value[kColVecs];
@@ -284,11 +264,11 @@ __attribute__((always_inline)) inline void values_block(
 void narrow_scores(const NarrowScores& a) {
   const __m512 scale = _mm512_set1_ps(a.out_scale);
   const std::int64_t words = (a.depth + 1) / 2;
-  const auto prefetch_rows = [&](std::int64_t n, std::int64_t j, std::int64_t keys) {
+  const auto prefetch_rows = [&](std::int64_t j, std::int64_t keys) {
     if (a.prefetch == nullptr) return;
-    const char* head = static_cast<const char*>(a.prefetch) + n * a.prefetch_head_stride;
+    const char* first = static_cast<const char*>(a.prefetch);
     for (std::int64_t i = j; i < j + keys; ++i) {
-      prefetch_lines(head + i * a.prefetch_row_stride, a.prefetch_bytes);
+      prefetch_lines(first + i * a.prefetch_row_stride, a.prefetch_bytes);
     }
   };
   if (a.heads > 1 && a.k_head_stride < a.k_row_stride) {
@@ -296,7 +276,7 @@ void narrow_scores(const NarrowScores& a) {
     // 4 heads per block (4 keys of each 4 heads in turn was 25% slower with GQA 32:8; 16 heads
     // of one row per block 20% slower with 32 heads).
     for (std::int64_t j = 0; j < a.num_k; ++j) {
-      prefetch_rows(0, j, 1);
+      prefetch_rows(j, 1);
       std::int64_t n = 0;
       for (; n + 4 <= a.heads; n += 4) scores_keys<4, 1>(a, words, n, j, scale);
       for (; n < a.heads; ++n) scores_keys<1, 1>(a, words, n, j, scale);
@@ -308,7 +288,9 @@ void narrow_scores(const NarrowScores& a) {
     // Lq = 1, D = 128, 2 threads, Zen 4: 32 heads of one row 1.32-1.39x, GQA 32:8 0.91-1.21x
     // (about 1.07x), one kv head (Hq = 8) 1.22x. The walk also prefetches toward L2 the K rows kAhead keys
     // further on in it (into the next head's keys at the end of each head), 16 keys a block: the
-    // hardware prefetchers stop at each 4 KiB page (GQA: 1.10x with, 0.97x without).
+    // hardware prefetchers stop at each 4 KiB page (GQA: 1.10x with, 0.97x without). Since
+    // 2026-12-03 the flash kernel calls with one head here (its BHSD decode tasks are one kv
+    // head each: flash_forward.cc, PlanWork); several heads come from other callers (tests).
     constexpr int kKeys = 16;
     constexpr std::int64_t kAhead = 32;
     const std::int64_t row_bytes = 2 * a.depth;
@@ -326,12 +308,12 @@ void narrow_scores(const NarrowScores& a) {
     for (std::int64_t n = 0; n < a.heads; ++n) {
       std::int64_t j = 0;
       for (; j + kKeys <= a.num_k; j += kKeys) {
-        if (n == 0 || a.prefetch_head_stride != 0) prefetch_rows(n, j, kKeys);
+        if (n == 0) prefetch_rows(j, kKeys);
         prefetch_k(n, j, kKeys);
         scores_keys<1, kKeys>(a, words, n, j, scale);
       }
       for (; j < a.num_k; ++j) {
-        if (n == 0 || a.prefetch_head_stride != 0) prefetch_rows(n, j, 1);
+        if (n == 0) prefetch_rows(j, 1);
         prefetch_k(n, j, 1);
         scores_keys<1, 1>(a, words, n, j, scale);
       }
@@ -341,21 +323,15 @@ void narrow_scores(const NarrowScores& a) {
 
 void narrow_values(const NarrowValues& a) {
   constexpr std::int64_t kCols = 16 * kColVecs;
-  // The prefetch, spread over every values_block step (key pair) of the call, or of each head's
-  // part of it when each head has its own range.
-  const std::int64_t head_steps =
-      (a.rows / kRows + a.rows % kRows) * ((a.dv + kCols - 1) / kCols) * ((a.num_k + 1) / 2);
-  const auto span_of = [&](std::int64_t n, std::int64_t steps) {
-    PrefetchSpan span;
-    if (a.prefetch != nullptr && a.prefetch_bytes > 0 && steps > 0) {
-      span.next = static_cast<const char*>(a.prefetch) + n * a.prefetch_head_stride;
-      span.end = span.next + a.prefetch_bytes;
-      span.step = (a.prefetch_bytes / steps + 63) / 64 * 64;
-    }
-    return span;
-  };
-  const bool per_head = a.prefetch_head_stride != 0;
-  PrefetchSpan span = per_head ? PrefetchSpan{} : span_of(0, a.heads * head_steps);
+  // The prefetch, spread over every values_block step (key pair) of the call.
+  const std::int64_t steps = a.heads * (a.rows / kRows + a.rows % kRows) *
+                             ((a.dv + kCols - 1) / kCols) * ((a.num_k + 1) / 2);
+  PrefetchSpan span;
+  if (a.prefetch != nullptr && a.prefetch_bytes > 0 && steps > 0) {
+    span.next = static_cast<const char*>(a.prefetch);
+    span.end = span.next + a.prefetch_bytes;
+    span.step = (a.prefetch_bytes / steps + 63) / 64 * 64;
+  }
   // Single rows of several heads whose V rows of one key are neighbours (BSHD multi-head
   // decoding): the keys go outermost in chunks of kValueChunk, so V is read in address order
   // (head by head over the whole part, each head's 256 bytes per key lie 8 KiB apart with 32
@@ -365,37 +341,25 @@ void narrow_values(const NarrowValues& a) {
   // the same harness 0.94-1.00x, median 0.97); B = 2, Hq = Hkv = 16, D = 64: 0.99x. Chunking
   // GQA 32:8's 4-row blocks too was 0.90x, so only single rows.
   constexpr std::int64_t kValueChunk = 16;
-  const bool chunked = !per_head && a.heads > 1 && a.rows < kRows &&
-                       a.v_head_stride < a.v_row_stride;
+  const bool chunked = a.heads > 1 && a.rows < kRows && a.v_head_stride < a.v_row_stride;
   const std::int64_t chunk = chunked ? kValueChunk : a.num_k;
   for (std::int64_t k0 = 0; k0 < a.num_k; k0 += chunk) {
     const std::int64_t keys = std::min(chunk, a.num_k - k0);
     for (std::int64_t n = 0; n < a.heads; ++n) {
-      if (per_head) span = span_of(n, head_steps);
       const std::uint32_t* pp = a.pp + n * a.pp_head_stride + k0 / 2 * a.pp_row_stride;
       const std::uint16_t* v = a.v + n * a.v_head_stride + k0 * a.v_row_stride;
       float* o = a.o + n * a.o_head_stride;
-      // The first block's first column pass asks for the rows ahead (whole rows: the other
-      // passes and blocks read them from L2 after it).
-      constexpr RowsAhead kNone{};
-      RowsAhead ahead;
-      if (a.v_ahead > 0) {
-        const std::uint16_t* next = n + 1 < a.heads ? v + a.v_head_stride : nullptr;
-        ahead = {v, next, a.v_ahead, keys, a.v_row_stride, 2 * a.dv};
-      }
       std::int64_t r = 0;
       for (; r + kRows <= a.rows; r += kRows) {
         for (std::int64_t e = 0; e < a.dv; e += kCols) {
-          values_block<kRows>(span, r == 0 && e == 0 ? ahead : kNone, pp + r, a.pp_row_stride,
-                              v + e, a.v_row_stride, keys, a.dv - e, o + r * a.o_row_stride + e,
-                              a.o_row_stride);
+          values_block<kRows>(span, pp + r, a.pp_row_stride, v + e, a.v_row_stride, keys,
+                              a.dv - e, o + r * a.o_row_stride + e, a.o_row_stride);
         }
       }
       for (; r < a.rows; ++r) {
         for (std::int64_t e = 0; e < a.dv; e += kCols) {
-          values_block<1>(span, r == 0 && e == 0 ? ahead : kNone, pp + r, a.pp_row_stride, v + e,
-                          a.v_row_stride, keys, a.dv - e, o + r * a.o_row_stride + e,
-                          a.o_row_stride);
+          values_block<1>(span, pp + r, a.pp_row_stride, v + e, a.v_row_stride, keys, a.dv - e,
+                          o + r * a.o_row_stride + e, a.o_row_stride);
         }
       }
     }

@@ -113,27 +113,22 @@ NarrowBlock StartNarrow(const AttentionKernelParams& p, QueryBlock& qb, float* s
 }
 
 // The V rows the bf16 score walk prefetches toward L2 for the value step that follows, as it
-// reads K: when the heads of one key are neighbours (BSHD), key j's rows of all heads of a run as
-// one byte range; when they lie apart (BHSD, or a single head), head n's row of key j, one range
-// per head and key (head_stride bytes apart; 0 for a single head). Null where the BSHD rows of a
-// run do not fit one key's row. BSHD, Lk = 32768, 2 threads: bf16 5-15% faster; the same in the
-// f32 walk was 6% slower, and prefetching K (any distance, any hint) 15% slower. BHSD (since
-// 2026-12-03, with NarrowValuesBf16's rows ahead): below.
+// reads K: key j's rows of all heads of a run as one byte range, when they lie within one key's
+// row (the heads of one key are neighbours, BSHD; or a single head, in any layout); null
+// otherwise. BSHD, Lk = 32768, 2 threads: bf16 5-15% faster; the same in the f32 walk was 6%
+// slower, and prefetching K (any distance, any hint) 15% slower.
 struct ValueRows {
   const char* first = nullptr;  // key 0 of the part, head 0
-  std::int64_t row_stride = 0, bytes = 0, head_stride = 0;
+  std::int64_t row_stride = 0, bytes = 0;
 };
 
 inline ValueRows ValueRowsOf(const AttentionKernelParams& p, const NarrowBlock& nb,
                              std::int64_t heads, std::int64_t head_stride) {
   constexpr std::int64_t kBytes = 2;  // bf16
+  const std::int64_t span = (heads - 1) * head_stride + p.head_dim_v;
+  if (heads > 1 && (head_stride < 0 || span > p.v_stride[1])) return {};
   const char* first = static_cast<const char*>(nb.qb->v) + nb.part.lo * p.v_stride[1] * kBytes;
-  const std::int64_t row_stride = p.v_stride[1] * kBytes;
-  if (p.v_stride[2] < p.v_stride[1] && heads > 1) {
-    if (head_stride < 0 || (heads - 1) * head_stride + p.head_dim_v > p.v_stride[1]) return {};
-    return {first, row_stride, ((heads - 1) * head_stride + p.head_dim_v) * kBytes, 0};
-  }
-  return {first, row_stride, p.head_dim_v * kBytes, heads > 1 ? head_stride * kBytes : 0};
+  return {first, p.v_stride[1] * kBytes, span * kBytes};
 }
 
 // bf16 on vdpbf16ps (bf16dot::narrow_scores / narrow_values): one call serves a run of
@@ -186,61 +181,40 @@ inline void NarrowScoresBf16(const AttentionKernelParams& p, const NarrowBlock* 
     const auto* k = static_cast<const std::uint16_t*>(nb.qb->k) + nb.part.lo * p.k_stride[1];
     bf16dot::narrow_scores({nb.q_pairs, run.scratch, k, run.k, p.k_stride[1], nb.st, run.scratch,
                             kBlockQ, run.count, nb.qb->num_q, p.head_dim, nb.part.hi - nb.part.lo,
-                            p.scale, v.first, v.row_stride, v.bytes, v.head_stride});
+                            p.scale, v.first, v.row_stride, v.bytes});
   });
 }
 
 // The K rows of a run's next tile (keys [part.hi, part.hi + kBlockK), up to the first block's
 // key_end), for the value step to prefetch (bf16dot::NarrowValues::prefetch): one byte range
-// when the heads of one key are neighbours (BSHD) and the range holds at most twice the rows'
-// own bytes (null otherwise); in BHSD one range per head, head_stride bytes apart (with the
-// head-by-head score walk: 32 heads of one row 1.12x, GQA 32:8 1.0x; before that walk it was
-// 0.97x).
+// when it holds at most twice the rows' own bytes (the heads of one key neighbours, BSHD, or a
+// single head), null otherwise.
 struct ByteRange {
   const char* first = nullptr;
-  std::int64_t bytes = 0, head_stride = 0;
+  std::int64_t bytes = 0;
 };
 
 inline ByteRange NextKeysOf(const AttentionKernelParams& p, const NarrowBlock& nb,
                             const NarrowRun& run) {
   constexpr std::int64_t kBytes = 2;  // bf16
   const std::int64_t keys = std::min(kBlockK, nb.qb->key_end - nb.part.hi);
-  const auto* k = static_cast<const std::uint16_t*>(nb.qb->k) + nb.part.hi * p.k_stride[1];
-  if (keys > 0 && !(p.k_stride[2] < p.k_stride[1])) {  // BHSD: each head's rows
-    return {reinterpret_cast<const char*>(k), ((keys - 1) * p.k_stride[1] + p.head_dim) * kBytes,
-            run.k * kBytes};
-  }
   const std::int64_t span = (keys - 1) * p.k_stride[1] + (run.count - 1) * run.k + p.head_dim;
-  if (keys <= 0 || run.k < 0 ||
-      span > 2 * keys * run.count * p.head_dim) {
-    return {};
-  }
+  if (keys <= 0 || run.k < 0 || span > 2 * keys * run.count * p.head_dim) return {};
+  const auto* k = static_cast<const std::uint16_t*>(nb.qb->k) + nb.part.hi * p.k_stride[1];
   return {reinterpret_cast<const char*>(k), span * kBytes};
 }
 
-// All keys of each block's part at once, while the next tile's K is prefetched. The score walk
-// prefetched V (ValueRowsOf); where its heads lie apart (BHSD), each head's rows went out while
-// that head's scores ran, long before its values, so the value walk asks for them again
-// kValueAheadBf16 keys ahead of itself, into the next head's rows at the end of each head's.
-// BHSD on Zen 4 (family 25 model 17), Lq = 1, D = 128, 2 threads, in-process A/B against
-// neither (15-21 interleaved calls, median per-call ratio): GQA 32:8, Lk = 32768: the rows
-// ahead alone 1.10-1.24x (8, 16, 32 and 64 keys ahead all within that), the score walk's alone
-// 1.14-1.23x, both 1.26-1.34x (4 runs); 32 heads of one row, Lk = 16384, both 1.23-1.34x; one kv
-// head (Hq = 8), Lk = 65536, 1.11-1.22x. BSHD: GQA and 32 heads 0.97-1.03x; one kv head, whose
-// V the score walk did not prefetch before, 1.12-1.17x.
-constexpr std::int64_t kValueAheadBf16 = 16;
-
+// All keys of each block's part at once, while the next tile's K is prefetched (the score walk
+// prefetched this tile's V: ValueRowsOf).
 inline void NarrowValuesBf16(const AttentionKernelParams& p, const NarrowBlock* narrow,
                              std::int64_t count) {
   ForEachRun(narrow, count, [&](const NarrowBlock& nb, const NarrowRun& run) {
     const auto* v = static_cast<const std::uint16_t*>(nb.qb->v) + nb.part.lo * p.v_stride[1];
     const ByteRange next = NextKeysOf(p, nb, run);
-    const ValueRows rows = ValueRowsOf(p, nb, run.count, run.v);
-    const bool v_ahead = rows.first == nullptr || rows.head_stride != 0;
     bf16dot::narrow_values({reinterpret_cast<const std::uint32_t*>(nb.st), run.scratch, kBlockQ, v,
                             run.v, p.v_stride[1], nb.o, run.scratch, p.head_dim_v, run.count,
                             nb.qb->num_q, nb.part.hi - nb.part.lo, p.head_dim_v, next.first,
-                            next.bytes, next.head_stride, v_ahead ? kValueAheadBf16 : 0});
+                            next.bytes});
   });
 }
 
