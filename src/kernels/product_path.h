@@ -89,5 +89,7 @@ ProductPath attention_flash_product_path(DType dtype);
 // kernel results of each path are its own (the paths round differently).
 std::vector<ProductPath> flash_product_paths(DType dtype);
 bool pin_flash_product_path(DType dtype, ProductPath path);
+// The switches back at their defaults: the flash kernel's own choice again.
+void unpin_flash_product_path();
 
 }  // namespace qkv

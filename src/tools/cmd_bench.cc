@@ -60,12 +60,15 @@ constexpr const char* kBenchUsage =
     "                   fp32_peak_gflops), and the AMX tile peak where bf16 or f16 has it\n"
     "                   (amx_peak_gflops; %peak of bf16-amx and f16-amx-split rows divides\n"
     "                   by it)\n"
-    "  --products P     auto (default: the CPU's choice, as above) or the flash kernel's product\n"
-    "                   path to pin for --dtype, to compare paths on one CPU: f32-fma;\n"
-    "                   bf16-widened-fma, bf16-vdpbf16ps (any CPU with AVX512-BF16), bf16-amx;\n"
-    "                   f16-widened-fma, f16-amx-split. A path this CPU cannot run is an error\n"
-    "                   that lists the ones it can. Flash forward only (not with --backward,\n"
-    "                   --linear or --kernel chunked/reference)\n"
+    "  --products P     auto (default: the CPU's choice, as above); or the flash kernel's product\n"
+    "                   path to pin for --dtype, a comma list of them, or all (every path this\n"
+    "                   CPU runs for --dtype, its own choice first), to compare paths on one\n"
+    "                   CPU: f32-fma; bf16-widened-fma, bf16-vdpbf16ps (any CPU with\n"
+    "                   AVX512-BF16), bf16-amx; f16-widened-fma, f16-amx-split. Several paths\n"
+    "                   give a row each per case, on the same inputs, their timed repeats taking\n"
+    "                   turns (a change in the machine's load reaches them alike). A path this\n"
+    "                   CPU cannot run is an error that lists the ones it can. Flash forward only\n"
+    "                   (not with --backward, --linear or --kernel chunked/reference)\n"
     "  --threads N      threads for the kernels and the FMA probe (default 0 = OpenMP's default)\n"
     "  --repeats R      timed repeats per case, median reported (default 5; fewer when one call\n"
     "                   takes over 2 s, unless given)\n"
@@ -110,7 +113,8 @@ struct BenchOptions {
   std::optional<LinearAttentionParams> linear;  // --linear: time linear_attention instead
   SparseCliOptions sparse;                      // --sparse, --sparse-layout, --sparse-block
   bool backward = false;                        // --backward: time attention_backward
-  std::optional<ProductPath> products;          // --products: the flash kernel's path, pinned
+  std::vector<ProductPath> products;            // --products: paths to pin in turn (none: auto)
+  bool all_products = false;                    // --products all: every path this CPU runs
 };
 
 Kernel parse_kernel(const std::string& name) {
@@ -134,18 +138,40 @@ std::vector<Kernel> parse_kernels(const std::string& text) {
   return kernels;
 }
 
-std::optional<ProductPath> parse_products(const std::string& name) {
-  if (name == "auto") return std::nullopt;
+ProductPath parse_product_path(const std::string& name) {
   std::string names;
   for (ProductPath path : kProductPaths) {
     if (name == product_path_name(path)) return path;
     names += std::string(", ") + product_path_name(path);
   }
-  throw UsageError("--products: unknown path '" + name + "' (expected auto" + names + ")");
+  throw UsageError("--products: unknown path '" + name + "' (expected auto, all" + names + ")");
 }
 
-// --products: pins the flash kernel's path for the whole run (before the probes, which follow
-// the same switches), or says which paths this CPU runs instead.
+// --products: auto (an empty list), all, or a comma list of paths, each named once.
+void parse_products(const std::string& text, BenchOptions& options) {
+  options.products.clear();
+  options.all_products = text == "all";
+  if (text == "auto" || options.all_products) return;
+  std::size_t start = 0;
+  while (true) {
+    const std::size_t comma = text.find(',', start);
+    const std::string name = text.substr(start, comma - start);
+    if (name == "auto" || name == "all") {
+      throw UsageError("--products: " + name + " stands alone, not in a list ('" + text + "')");
+    }
+    const ProductPath path = parse_product_path(name);
+    if (std::find(options.products.begin(), options.products.end(), path) !=
+        options.products.end()) {
+      throw UsageError(std::string("--products: ") + product_path_name(path) + " listed twice");
+    }
+    options.products.push_back(path);
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+}
+
+// --products: pins the flash kernel's path (for the warm-up, memory call and each timed repeat
+// of that path's row), or says which paths this CPU runs instead.
 void pin_products(ProductPath path, DType dtype) {
   if (pin_flash_product_path(dtype, path)) return;
   std::string names;
@@ -207,7 +233,7 @@ BenchOptions parse_options(std::vector<std::string> argv, bool* help) {
         throw UsageError("--dtype: expected f32, bf16 or f16, got '" + dtype + "'");
       }
     } else if (arg == "--products") {
-      options.products = parse_products(args.value(arg));
+      parse_products(args.value(arg), options);
     } else if (arg == "--threads") {
       const std::int64_t threads = parse_int(arg, args.value(arg));
       if (threads < 0 || threads > 4096) {
@@ -238,8 +264,7 @@ BenchOptions parse_options(std::vector<std::string> argv, bool* help) {
       }
     }
   }
-  if (options.products) {
-    const char* name = product_path_name(*options.products);
+  if (!options.products.empty() || options.all_products) {
     if (options.linear || options.backward) {
       throw UsageError(std::string("--products: pins the flash forward's products; not with ") +
                        (options.linear ? "--linear" : "--backward"));
@@ -251,10 +276,12 @@ BenchOptions parse_options(std::vector<std::string> argv, bool* help) {
                          " has its own (use auto or flash)");
       }
     }
-    if (product_path_dtype(*options.products) != options.dtype) {
-      throw UsageError(std::string("--products ") + name + ": a " +
-                       dtype_name(product_path_dtype(*options.products)) +
-                       " path, but --dtype is " + dtype_name(options.dtype));
+    for (ProductPath path : options.products) {
+      if (product_path_dtype(path) != options.dtype) {
+        throw UsageError(std::string("--products ") + product_path_name(path) + ": a " +
+                         dtype_name(product_path_dtype(path)) + " path, but --dtype is " +
+                         dtype_name(options.dtype));
+      }
     }
   }
   return options;
@@ -310,7 +337,10 @@ double median(std::vector<double> values) {
   return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
 }
 
-BenchResult run_case(const BenchCase& c, Kernel kernel, const BenchOptions& options, int threads) {
+// One row per product path in `paths`, pinned in turn, on the same inputs (none: one row, the
+// CPU's own choice). The rows' timed repeats take turns.
+std::vector<BenchResult> run_case(const BenchCase& c, Kernel kernel, const BenchOptions& options,
+                                  const std::vector<ProductPath>& paths, int threads) {
   // q: [B, Lq, Hq, D]  k, v: [B, Lk, Hkv, D]  out: [B, Lq, Hq, D]
   const std::array<std::int64_t, 4> q_sizes = {c.batch, c.seq_q, c.num_heads_q, c.head_dim};
   const std::array<std::int64_t, 4> kv_sizes = {c.batch, c.seq_kv, c.num_heads_kv, c.head_dim};
@@ -395,49 +425,72 @@ BenchResult run_case(const BenchCase& c, Kernel kernel, const BenchOptions& opti
     }
   };
 
-  const auto warm_start = std::chrono::steady_clock::now();
-  call();
-  const double warm_seconds = seconds_since(warm_start);
-  // Calls shorter than the timer's comfort zone are batched to >= 10 ms per repeat.
-  result.calls_per_repeat =
-      warm_seconds >= 0.01 ? 1 : static_cast<int>(std::min(1000.0, std::ceil(0.01 / warm_seconds)));
-  result.repeats = options.repeats;
-  if (!options.repeats_given && warm_seconds > 2.0) {
-    result.repeats = warm_seconds > 10.0 ? 1 : std::min(options.repeats, 3);
+  const std::size_t rows = std::max<std::size_t>(1, paths.size());
+  const auto pin = [&](std::size_t row) {
+    if (!paths.empty()) pin_products(paths[row], options.dtype);
+  };
+  std::vector<BenchResult> results(rows, result);
+  double slowest = 0.0;
+  for (std::size_t row = 0; row < rows; ++row) {
+    pin(row);
+    if (!paths.empty()) results[row].products = resolved_product_path(params, outputs, options.dtype);
+    const auto warm_start = std::chrono::steady_clock::now();
+    call();
+    const double warm_seconds = seconds_since(warm_start);
+    // Calls shorter than the timer's comfort zone are batched to >= 10 ms per repeat.
+    results[row].calls_per_repeat =
+        warm_seconds >= 0.01 ? 1
+                             : static_cast<int>(std::min(1000.0, std::ceil(0.01 / warm_seconds)));
+    slowest = std::max(slowest, warm_seconds);
+  }
+  int repeats = options.repeats;
+  if (!options.repeats_given && slowest > 2.0) {
+    repeats = slowest > 10.0 ? 1 : std::min(options.repeats, 3);
   }
 
   // Memory on a call of its own: the probe hands the freed heap back to the OS first, so that
   // the call's scratch counts afresh; done around every timed repeat, it made each call
   // page-fault its scratch again (~150 faults a call at L = 1024), which a caller's loop
   // does not.
-  result.memory = tools::measure_peak_memory(call);
-  std::vector<double> times, reads;
+  for (std::size_t row = 0; row < rows; ++row) {
+    pin(row);
+    results[row].memory = tools::measure_peak_memory(call);
+    results[row].repeats = repeats;
+  }
+  std::vector<std::vector<double>> times(rows), reads(rows);
   std::optional<tools::ReadProbe> read_probe;
   if (c.seq_q <= kDecodeMaxSeqQ) read_probe.emplace(threads);
-  for (int r = 0; r < result.repeats; ++r) {
-    const auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < result.calls_per_repeat; ++i) call();
-    times.push_back(seconds_since(start) / result.calls_per_repeat);
-    if (read_probe) reads.push_back(read_probe->sweep());
+  for (int r = 0; r < repeats; ++r) {
+    for (std::size_t row = 0; row < rows; ++row) {
+      pin(row);
+      const auto start = std::chrono::steady_clock::now();
+      for (int i = 0; i < results[row].calls_per_repeat; ++i) call();
+      times[row].push_back(seconds_since(start) / results[row].calls_per_repeat);
+      if (read_probe) reads[row].push_back(read_probe->sweep());
+    }
   }
-  result.seconds = median(times);
-  if (read_probe) result.read_between_repeats = median(reads);
   const double all_pairs = static_cast<double>(c.seq_q) * static_cast<double>(c.seq_kv);
   const double flops = attention_flops(c.batch, c.num_heads_q, all_pairs, c.head_dim, c.head_dim);
-  result.pairs = sparse_allowed_pairs(c.seq_q, c.seq_kv, c.num_heads_q, params);
+  const double pairs = sparse_allowed_pairs(c.seq_q, c.seq_kv, c.num_heads_q, params);
+  for (BenchResult& r : results) r.pairs = pairs;
   const double effective_flops =
-      attention_flops(c.batch, c.num_heads_q, result.pairs, c.head_dim, c.head_dim);
+      attention_flops(c.batch, c.num_heads_q, pairs, c.head_dim, c.head_dim);
   const double work = options.backward ? 2.5 : 1.0;  // the backward's five products to two
-  result.gflops = work * flops / result.seconds / 1e9;
-  result.effective_gflops = work * effective_flops / result.seconds / 1e9;
-  if (options.linear) {
-    // Linear attention does the same work whatever the mask: one count (linear_attention.h).
-    result.gflops = result.effective_gflops =
-        linear_attention_flops(c.batch, c.num_heads_q, c.num_heads_kv, c.seq_q, c.seq_kv,
-                               c.head_dim, c.head_dim, linear) /
-        result.seconds / 1e9;
+  for (std::size_t row = 0; row < rows; ++row) {
+    BenchResult& r = results[row];
+    r.seconds = median(times[row]);
+    if (read_probe) r.read_between_repeats = median(reads[row]);
+    r.gflops = work * flops / r.seconds / 1e9;
+    r.effective_gflops = work * effective_flops / r.seconds / 1e9;
+    if (options.linear) {
+      // Linear attention does the same work whatever the mask: one count (linear_attention.h).
+      r.gflops = r.effective_gflops =
+          linear_attention_flops(c.batch, c.num_heads_q, c.num_heads_kv, c.seq_q, c.seq_kv,
+                                 c.head_dim, c.head_dim, linear) /
+          r.seconds / 1e9;
+    }
   }
-  return result;
+  return results;
 }
 
 std::string shape_text(const BenchCase& c) {
@@ -574,7 +627,12 @@ int run_bench(std::vector<std::string> args) {
     cases = default_sweep(options.causal);
   }
   const int threads = resolve_num_threads(options.threads);
-  if (options.products) pin_products(*options.products, options.dtype);
+  // --products: each path must run here (a usage error names those that do); the probes then
+  // run with nothing pinned, so every peak a row may be measured against is there.
+  const std::vector<ProductPath> paths =
+      options.all_products ? flash_product_paths(options.dtype) : options.products;
+  for (ProductPath path : paths) pin_products(path, options.dtype);
+  unpin_flash_product_path();
 
   std::fprintf(stderr,
                "qkv bench: measuring the fp32 FMA peak and read bandwidth on %d thread%s...\n",
@@ -611,11 +669,12 @@ int run_bench(std::vector<std::string> args) {
                    : kernel == Kernel::kChunked   ? "chunked"
                                                   : "flash",
                    shape_text(c).c_str(), c.causal ? " causal" : "");
-      const BenchResult result = run_case(c, kernel, options, threads);
-      if (options.json) {
-        print_json(c, result, threads, options.dtype, probes);
-      } else {
-        print_table_row(c, result, threads, options.dtype, probes);
+      for (const BenchResult& result : run_case(c, kernel, options, paths, threads)) {
+        if (options.json) {
+          print_json(c, result, threads, options.dtype, probes);
+        } else {
+          print_table_row(c, result, threads, options.dtype, probes);
+        }
       }
     }
   }

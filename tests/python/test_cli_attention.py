@@ -501,8 +501,36 @@ def test_bench_products_pins_the_path(cli, path):
         assert record["peak_gflops"] == record["fp32_peak_gflops"]
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
+def test_bench_products_all_gives_a_row_per_path(cli, dtype):
+    # --products all: one row per path this CPU runs for the dtype, each the path it names, the
+    # CPU's own choice (a run without --products) first; a list gives its paths in its order.
+    import json
+    args = ["bench", "--json", "--shape", "1,2,1,70,90,16", "--repeats", "2", "--threads", "1",
+            "--dtype", dtype]
+    auto = cli.run(*args)
+    assert auto.returncode == 0, auto.stderr
+    result = cli.run(*args, "--products", "all")
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    paths = [r["products"] for r in records]
+    assert paths[0] == json.loads(auto.stdout)["products"]
+    assert sorted(paths) == sorted(flash_paths(dtype))
+    for r in records:
+        assert (r["B"], r["Hq"], r["Hkv"], r["Lq"], r["Lk"], r["D"]) == (1, 2, 1, 70, 90, 16)
+        assert r["repeats"] == 2 and r["gflops"] > 0
+    listed = list(reversed(paths))
+    result = cli.run(*args, "--products", ",".join(listed))
+    assert result.returncode == 0, result.stderr
+    assert [json.loads(line)["products"] for line in result.stdout.splitlines()] == listed
+
+
 BENCH_PRODUCTS_ERRORS = {
-    "unknown": (["--products", "fma"], ["--products: unknown path 'fma' (expected auto, f32-fma"]),
+    "unknown": (["--products", "fma"],
+                ["--products: unknown path 'fma' (expected auto, all, f32-fma"]),
+    "twice": (["--products", "f32-fma,f32-fma"], ["--products: f32-fma listed twice"]),
+    "auto in a list": (["--products", "f32-fma,auto"],
+                       ["--products: auto stands alone, not in a list ('f32-fma,auto')"]),
     "dtype": (["--products", "bf16-widened-fma"],
               ["--products bf16-widened-fma: a bf16 path, but --dtype is f32"]),
     "chunked": (["--products", "f32-fma", "--kernel", "flash,chunked"],

@@ -48,4 +48,6 @@ bool pin_flash_product_path(DType dtype, ProductPath path) {
   return false;
 }
 
+void unpin_flash_product_path() { set(kSettings[0]); }
+
 }  // namespace qkv
