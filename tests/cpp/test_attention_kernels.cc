@@ -122,6 +122,8 @@ TEST(KernelTargets, ProductPathsPinAndRestore) {
       }
       EXPECT_EQ(pin_flash_product_path(dtype, path), listed);
       EXPECT_EQ(attention_flash_product_path(dtype), listed ? path : chosen);
+      unpin_flash_product_path();  // the defaults: the CPU's own choice
+      EXPECT_EQ(attention_flash_product_path(dtype), chosen);
       ASSERT_TRUE(pin_flash_product_path(dtype, chosen));
       EXPECT_TRUE(bf16dot::available() == bf16dot::cpu_supported());
     }
