@@ -83,12 +83,14 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
 // The kernel `params.kernel` resolves to for these outputs ("reference", "chunked", "flash").
 const char* resolved_kernel_name(const AttentionParams& params, const AttentionOutputs& outputs);
 
-// The instructions that kernel's tile products run on for q, k, v of `dtype`, on this CPU now:
-// "f32-fma", "bf16-widened-fma" / "f16-widened-fma" (converted to f32 exactly, then FMA),
-// "bf16-vdpbf16ps" (AVX512-BF16 pairs; the flash kernel only), or "reference-f64".
+// The instructions the tile products of attention(q, k, v, outputs, params) run on, on this CPU
+// now: "f32-fma", "bf16-widened-fma" / "f16-widened-fma" (converted to f32 exactly, then FMA),
+// "bf16-vdpbf16ps" (AVX512-BF16 pairs), "bf16-amx", "f16-amx-split" (AMX tiles; the flash
+// kernel only), or "reference-f64". It depends on the shapes too (a bf16 multi-head decode step
+// in BSHD widens where the pairs are preferred). Throws qkv::Error where attention() would.
 // docs/kernels.md, "Product paths".
-const char* resolved_product_path(const AttentionParams& params, const AttentionOutputs& outputs,
-                                  DType dtype);
+const char* resolved_product_path(const TensorView& q, const TensorView& k, const TensorView& v,
+                                  const AttentionOutputs& outputs, const AttentionParams& params);
 
 // FLOPs of the forward pass over `pairs` (query, key) pairs per (batch, head):
 // 2 * B * Hq * pairs * (D + Dv), which is DESIGN.md's 4 * B * Hq * Lq * Lk * D for all pairs

@@ -10,6 +10,8 @@
 
 namespace qkv {
 
+struct AttentionKernelParams;  // kernels/kernel_params.h
+
 enum class ProductPath {
   kF32,          // f32 operands, Highway FMA
   kBf16Widened,  // bf16 operands widened to f32 (exact), Highway FMA
@@ -77,8 +79,11 @@ constexpr bool rounds_probabilities(ProductPath path) {
 }
 
 // The path the flash kernel takes for dtype on the Highway target it dispatches to now and this
-// CPU (kernels/cpu/flash_forward.cc).
+// CPU (kernels/cpu/flash_forward.cc), and for one call: the dtype's but for the shapes that
+// products-inl.h's FlashProductPath(params) names (bf16 multi-head decode steps in BSHD widen
+// where the vdpbf16ps pairs are preferred).
 ProductPath attention_flash_product_path(DType dtype);
+ProductPath attention_flash_product_path(const AttentionKernelParams& params);
 
 // The paths the flash kernel can take for dtype on this CPU and Highway target, its own choice
 // first, and pinning one of them for the rest of the process (`qkv bench --products`), through

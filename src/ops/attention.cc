@@ -27,14 +27,17 @@ const char* resolved_kernel_name(const AttentionParams& params, const AttentionO
   return "?";
 }
 
-const char* resolved_product_path(const AttentionParams& params, const AttentionOutputs& outputs,
-                                  DType dtype) {
+const char* resolved_product_path(const TensorView& q, const TensorView& k, const TensorView& v,
+                                  const AttentionOutputs& outputs, const AttentionParams& params) {
+  ops::PreparedAttention prepared;
+  ops::prepare_attention(q, k, v, outputs, params, nullptr, prepared);
+  const DType dtype = prepared.params.dtype;
   if (dtype == DType::kF64) return "reference-f64";
-  switch (ops::resolve_kernel(params.kernel, !outputs.probs.empty(), params.dropout_p > 0.0f)) {
+  switch (prepared.kernel) {
     case Kernel::kChunked:
       return product_path_name(WideningProductPath(dtype));
     case Kernel::kFlash:
-      return product_path_name(attention_flash_product_path(dtype));
+      return product_path_name(attention_flash_product_path(prepared.params));
     case Kernel::kReference:
     case Kernel::kAuto:
       break;

@@ -374,7 +374,6 @@ std::vector<BenchResult> run_case(const BenchCase& c, Kernel kernel, const Bench
 
   BenchResult result;
   result.kernel = resolved_kernel_name(params, outputs);
-  result.products = resolved_product_path(params, outputs, options.dtype);
   io::NpyArray sparse_layout;  // --sparse-layout's file
   SparseCliOptions sparse = options.sparse;
   params.sparsity =
@@ -385,6 +384,7 @@ std::vector<BenchResult> run_case(const BenchCase& c, Kernel kernel, const Bench
   for (char& ch : result.sparse) {
     if (ch == '"' || ch == '\\' || static_cast<unsigned char>(ch) < 0x20) ch = '?';  // JSON-safe
   }
+  result.products = resolved_product_path(q_view, k_view, v_view, outputs, params);
   LinearAttentionParams linear;  // after params is complete: --sparse with --linear is an error
   if (options.linear) {
     linear = linear_params_from(*options.linear, params);
@@ -433,7 +433,9 @@ std::vector<BenchResult> run_case(const BenchCase& c, Kernel kernel, const Bench
   double slowest = 0.0;
   for (std::size_t row = 0; row < rows; ++row) {
     pin(row);
-    if (!paths.empty()) results[row].products = resolved_product_path(params, outputs, options.dtype);
+    if (!paths.empty()) {
+      results[row].products = resolved_product_path(q_view, k_view, v_view, outputs, params);
+    }
     const auto warm_start = std::chrono::steady_clock::now();
     call();
     const double warm_seconds = seconds_since(warm_start);

@@ -124,9 +124,8 @@ TEST(AmxEmulatedProductPaths, EveryPathPins) {
   QKV_SKIP_WITHOUT_AMX();
   const ProductPath bf16_chosen = attention_flash_product_path(DType::kBF16);
   const struct Restore {  // the defaults back, however the test ends
-    ProductPath bf16;
-    ~Restore() { pin_flash_product_path(DType::kBF16, bf16); }
-  } restore{bf16_chosen};
+    ~Restore() { unpin_flash_product_path(); }
+  } restore;
   const std::vector<ProductPath> bf16 = flash_product_paths(DType::kBF16);
   const std::vector<ProductPath> f16 = flash_product_paths(DType::kF16);
   EXPECT_EQ(bf16.size(), 3u);

@@ -177,32 +177,51 @@ Result Problem::run(Kernel kernel, bool with_probs, int num_threads,
   return run_with(p, with_probs);
 }
 
-Result Problem::run_with(const AttentionParams& params, bool with_probs) const {
+Problem::Call Problem::call(Result& r, bool with_probs) const {
   const Case& c = c_;
   auto& self = const_cast<Problem&>(*this);
-  Result r;
   r.out.assign(static_cast<std::size_t>(c.batch * c.seq_q * c.num_heads_q * head_dim_v()), 7.0f);
   r.lse.assign(static_cast<std::size_t>(c.batch * c.num_heads_q * c.seq_q), 7.0f);
-  AttentionOutputs outputs;
-  outputs.out = view(r.out, c.seq_q, c.num_heads_q, head_dim_v());
-  outputs.lse =
+  Call call;
+  call.outputs.out = view(r.out, c.seq_q, c.num_heads_q, head_dim_v());
+  call.outputs.lse =
       TensorView::contiguous(r.lse.data(), DType::kF32, {c.batch, c.num_heads_q, c.seq_q, 1});
   if (with_probs) {
     r.probs.assign(static_cast<std::size_t>(c.batch * c.num_heads_q * c.seq_q * c.seq_kv), 7.0f);
-    outputs.probs = TensorView::contiguous(r.probs.data(), DType::kF32,
-                                           {c.batch, c.num_heads_q, c.seq_q, c.seq_kv});
+    call.outputs.probs = TensorView::contiguous(r.probs.data(), DType::kF32,
+                                                {c.batch, c.num_heads_q, c.seq_q, c.seq_kv});
   }
-  TensorView qv = view(self.q, c.seq_q, c.num_heads_q, c.head_dim);
-  TensorView kv = view(self.k, c.seq_kv, c.num_heads_kv, c.head_dim);
-  TensorView vv = view(self.v, c.seq_kv, c.num_heads_kv, head_dim_v());
+  call.q = view(self.q, c.seq_q, c.num_heads_q, c.head_dim);
+  call.k = view(self.k, c.seq_kv, c.num_heads_kv, c.head_dim);
+  call.v = view(self.v, c.seq_kv, c.num_heads_kv, head_dim_v());
   if (c.dtype != DType::kF32) {  // the same views over the bf16/f16 bits
-    for (auto [view, bits] : {std::pair{&qv, &self.q16}, {&kv, &self.k16}, {&vv, &self.v16}}) {
+    for (auto [view, bits] :
+         {std::pair{&call.q, &self.q16}, {&call.k, &self.k16}, {&call.v, &self.v16}}) {
       view->data = bits->data();
       view->dtype = c.dtype;
     }
   }
-  attention(qv, kv, vv, outputs, params);
+  return call;
+}
+
+Result Problem::run_with(const AttentionParams& params, bool with_probs) const {
+  Result r;
+  const Call c = call(r, with_probs);
+  attention(c.q, c.k, c.v, c.outputs, params);
   return r;
+}
+
+ProductPath Problem::flash_path() const {
+  Result r;
+  const Call c = call(r, false);
+  AttentionParams p = params();
+  p.kernel = Kernel::kFlash;
+  const std::string name = resolved_product_path(c.q, c.k, c.v, c.outputs, p);
+  for (ProductPath path : kProductPaths) {
+    if (name == product_path_name(path)) return path;
+  }
+  ADD_FAILURE() << "unknown product path " << name;
+  return WideningProductPath(c_.dtype);
 }
 
 Grads run_backward(Problem& pr, const AttentionParams& params, std::vector<float>& dout,

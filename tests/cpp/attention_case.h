@@ -56,13 +56,16 @@ class Problem {
   // The same with any AttentionParams (e.g. params() plus a sparsity); kernel and threads set
   // in `params` are used as given.
   Result run_with(const AttentionParams& params, bool with_probs) const;
+  // The product path the flash kernel takes for this case on this CPU (resolved_product_path:
+  // the dtype's, or where the shape makes it, another: products-inl.h, FlashProductPath).
+  ProductPath flash_path() const;
   // Naive loops of the same semantics in the precision of the path the flash kernel takes for
-  // the case's dtype on this CPU (the tolerance yardstick, DESIGN.md section 5): the inputs as
+  // the case on this CPU (flash_path; the tolerance yardstick, DESIGN.md section 5): the inputs as
   // stored (bf16/f16 values), f32 scores, softmax and accumulation; where the path rounds the
   // probabilities to bf16 before they weight v (bf16-vdpbf16ps), the same rounding of
   // exp(s - max). Nothing else is rounded: rounding the scores too made the bf16 tolerance
   // about 100x the path's real error.
-  Result plain() const { return plain(attention_flash_product_path(c_.dtype)); }
+  Result plain() const { return plain(flash_path()); }
   // The same for the given path (the chunked kernel's is WideningProductPath(dtype)); with
   // `keep` (a full [B, Hq, Lq, Lk] mask, e.g. a sparsity's pairs), only the pairs it keeps too.
   Result plain(ProductPath path, const std::vector<std::uint8_t>* keep = nullptr) const;
@@ -79,6 +82,13 @@ class Problem {
   std::vector<std::int64_t> key_lengths;
 
  private:
+  // Views of the inputs and of r's outputs (filled with 7.0f) for one attention call.
+  struct Call {
+    TensorView q, k, v;
+    AttentionOutputs outputs;
+  };
+  Call call(Result& r, bool with_probs) const;
+
   Case c_;
   std::array<std::int64_t, 4> mask_sizes_{}, bias_sizes_{};
 };

@@ -182,7 +182,7 @@ void check_against_reference(const Problem& problem) {
   const Result ref = problem.run(Kernel::kReference, true);
   // Each kernel against the plain implementation of its own product path.
   const DType dtype = problem.spec().dtype;
-  const ProductPath flash_path = attention_flash_product_path(dtype);
+  const ProductPath flash_path = problem.flash_path();
   const ProductPath chunked_path = WideningProductPath(dtype);
   const double tol = tolerance(ref.out, problem.plain(flash_path).out);
   const double chunked_tol =

@@ -87,7 +87,7 @@ void check_sparse_case(SparseCase sc) {
     // which a tile trimmed to an odd key pairs differently. So sparse and dense differ by the
     // probabilities' rounding (3.5e-3 at most here), and both are held to the reference with
     // the tolerance of the plain implementation on the same pairs (DESIGN.md section 5).
-    const ProductPath path = attention_flash_product_path(sc.c.dtype);
+    const ProductPath path = pr.flash_path();
     const double tol = tolerance(ref.out, pr.plain(path, &mask).out);
     EXPECT_LE(max_abs_diff(flash.out, ref.out), tol) << "flash out vs reference";
     EXPECT_LE(max_abs_diff(flash_dense.out, ref.out), tol) << "dense flash out vs reference";

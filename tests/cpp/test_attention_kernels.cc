@@ -95,20 +95,46 @@ TEST(KernelTargets, Bf16OnVdpbf16psWhereverAvailable) {
   }
 }
 
+// A bf16 multi-head decode step in BSHD (one query row per kv head, several kv heads) widens
+// where the vdpbf16ps pairs are preferred but not forced (products-inl.h, FlashProductPath);
+// GQA steps, two query rows, one kv head and BHSD keep the dtype's path. Each meets the
+// reference on the path it reports.
+TEST(KernelTargets, Bf16MultiHeadDecodeInBshdWidens) {
+  Case mha{.batch = 2, .seq_q = 1, .seq_kv = 2100, .num_heads_q = 6, .head_dim = 40};
+  mha.num_heads_kv = 6;
+  mha.dtype = DType::kBF16;
+  mha.key_lengths = true;
+  const ProductPath dtype_path = attention_flash_product_path(DType::kBF16);
+  const bool widens = dtype_path == ProductPath::kBf16Pairs;
+  EXPECT_EQ(Problem(mha).flash_path(), widens ? ProductPath::kBf16Widened : dtype_path);
+  check_against_reference(Problem(mha));
+  Case others[4] = {mha, mha, mha, mha};
+  others[0].num_heads_q = 12;  // GQA 12:6
+  others[1].seq_q = 2;
+  others[2].num_heads_q = others[2].num_heads_kv = 1;
+  others[3].bhsd = true;
+  for (const Case& c : others) {
+    SCOPED_TRACE(c.name());
+    EXPECT_EQ(Problem(c).flash_path(), dtype_path);
+  }
+  if (widens) {
+    const ForcedPairs forced;  // qkv bench --products bf16-vdpbf16ps
+    EXPECT_EQ(Problem(mha).flash_path(), ProductPath::kBf16Pairs);
+    check_against_reference(Problem(mha));
+  }
+}
+
 // flash_product_paths and pin_flash_product_path (`qkv bench --products`): the CPU's own choice
 // comes first and the widened path is always there; every listed path pins (the kernel then
-// reports it), every other is refused with the choice left as it was; pinning the CPU's own
-// choice again restores the defaults. Which paths a CPU has: test_cli_attention.py, from its
-// flags.
+// reports it), every other is refused with the choice left as it was; unpinning restores the
+// CPU's own choice. Which paths a CPU has: test_cli_attention.py, from its flags.
 TEST(KernelTargets, ProductPathsPinAndRestore) {
   for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
     SCOPED_TRACE(dtype_name(dtype));
     const ProductPath chosen = attention_flash_product_path(dtype);
     const struct Restore {  // the defaults back, however the test ends
-      DType dtype;
-      ProductPath path;
-      ~Restore() { pin_flash_product_path(dtype, path); }
-    } restore{dtype, chosen};
+      ~Restore() { unpin_flash_product_path(); }
+    } restore;
     const std::vector<ProductPath> paths = flash_product_paths(dtype);
     ASSERT_FALSE(paths.empty());
     EXPECT_EQ(paths[0], chosen);

@@ -51,4 +51,6 @@ bool preferred() {
 
 void set_forced(bool forced) { g_forced.store(forced, std::memory_order_relaxed); }
 
+bool forced() { return g_forced.load(std::memory_order_relaxed); }
+
 }  // namespace qkv::bf16dot

@@ -39,6 +39,7 @@ void set_enabled(bool enabled);
 // in every run on one CPU). set_forced(true) takes the pairs wherever available() (tests).
 bool preferred();
 void set_forced(bool forced);
+bool forced();  // whether set_forced(true) holds
 
 // The functions below run AVX512-BF16 instructions: call them only when available().
 

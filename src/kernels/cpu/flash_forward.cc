@@ -416,10 +416,11 @@ void Flash(const AttentionKernelParams& p) {
 
 // The entry: the product path, chosen once here (the instantiations: WithProducts).
 void FlashForward(const AttentionKernelParams& p) {
-  WithProducts(FlashProductPath(p.dtype), [&](auto products) { Flash<decltype(products)>(p); });
+  WithProducts(FlashProductPath(p), [&](auto products) { Flash<decltype(products)>(p); });
 }
 
 ProductPath FlashPathOf(DType dtype) { return FlashProductPath(dtype); }
+ProductPath FlashPathFor(const AttentionKernelParams& p) { return FlashProductPath(p); }
 
 // Name of the Highway target this dispatch lands on (tests force each target and check).
 const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
@@ -434,11 +435,16 @@ namespace qkv {
 HWY_EXPORT(FlashForward);
 HWY_EXPORT(TargetName);
 HWY_EXPORT(FlashPathOf);
+HWY_EXPORT(FlashPathFor);
 
 const char* attention_cpu_target_name() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
 
 ProductPath attention_flash_product_path(DType dtype) {
   return HWY_DYNAMIC_DISPATCH(FlashPathOf)(dtype);
+}
+
+ProductPath attention_flash_product_path(const AttentionKernelParams& params) {
+  return HWY_DYNAMIC_DISPATCH(FlashPathFor)(params);
 }
 
 void attention_flash_cpu(const AttentionKernelParams& params) {

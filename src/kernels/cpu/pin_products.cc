@@ -39,8 +39,12 @@ std::vector<ProductPath> flash_product_paths(DType dtype) {
   return paths;
 }
 
+// The forced pairs first: pinning bf16-vdpbf16ps forces them, so that the shapes where the
+// flash kernel would widen by itself (FlashProductPath(params)) run on the pairs too.
+constexpr Switches kPinOrder[] = {kSettings[1], kSettings[0], kSettings[2], kSettings[3]};
+
 bool pin_flash_product_path(DType dtype, ProductPath path) {
-  for (const Switches& s : kSettings) {
+  for (const Switches& s : kPinOrder) {
     set(s);
     if (attention_flash_product_path(dtype) == path) return true;
   }

@@ -237,6 +237,27 @@ inline ProductPath FlashProductPath(DType dtype) {
   return WideningProductPath(dtype);
 }
 
+// The path of the flash kernel for a call: the dtype's, except that a multi-head decode step in
+// BSHD (one query row per kv head, several kv heads, the rows of one key's heads neighbours)
+// takes bf16 widened where the pairs are preferred but not forced (qkv bench --products
+// bf16-vdpbf16ps forces them). The calls differ only in their decode walk there (every block is
+// narrow), and the widening walk (NarrowScoresWide: 4 keys of every head in turn, K 8 and V 16
+// keys ahead of the reads) outran the vdpbf16ps one (keys outermost, the tile's V and the next
+// tile's K prefetched a tile at a time, 1 MiB each at 32 heads). Zen 4 (family 25 model 17),
+// 2 threads, in-process A/B: Hq = Hkv = 32, Lk = 16384, D = 128 1.12-1.31x (qkv bench
+// --products all: 1.5-1.6x); B = 4, Lk = 4096 1.32-1.59x; 8 heads, Lk = 32768 1.10x; 12 heads,
+// Lk = 2048, D = 64 1.05-1.09x; B = 2, 16 heads, D = 64 0.95-0.98x. GQA (4 rows per kv head)
+// and BHSD keep the pairs (there they ran 1.2-1.6x faster than widened).
+inline ProductPath FlashProductPath(const AttentionKernelParams& p) {
+  const ProductPath path = FlashProductPath(p.dtype);
+  const bool multi_head_step =
+      p.num_heads_q == p.num_heads_kv && p.seq_q == 1 && p.num_heads_kv > 1 && HeadsInner(p);
+  if (path == ProductPath::kBf16Pairs && multi_head_step && !bf16dot::forced()) {
+    return ProductPath::kBf16Widened;
+  }
+  return path;
+}
+
 // f(Products{}) for the path: the one place that instantiates the skeletons. (kBf16Pairs and the
 // AMX paths exist only where kPairLanes and kAmxLanes hold; FlashProductPath never picks them
 // elsewhere.)
