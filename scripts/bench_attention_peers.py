@@ -661,7 +661,9 @@ def main():
                         help="comma list of L whose non-causal cases also time qkv on one "
                              "thread in the same rounds (thread scaling); empty: none")
     parser.add_argument("--impls", help="comma list of implementation labels to run")
-    parser.add_argument("--no-decode", action="store_true", help="skip the decode case")
+    parser.add_argument("--no-decode", action="store_true", help="skip the decode cases")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="only the decode cases (GQA 32:8 and multi-head 32 heads)")
     parser.add_argument("--ort-max-mib", type=float, default=3072,
                         help="skip ORT's unfused (causal) path above this many MiB of scores")
     parser.add_argument("--qkv", default=str(ROOT / "build" / "release" / "qkv"))
@@ -681,8 +683,12 @@ def main():
     lengths = ([int(x) for x in args.lengths.split(",")] if args.lengths
                else [1024, 4096] if args.quick else [1024, 4096, 16384])
     cases = default_cases(lengths)
+    if args.no_decode and args.decode_only:
+        parser.error("--no-decode and --decode-only leave nothing to run")
     if args.no_decode:
         cases = [c for c in cases if not c.is_decode()]
+    if args.decode_only:
+        cases = [c for c in cases if c.is_decode()]
     impls = [TorchSdpa("f32"), TorchSdpa("bf16"), TorchMatmulDecode("f32"),
              TorchMatmulDecode("bf16"), OrtMha(args.ort_max_mib), OrtGqaDecode()]
     if Path(args.qkv).exists():
