@@ -84,6 +84,19 @@ struct StagedRows {
   bool Holds(const void* rows, std::int64_t first, std::int64_t count) const {
     return source == rows && j0 == first && num == count;
   }
+  // The buffer as U*, after fill(it) unless it holds rows [first, first + count) of `rows`
+  // already (every Stage* function below stages through this).
+  template <typename U, class Fill>
+  U* Stage(const void* rows, std::int64_t first, std::int64_t count, Fill&& fill) {
+    U* out = reinterpret_cast<U*>(buffer);
+    if (!Holds(rows, first, count)) {
+      fill(out);
+      source = rows;
+      j0 = first;
+      num = count;
+    }
+    return out;
+  }
 };
 
 struct Staging {
@@ -109,8 +122,7 @@ inline std::int64_t StagedVFloats(const AttentionKernelParams& p) {
 // Floats of the staging tiles; bf16 and f16 add the probabilities as pair words for the
 // vdpbf16ps and AMX products (PairProducts, AmxProducts in products-inl.h).
 inline std::int64_t StagingFloats(const AttentionKernelParams& p) {
-  return StagedKFloats(p) + StagedVFloats(p) +
-         (p.dtype != DType::kF32 ? kBlockK / 2 * kBlockQ : 0);
+  return StagedKFloats(p) + StagedVFloats(p) + (p.dtype != DType::kF32 ? kBlockK / 2 * kBlockQ : 0);
 }
 
 inline Staging BindStaging(const AttentionKernelParams& p, float* floats) {
@@ -150,20 +162,19 @@ inline TileRows StageRows(const void* rows, const std::int64_t* stride, std::int
   if constexpr (std::is_same_v<T, float> && !kStagesF32Rows) {  // read in place
     return {static_cast<const float*>(rows) + j0 * stride[1], stride[1], stride[3]};
   }
-  if (!staged.Holds(rows, j0, num_k)) {
+  const float* data = staged.Stage<float>(rows, j0, num_k, [&](float* buffer) {
     const T* source = static_cast<const T*>(rows);
     for (std::int64_t j = 0; j < num_k; ++j) {
       const std::int64_t at = (j0 + j) * stride[1];
-      float* dst = staged.buffer + j * dim;
+      float* dst = buffer + j * dim;
       if (stride[3] != 1) {
         for (std::int64_t e = 0; e < dim; ++e) dst[e] = WideElement(source[at + e * stride[3]]);
       } else {
         WidenRow(source + at, dim, dst);
       }
     }
-    staged = {staged.buffer, rows, j0, num_k};
-  }
-  return {staged.buffer, dim, 1};
+  });
+  return {data, dim, 1};
 }
 
 // Rows [j0, j0 + num_k) of V (p.v's strides, `dim` elements each, stored as T) as f32 columns:
@@ -176,9 +187,8 @@ inline TileRows StageRows(const void* rows, const std::int64_t* stride, std::int
 template <typename T>
 inline TileRows StageColumns(const void* rows, const std::int64_t* stride, std::int64_t dim,
                              std::int64_t j0, std::int64_t num_k, StagedRows& staged) {
-  if (!staged.Holds(rows, j0, num_k)) {
+  const float* data = staged.Stage<float>(rows, j0, num_k, [&](float* dst) {
     const T* source = static_cast<const T*>(rows) + j0 * stride[1];
-    float* dst = staged.buffer;
     const auto element = [&](std::int64_t j, std::int64_t e) {
       return WideElement(source[j * stride[1] + e * stride[3]]);
     };
@@ -205,9 +215,8 @@ inline TileRows StageColumns(const void* rows, const std::int64_t* stride, std::
     for (; j < num_k; ++j) {
       for (std::int64_t e = 0; e < dim; ++e) dst[e * kBlockK + j] = element(j, e);
     }
-    staged = {staged.buffer, rows, j0, num_k};
-  }
-  return {staged.buffer, 1, kBlockK};
+  });
+  return {data, 1, kBlockK};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -281,25 +290,23 @@ inline void PackQueryPairs(const AttentionKernelParams& p, QueryBlock& qb) {
 // Keys [j0, j0 + num_k) as pair words along head_dim: [num_k][ceil(D / 2)].
 inline const std::uint32_t* StageKeyPairs(const AttentionKernelParams& p, const QueryBlock& qb,
                                           std::int64_t j0, std::int64_t num_k, StagedRows& staged) {
-  std::uint32_t* pairs = reinterpret_cast<std::uint32_t*>(staged.buffer);
-  if (staged.Holds(qb.k, j0, num_k)) return pairs;
-  const std::int64_t words = (p.head_dim + 1) / 2;
-  for (std::int64_t j = 0; j < num_k; ++j) {
-    const std::int64_t row = (j0 + j) * p.k_stride[1];
-    std::uint32_t* dst = pairs + j * words;
-    if (p.k_stride[3] == 1 && p.head_dim % 2 == 0) {  // a contiguous row already is its pairs
-      std::memcpy(dst, static_cast<const std::uint16_t*>(qb.k) + row, words * 4);
-      continue;
+  return staged.Stage<std::uint32_t>(qb.k, j0, num_k, [&](std::uint32_t* pairs) {
+    const std::int64_t words = (p.head_dim + 1) / 2;
+    for (std::int64_t j = 0; j < num_k; ++j) {
+      const std::int64_t row = (j0 + j) * p.k_stride[1];
+      std::uint32_t* dst = pairs + j * words;
+      if (p.k_stride[3] == 1 && p.head_dim % 2 == 0) {  // a contiguous row already is its pairs
+        std::memcpy(dst, static_cast<const std::uint16_t*>(qb.k) + row, words * 4);
+        continue;
+      }
+      for (std::int64_t t = 0; t < words; ++t) {
+        const std::int64_t d = 2 * t;
+        const std::uint32_t hi =
+            d + 1 < p.head_dim ? Bf16Bits(qb.k, row + (d + 1) * p.k_stride[3]) : 0;
+        dst[t] = Bf16Bits(qb.k, row + d * p.k_stride[3]) | hi << 16;
+      }
     }
-    for (std::int64_t t = 0; t < words; ++t) {
-      const std::int64_t d = 2 * t;
-      const std::uint32_t hi =
-          d + 1 < p.head_dim ? Bf16Bits(qb.k, row + (d + 1) * p.k_stride[3]) : 0;
-      dst[t] = Bf16Bits(qb.k, row + d * p.k_stride[3]) | hi << 16;
-    }
-  }
-  staged = {staged.buffer, qb.k, j0, num_k};
-  return pairs;
+  });
 }
 
 // Values [j0, j0 + num_k) as pair words along the keys: [ceil(num_k / 2)][Dv] (an odd tile's
@@ -307,29 +314,27 @@ inline const std::uint32_t* StageKeyPairs(const AttentionKernelParams& p, const 
 inline const std::uint32_t* StageValuePairs(const AttentionKernelParams& p, const QueryBlock& qb,
                                             std::int64_t j0, std::int64_t num_k,
                                             StagedRows& staged) {
-  std::uint32_t* pairs = reinterpret_cast<std::uint32_t*>(staged.buffer);
-  if (staged.Holds(qb.v, j0, num_k)) return pairs;
-  const std::int64_t dv = p.head_dim_v;
-  for (std::int64_t t = 0; t < (num_k + 1) / 2; ++t) {
-    const std::int64_t lo_row = (j0 + 2 * t) * p.v_stride[1];
-    const bool has_hi = 2 * t + 1 < num_k;
-    std::uint32_t* dst = pairs + t * dv;
-    if (p.v_stride[3] == 1 && has_hi) {  // two contiguous rows: a loop the compiler vectorises
-      const std::uint16_t* lo = static_cast<const std::uint16_t*>(qb.v) + lo_row;
-      const std::uint16_t* hi = lo + p.v_stride[1];
-      for (std::int64_t e = 0; e < dv; ++e) {
-        dst[e] = static_cast<std::uint32_t>(lo[e]) | static_cast<std::uint32_t>(hi[e]) << 16;
+  return staged.Stage<std::uint32_t>(qb.v, j0, num_k, [&](std::uint32_t* pairs) {
+    const std::int64_t dv = p.head_dim_v;
+    for (std::int64_t t = 0; t < (num_k + 1) / 2; ++t) {
+      const std::int64_t lo_row = (j0 + 2 * t) * p.v_stride[1];
+      const bool has_hi = 2 * t + 1 < num_k;
+      std::uint32_t* dst = pairs + t * dv;
+      if (p.v_stride[3] == 1 && has_hi) {  // two contiguous rows: a loop the compiler vectorises
+        const std::uint16_t* lo = static_cast<const std::uint16_t*>(qb.v) + lo_row;
+        const std::uint16_t* hi = lo + p.v_stride[1];
+        for (std::int64_t e = 0; e < dv; ++e) {
+          dst[e] = static_cast<std::uint32_t>(lo[e]) | static_cast<std::uint32_t>(hi[e]) << 16;
+        }
+        continue;
       }
-      continue;
+      for (std::int64_t e = 0; e < dv; ++e) {
+        const std::uint32_t hi =
+            has_hi ? Bf16Bits(qb.v, lo_row + p.v_stride[1] + e * p.v_stride[3]) : 0;
+        dst[e] = Bf16Bits(qb.v, lo_row + e * p.v_stride[3]) | hi << 16;
+      }
     }
-    for (std::int64_t e = 0; e < dv; ++e) {
-      const std::uint32_t hi =
-          has_hi ? Bf16Bits(qb.v, lo_row + p.v_stride[1] + e * p.v_stride[3]) : 0;
-      dst[e] = Bf16Bits(qb.v, lo_row + e * p.v_stride[3]) | hi << 16;
-    }
-  }
-  staged = {staged.buffer, qb.v, j0, num_k};
-  return pairs;
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -341,23 +346,21 @@ inline const std::uint32_t* StageValuePairs(const AttentionKernelParams& p, cons
 inline const std::uint16_t* StageKeyTile(const AttentionKernelParams& p, const QueryBlock& qb,
                                          std::int64_t j0, std::int64_t num_k, std::int64_t depth,
                                          StagedRows& staged) {
-  std::uint16_t* rows = reinterpret_cast<std::uint16_t*>(staged.buffer);
-  if (staged.Holds(qb.k, j0, num_k)) return rows;
-  const std::uint16_t* k = static_cast<const std::uint16_t*>(qb.k);
-  const std::int64_t d = p.head_dim;
-  for (std::int64_t j = 0; j < num_k; ++j) {
-    const std::uint16_t* src = k + (j0 + j) * p.k_stride[1];
-    std::uint16_t* dst = rows + j * depth;
-    if (p.k_stride[3] == 1) {
-      std::memcpy(dst, src, d * sizeof(std::uint16_t));
-    } else {
-      for (std::int64_t e = 0; e < d; ++e) dst[e] = src[e * p.k_stride[3]];
+  return staged.Stage<std::uint16_t>(qb.k, j0, num_k, [&](std::uint16_t* rows) {
+    const std::uint16_t* k = static_cast<const std::uint16_t*>(qb.k);
+    const std::int64_t d = p.head_dim;
+    for (std::int64_t j = 0; j < num_k; ++j) {
+      const std::uint16_t* src = k + (j0 + j) * p.k_stride[1];
+      std::uint16_t* dst = rows + j * depth;
+      if (p.k_stride[3] == 1) {
+        std::memcpy(dst, src, d * sizeof(std::uint16_t));
+      } else {
+        for (std::int64_t e = 0; e < d; ++e) dst[e] = src[e * p.k_stride[3]];
+      }
+      std::fill(dst + d, dst + depth, std::uint16_t{0});
     }
-    std::fill(dst + d, dst + depth, std::uint16_t{0});
-  }
-  std::fill(rows + num_k * depth, rows + (num_k + 15) / 16 * 16 * depth, std::uint16_t{0});
-  staged = {staged.buffer, qb.k, j0, num_k};
-  return rows;
+    std::fill(rows + num_k * depth, rows + (num_k + 15) / 16 * 16 * depth, std::uint16_t{0});
+  });
 }
 
 // bf16 columns vt[e][j] = v[j * row_stride + e * elem_stride] for e < round_up(dv, 16) and
@@ -418,12 +421,10 @@ inline void StageColumnsBf16(const std::uint16_t* v, std::int64_t row_stride,
 inline const std::uint16_t* StageValueTile(const AttentionKernelParams& p, const QueryBlock& qb,
                                            std::int64_t j0, std::int64_t num_k,
                                            StagedRows& staged) {
-  std::uint16_t* vt = reinterpret_cast<std::uint16_t*>(staged.buffer);
-  if (staged.Holds(qb.v, j0, num_k)) return vt;
-  StageColumnsBf16(static_cast<const std::uint16_t*>(qb.v) + j0 * p.v_stride[1], p.v_stride[1],
-                   p.v_stride[3], p.head_dim_v, num_k, vt);
-  staged = {staged.buffer, qb.v, j0, num_k};
-  return vt;
+  return staged.Stage<std::uint16_t>(qb.v, j0, num_k, [&](std::uint16_t* vt) {
+    StageColumnsBf16(static_cast<const std::uint16_t*>(qb.v) + j0 * p.v_stride[1], p.v_stride[1],
+                     p.v_stride[3], p.head_dim_v, num_k, vt);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -459,7 +460,8 @@ HWY_INLINE void SplitF16Lanes(const hwy::float16_t* src, std::uint16_t* hi, std:
   hi_bits = hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(x)),
                            hn::Or(hn::ShiftRight<16>(bits), hn::Set(du, 0x40u)), hi_bits);
   const VF rest = hn::Sub(x, hn::BitCast(df, hn::ShiftLeft<16>(hi_bits)));  // exact
-  const auto lo_bits = hn::ShiftRight<16>(hn::BitCast(du, hn::IfThenElseZero(hn::IsFinite(x), rest)));
+  const auto lo_bits =
+      hn::ShiftRight<16>(hn::BitCast(du, hn::IfThenElseZero(hn::IsFinite(x), rest)));
   hn::StoreU(hn::TruncateTo(du16, hi_bits), du16, hi);
   hn::StoreU(hn::TruncateTo(du16, lo_bits), du16, lo);
 }
@@ -513,21 +515,18 @@ inline void PackQuerySplit(const AttentionKernelParams& p, QueryBlock& qb) {
 // Keys [j0, j0 + num_k) as bf16 rows of AmxDepth elements: kh, kl, kh, each segment D rounded
 // up to 32 and zero past D, and zero rows up to a multiple of 16.
 inline const std::uint16_t* StageKeySplit(const AttentionKernelParams& p, const QueryBlock& qb,
-                                          std::int64_t j0, std::int64_t num_k,
-                                          StagedRows& staged) {
-  std::uint16_t* rows = reinterpret_cast<std::uint16_t*>(staged.buffer);
-  if (staged.Holds(qb.k, j0, num_k)) return rows;
-  const std::int64_t depth = AmxDepth(p), segment = depth / 3;
-  const auto* k = static_cast<const hwy::float16_t*>(qb.k);
-  for (std::int64_t j = 0; j < num_k; ++j) {
-    std::uint16_t* dst = rows + j * depth;
-    SplitRow(k + (j0 + j) * p.k_stride[1], p.head_dim, p.k_stride[3], segment, dst,
-             dst + segment);
-    std::memcpy(dst + 2 * segment, dst, segment * sizeof(std::uint16_t));
-  }
-  std::fill(rows + num_k * depth, rows + (num_k + 15) / 16 * 16 * depth, std::uint16_t{0});
-  staged = {staged.buffer, qb.k, j0, num_k};
-  return rows;
+                                          std::int64_t j0, std::int64_t num_k, StagedRows& staged) {
+  return staged.Stage<std::uint16_t>(qb.k, j0, num_k, [&](std::uint16_t* rows) {
+    const std::int64_t depth = AmxDepth(p), segment = depth / 3;
+    const auto* k = static_cast<const hwy::float16_t*>(qb.k);
+    for (std::int64_t j = 0; j < num_k; ++j) {
+      std::uint16_t* dst = rows + j * depth;
+      SplitRow(k + (j0 + j) * p.k_stride[1], p.head_dim, p.k_stride[3], segment, dst,
+               dst + segment);
+      std::memcpy(dst + 2 * segment, dst, segment * sizeof(std::uint16_t));
+    }
+    std::fill(rows + num_k * depth, rows + (num_k + 15) / 16 * 16 * depth, std::uint16_t{0});
+  });
 }
 
 // Values [j0, j0 + num_k) as two sets of bf16 columns (StageColumnsBf16's layout: vt[e][j], rows
@@ -537,20 +536,18 @@ inline const std::uint16_t* StageKeySplit(const AttentionKernelParams& p, const 
 inline const std::uint16_t* StageValueSplit(const AttentionKernelParams& p, const QueryBlock& qb,
                                             std::int64_t j0, std::int64_t num_k,
                                             StagedRows& staged) {
-  std::uint16_t* hi = reinterpret_cast<std::uint16_t*>(staged.buffer);
-  if (staged.Holds(qb.v, j0, num_k)) return hi;
-  const std::int64_t dv = p.head_dim_v, rows = (dv + 15) / 16 * 16;
-  std::uint16_t* lo = hi + rows * kBlockK;
-  std::uint16_t* hi_rows = lo + rows * kBlockK;  // [kBlockK][dv] each
-  std::uint16_t* lo_rows = hi_rows + kBlockK * dv;
-  const auto* v = static_cast<const hwy::float16_t*>(qb.v) + j0 * p.v_stride[1];
-  for (std::int64_t j = 0; j < num_k; ++j) {
-    SplitRow(v + j * p.v_stride[1], dv, p.v_stride[3], dv, hi_rows + j * dv, lo_rows + j * dv);
-  }
-  StageColumnsBf16(hi_rows, dv, 1, dv, num_k, hi);
-  StageColumnsBf16(lo_rows, dv, 1, dv, num_k, lo);
-  staged = {staged.buffer, qb.v, j0, num_k};
-  return hi;
+  return staged.Stage<std::uint16_t>(qb.v, j0, num_k, [&](std::uint16_t* hi) {
+    const std::int64_t dv = p.head_dim_v, rows = (dv + 15) / 16 * 16;
+    std::uint16_t* lo = hi + rows * kBlockK;
+    std::uint16_t* hi_rows = lo + rows * kBlockK;  // [kBlockK][dv] each
+    std::uint16_t* lo_rows = hi_rows + kBlockK * dv;
+    const auto* v = static_cast<const hwy::float16_t*>(qb.v) + j0 * p.v_stride[1];
+    for (std::int64_t j = 0; j < num_k; ++j) {
+      SplitRow(v + j * p.v_stride[1], dv, p.v_stride[3], dv, hi_rows + j * dv, lo_rows + j * dv);
+    }
+    StageColumnsBf16(hi_rows, dv, 1, dv, num_k, hi);
+    StageColumnsBf16(lo_rows, dv, 1, dv, num_k, lo);
+  });
 }
 
 }  // namespace tiles
