@@ -472,6 +472,8 @@ def bench_case(case, impls, args, log):
         if qkv_json[label]:
             rows = qkv_json[label]
             result["peak_gflops"] = statistics.median(r["peak_gflops"] for r in rows)
+            # The product path each round ran (it may depend on the shape: qkv bench --help).
+            result["products"] = "/".join(sorted({r.get("products", "?") for r in rows}))
             for key in ("read_gbytes_per_second", "kv_fraction_of_read_bandwidth",
                         "kv_fraction_of_read_between_repeats"):
                 if key in rows[0]:  # per process (same-process probes), median over rounds
@@ -549,7 +551,8 @@ def report(all_results, agreements, threads):
                 lines.append(f"{case.name():<32} {label:<13} skipped: {r['skipped']}")
                 continue
             dtype = label.rsplit("-", 1)[1]
-            row_peak = peak.get(dtype) or peak["f32"]
+            # qkv rows: the peak of the products that ran (a bf16 row may have widened).
+            row_peak = r.get("peak_gflops") or peak.get(dtype) or peak["f32"]
             pct = f"{100 * r['gflops'] / row_peak:5.0f}%" if row_peak else "   n/a"
             gbs = bw = ""
             if case.is_decode():
@@ -558,6 +561,10 @@ def report(all_results, agreements, threads):
                 bw = f"{100 * rate / read_bw:4.0f}%" if read_bw else ""
             lines.append(f"{case.name():<32} {label:<13} {1e3 * r['seconds']:10.2f} "
                          f"{r['gflops']:8.1f} {pct:>6} {gbs:>6} {bw:>5}")
+        products = ", ".join(f"{label} {r['products']}" for label, r in results.items()
+                             if "products" in r)
+        if products:
+            lines.append(f"{'':<32} qkv products: {products}")
         summary = ", ".join(f"{dtype}: {ratio:.2f}x vs {best}"
                             for dtype, (ratio, best) in ratios(results).items())
         if summary:
