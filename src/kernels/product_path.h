@@ -89,8 +89,8 @@ ProductPath attention_flash_product_path(const AttentionKernelParams& params);
 // first, and pinning one of them for the rest of the process (`qkv bench --products`), through
 // the switches of kernels/cpu/bf16_dot.h and amx.h: the vdpbf16ps pairs forced, or switched off
 // so that AMX takes bf16, or both off (widened). pin_flash_product_path returns false, with the
-// switches back at their defaults, when the path is not one of flash_product_paths(dtype). Both
-// expect the switches at their defaults (nothing pinned before) and no kernel running; the
+// switches back at their defaults, when the path is not one of flash_product_paths(dtype); a pin
+// sets every switch, so it replaces an earlier one. None may run while a kernel does; the
 // kernel results of each path are its own (the paths round differently).
 std::vector<ProductPath> flash_product_paths(DType dtype);
 bool pin_flash_product_path(DType dtype, ProductPath path);

@@ -30,15 +30,21 @@ double parse_double(const std::string& option, const std::string& text) {
   return value;
 }
 
-std::vector<std::int64_t> parse_int_list(const std::string& option, const std::string& text) {
-  std::vector<std::int64_t> values;
+std::vector<std::string> split_commas(const std::string& text) {
+  std::vector<std::string> items;
   std::size_t start = 0;
   while (true) {
     const std::size_t comma = text.find(',', start);
-    values.push_back(parse_int(option, text.substr(start, comma - start)));
+    items.push_back(text.substr(start, comma - start));
     if (comma == std::string::npos) break;
     start = comma + 1;
   }
+  return items;
+}
+
+std::vector<std::int64_t> parse_int_list(const std::string& option, const std::string& text) {
+  std::vector<std::int64_t> values;
+  for (const std::string& item : split_commas(text)) values.push_back(parse_int(option, item));
   return values;
 }
 

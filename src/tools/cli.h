@@ -35,6 +35,8 @@ std::int64_t parse_int(const std::string& option, const std::string& text);
 double parse_double(const std::string& option, const std::string& text);
 // "1,2,3" -> {1, 2, 3}.
 std::vector<std::int64_t> parse_int_list(const std::string& option, const std::string& text);
+// "a,b,,c" -> {"a", "b", "", "c"}; "" -> {""}.
+std::vector<std::string> split_commas(const std::string& text);
 
 // Commands. Each returns the process exit status; --help prints usage to stdout and returns 0.
 int run_attention(std::vector<std::string> args);

@@ -46,10 +46,7 @@ LinearAttentionParams parse_linear_spec(const std::string& option, const std::st
   params.feature_map = FeatureMap::kFavorPositive;
   if (colon == std::string::npos) return params;
   bool seen_features = false, seen_seed = false;
-  std::size_t start = colon + 1;
-  while (true) {
-    const std::size_t comma = text.find(',', start);
-    const std::string item = text.substr(start, comma - start);
+  for (const std::string& item : split_commas(text.substr(colon + 1))) {
     const std::size_t equals = item.find('=');
     if (equals == std::string::npos) bad_spec(option, text, "'" + item + "' is not key=value");
     const std::string key = item.substr(0, equals), value = item.substr(equals + 1);
@@ -69,8 +66,6 @@ LinearAttentionParams parse_linear_spec(const std::string& option, const std::st
     } else {
       bad_spec(option, text, "unknown key '" + key + "'");
     }
-    if (comma == std::string::npos) break;
-    start = comma + 1;
   }
   return params;
 }

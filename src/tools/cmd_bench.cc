@@ -128,13 +128,7 @@ Kernel parse_kernel(const std::string& name) {
 
 std::vector<Kernel> parse_kernels(const std::string& text) {
   std::vector<Kernel> kernels;
-  std::size_t start = 0;
-  while (true) {
-    const std::size_t comma = text.find(',', start);
-    kernels.push_back(parse_kernel(text.substr(start, comma - start)));
-    if (comma == std::string::npos) break;
-    start = comma + 1;
-  }
+  for (const std::string& name : split_commas(text)) kernels.push_back(parse_kernel(name));
   return kernels;
 }
 
@@ -152,10 +146,7 @@ void parse_products(const std::string& text, BenchOptions& options) {
   options.products.clear();
   options.all_products = text == "all";
   if (text == "auto" || options.all_products) return;
-  std::size_t start = 0;
-  while (true) {
-    const std::size_t comma = text.find(',', start);
-    const std::string name = text.substr(start, comma - start);
+  for (const std::string& name : split_commas(text)) {
     if (name == "auto" || name == "all") {
       throw UsageError("--products: " + name + " stands alone, not in a list ('" + text + "')");
     }
@@ -165,8 +156,6 @@ void parse_products(const std::string& text, BenchOptions& options) {
       throw UsageError(std::string("--products: ") + product_path_name(path) + " listed twice");
     }
     options.products.push_back(path);
-    if (comma == std::string::npos) break;
-    start = comma + 1;
   }
 }
 
