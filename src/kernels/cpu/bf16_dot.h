@@ -76,8 +76,8 @@ void pack_probs(const float* st, std::int64_t num_k, int vecs, std::uint32_t* pt
 // serves `heads` blocks side by side (the kv heads of one decode step): block n's operands lie
 // at base + n * head_stride. q, k and v elements are bf16 bit patterns at any 2-byte alignment.
 
-// st(n)[j * st_row_stride + r] = out_scale * sum_{d < depth} q(n, r, d) * k(n)[j * k_row_stride +
-// d]
+// st(n)[j * st_row_stride + r] =
+//     out_scale * sum_{d < depth} q(n, r, d) * k(n)[j * k_row_stride + d]
 //   for n < heads, r < rows, j < num_k, with q(n, r, d) the bf16 of pair word
 //   q[n * q_head_stride + r * ceil(depth / 2) + d / 2] (low half for even d; past depth the
 //   pair's high half must be +0). Dot products accumulate in f32 (vdpbf16ps) and are multiplied
