@@ -1,19 +1,29 @@
 #include "qkv/layers/kv_cache.h"
 
 #include <algorithm>
+#include <array>
 #include <string>
 
+#include "core/float16.h"
 #include "qkv/error.h"
 
 namespace qkv {
 
 KvCache::KvCache(std::int64_t batch, std::int64_t num_kv_heads, std::int64_t head_dim,
-                 std::int64_t max_seq)
-    : batch_(batch), num_kv_heads_(num_kv_heads), head_dim_(head_dim), max_seq_(max_seq) {
+                 std::int64_t max_seq, DType dtype)
+    : batch_(batch),
+      num_kv_heads_(num_kv_heads),
+      head_dim_(head_dim),
+      max_seq_(max_seq),
+      dtype_(dtype) {
   if (batch <= 0 || num_kv_heads <= 0 || head_dim <= 0 || max_seq < 0) {
     throw Error("KvCache: batch = " + std::to_string(batch) + ", num_kv_heads = " +
                 std::to_string(num_kv_heads) + ", head_dim = " + std::to_string(head_dim) +
                 " must be > 0 and max_seq = " + std::to_string(max_seq) + " >= 0");
+  }
+  if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16) {
+    throw Error(std::string("KvCache: dtype ") + dtype_name(dtype) +
+                " (expected f32, bf16 or f16)");
   }
   if (max_seq > 0) reserve(max_seq);
 }
@@ -23,9 +33,9 @@ void KvCache::reserve(std::int64_t tokens) {
   // Growing: double (amortised O(1) per token); fixed: exactly max_seq, allocated up front.
   const std::int64_t new_capacity =
       max_seq_ > 0 ? max_seq_ : std::max({tokens, 2 * capacity_, std::int64_t{16}});
-  const std::int64_t row = num_kv_heads_ * head_dim_;  // floats per token
-  for (std::vector<float>* store : {&keys_, &values_}) {
-    std::vector<float> grown(static_cast<std::size_t>(batch_ * new_capacity * row));
+  const std::int64_t row = num_kv_heads_ * head_dim_ * dtype_size(dtype_);  // bytes per token
+  for (std::vector<std::byte>* store : {&keys_, &values_}) {
+    std::vector<std::byte> grown(static_cast<std::size_t>(batch_ * new_capacity * row));
     for (std::int64_t b = 0; b < batch_; ++b) {
       std::copy_n(store->data() + b * capacity_ * row, size_ * row,
                   grown.data() + b * new_capacity * row);
@@ -35,14 +45,41 @@ void KvCache::reserve(std::int64_t tokens) {
   capacity_ = new_capacity;
 }
 
+namespace {
+
+// dst[b, t, h, :] (rows of Hkv * head_dim elements, `capacity` rows per batch entry, starting
+// at row `first`) = src[b, t, h, :], element by element through convert(const Src&) -> Dst.
+template <typename Dst, typename Src, typename Convert>
+void copy_rows(const TensorView& src, std::byte* dst_bytes, std::int64_t capacity,
+               std::int64_t first, Convert convert) {
+  const auto* data = static_cast<const Src*>(src.data);
+  Dst* dst = reinterpret_cast<Dst*>(dst_bytes);
+  const std::int64_t heads = src.sizes[2], head_dim = src.sizes[3];
+  for (std::int64_t b = 0; b < src.sizes[0]; ++b) {
+    for (std::int64_t t = 0; t < src.sizes[1]; ++t) {
+      Dst* row = dst + (b * capacity + first + t) * heads * head_dim;
+      for (std::int64_t h = 0; h < heads; ++h) {
+        for (std::int64_t d = 0; d < head_dim; ++d) {
+          row[h * head_dim + d] = convert(data[src.offset(b, t, h, d)]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
 void KvCache::append(const TensorView& k, const TensorView& v) {
-  // k, v: [B, Lnew, Hkv, head_dim] f32, any strides
+  // k, v: [B, Lnew, Hkv, head_dim], f32 or dtype_, any strides
   const std::array<std::int64_t, 4> expected = {batch_, k.sizes[1], num_kv_heads_, head_dim_};
   for (const auto& [name, view] : {std::pair{"k", &k}, std::pair{"v", &v}}) {
-    if (view->dtype != DType::kF32 || view->sizes != expected || view->data == nullptr) {
-      throw Error(std::string("KvCache::append: ") + name + ": shape " + shape_string(view->sizes) +
-                  " (" + dtype_name(view->dtype) + ") does not match the cache's " +
-                  shape_string(expected) + " (f32)");
+    const bool dtype_ok = view->dtype == DType::kF32 || view->dtype == dtype_;
+    if (!dtype_ok || view->sizes != expected || view->data == nullptr) {
+      throw Error(
+          std::string("KvCache::append: ") + name + ": shape " + shape_string(view->sizes) + " (" +
+          dtype_name(view->dtype) + ") does not match the cache's " + shape_string(expected) +
+          " (f32" +
+          (dtype_ == DType::kF32 ? std::string() : std::string(" or ") + dtype_name(dtype_)) + ")");
     }
   }
   const std::int64_t seq_new = k.sizes[1];
@@ -52,18 +89,19 @@ void KvCache::append(const TensorView& k, const TensorView& v) {
                 " new tokens exceed max_seq = " + std::to_string(max_seq_));
   }
   reserve(size_ + seq_new);
-  const std::int64_t row = num_kv_heads_ * head_dim_;
   for (const auto& [src, store] : {std::pair{&k, &keys_}, std::pair{&v, &values_}}) {
-    const float* data = static_cast<const float*>(src->data);
-    for (std::int64_t b = 0; b < batch_; ++b) {
-      for (std::int64_t t = 0; t < seq_new; ++t) {
-        float* dst = store->data() + (b * capacity_ + size_ + t) * row;
-        for (std::int64_t h = 0; h < num_kv_heads_; ++h) {
-          for (std::int64_t d = 0; d < head_dim_; ++d) {
-            dst[h * head_dim_ + d] = data[src->offset(b, t, h, d)];
-          }
-        }
-      }
+    std::byte* dst = store->data();
+    if (dtype_ == DType::kF32) {
+      copy_rows<float, float>(*src, dst, capacity_, size_, [](float x) { return x; });
+    } else if (src->dtype == DType::kF32 && dtype_ == DType::kBF16) {
+      copy_rows<std::uint16_t, float>(*src, dst, capacity_, size_,
+                                      [](float x) { return f32_to_bf16_bits(x); });
+    } else if (src->dtype == DType::kF32) {
+      copy_rows<std::uint16_t, float>(*src, dst, capacity_, size_,
+                                      [](float x) { return f32_to_f16_bits(x); });
+    } else {  // already in the cache's half dtype: the bits as they are
+      copy_rows<std::uint16_t, std::uint16_t>(*src, dst, capacity_, size_,
+                                              [](std::uint16_t x) { return x; });
     }
   }
   size_ += seq_new;
@@ -78,11 +116,12 @@ void KvCache::truncate(std::int64_t size) {
 }
 
 namespace {
-TensorView cache_view(const std::vector<float>& store, std::int64_t batch, std::int64_t size,
-                      std::int64_t capacity, std::int64_t heads, std::int64_t head_dim) {
+TensorView cache_view(const std::vector<std::byte>& store, DType dtype, std::int64_t batch,
+                      std::int64_t size, std::int64_t capacity, std::int64_t heads,
+                      std::int64_t head_dim) {
   TensorView view;
-  view.data = const_cast<float*>(store.data());
-  view.dtype = DType::kF32;
+  view.data = const_cast<std::byte*>(store.data());
+  view.dtype = dtype;
   view.sizes = {batch, size, heads, head_dim};
   view.strides = {capacity * heads * head_dim, heads * head_dim, head_dim, 1};
   return view;
@@ -90,10 +129,10 @@ TensorView cache_view(const std::vector<float>& store, std::int64_t batch, std::
 }  // namespace
 
 TensorView KvCache::keys() const {
-  return cache_view(keys_, batch_, size_, capacity_, num_kv_heads_, head_dim_);
+  return cache_view(keys_, dtype_, batch_, size_, capacity_, num_kv_heads_, head_dim_);
 }
 TensorView KvCache::values() const {
-  return cache_view(values_, batch_, size_, capacity_, num_kv_heads_, head_dim_);
+  return cache_view(values_, dtype_, batch_, size_, capacity_, num_kv_heads_, head_dim_);
 }
 
 }  // namespace qkv

@@ -267,17 +267,20 @@ void MultiHeadAttention::forward_cached(const float* x, std::int64_t batch, std:
   cache.append(
       layers::bshd_view(qkv + m.embed_dim, batch, seq_new, m.num_kv_heads, m.head_dim, F),
       layers::bshd_view(qkv + m.embed_dim + m.kv_width, batch, seq_new, m.num_kv_heads, m.head_dim, F));
+  TensorView q = layers::bshd_view(qkv, batch, seq_new, m.num_heads, m.head_dim, F);
+  if (cache.dtype() != DType::kF32) q = layers::half_copy(q, cache.dtype(), scratch->q_half);
   try {
-    m.attend_and_project(layers::bshd_view(qkv, batch, seq_new, m.num_heads, m.head_dim, F), cache.keys(),
-                         cache.values(), batch, seq_new, cache.size(), out, options);
+    m.attend_and_project(q, cache.keys(), cache.values(), batch, seq_new, cache.size(), out,
+                         options);
   } catch (...) {
     cache.truncate(old_size);  // a failed call leaves the cache as it was
     throw;
   }
 }
 
-KvCache MultiHeadAttention::make_cache(std::int64_t batch, std::int64_t max_seq) const {
-  return KvCache(batch, impl_->num_kv_heads, impl_->head_dim, max_seq);
+KvCache MultiHeadAttention::make_cache(std::int64_t batch, std::int64_t max_seq,
+                                       DType dtype) const {
+  return KvCache(batch, impl_->num_kv_heads, impl_->head_dim, max_seq, dtype);
 }
 
 }  // namespace qkv

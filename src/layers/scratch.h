@@ -31,6 +31,7 @@ inline float* scratch_floats(AlignedBuffer& buffer, std::int64_t floats) {
 struct Scratch {
   AlignedBuffer a, h, n;                // EncoderLayer: sub-layer output, FFN hidden, Pre-LN input
   AlignedBuffer qkv, k, v, ctx, probs;  // MultiHeadAttention: projections, core output, weights
+  AlignedBuffer q_half;                 // MultiHeadAttention: q in a bf16/f16 cache's dtype
 };
 
 class ScratchPool {

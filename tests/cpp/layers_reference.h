@@ -143,6 +143,9 @@ struct MhaRefProblem {
   bool top_left = false;  // causal/window alignment; default bottom-right
   std::int64_t window_left = -1, window_right = -1;
   std::vector<std::int64_t> key_lengths = {};  // empty = all
+  // Applied to every element of the projected q, k and v (null: none): a bf16/f16 KV cache's
+  // rounding.
+  double (*round_qkv)(double) = nullptr;
 };
 struct MhaRefResult {
   Vec out;    // [B, Lq, E]
@@ -151,9 +154,14 @@ struct MhaRefResult {
 inline MhaRefResult mha_ref(const MhaRefProblem& p, const MhaRefWeights& w, const Vec& query,
                             const Vec& key_mem, const Vec& value_mem) {
   const std::int64_t E = p.embed_dim, H = p.num_heads, hd = E / H, kvw = p.num_kv_heads * hd;
-  const Vec q = linear_ref(query, p.batch * p.seq_q, E, w.q_w, w.q_b, E);
-  const Vec k = linear_ref(key_mem, p.batch * p.seq_kv, p.kdim, w.k_w, w.k_b, kvw);
-  const Vec v = linear_ref(value_mem, p.batch * p.seq_kv, p.vdim, w.v_w, w.v_b, kvw);
+  Vec q = linear_ref(query, p.batch * p.seq_q, E, w.q_w, w.q_b, E);
+  Vec k = linear_ref(key_mem, p.batch * p.seq_kv, p.kdim, w.k_w, w.k_b, kvw);
+  Vec v = linear_ref(value_mem, p.batch * p.seq_kv, p.vdim, w.v_w, w.v_b, kvw);
+  if (p.round_qkv != nullptr) {
+    for (Vec* x : {&q, &k, &v}) {
+      for (double& e : *x) e = p.round_qkv(e);
+    }
+  }
   Vec ctx(p.batch * p.seq_q * E, 0.0);
   MhaRefResult r;
   r.probs.assign(p.batch * H * p.seq_q * p.seq_kv, 0.0);

@@ -3,9 +3,15 @@
 // incremental decoding equal to a full causal forward.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdio>
+#include <span>
+#include <string>
 #include <vector>
 
+#include "core/float16.h"
 #include "expect_error.h"
+#include "kernels/product_path.h"
 #include "layers_reference.h"
 #include "qkv/layers/multi_head_attention.h"
 
@@ -268,6 +274,94 @@ TEST(LayersMha, KvCacheTokenByTokenEqualsFullCausal) {
         expect_error([&] { mha.forward_cached(one.data(), batch, 1, cache, out.data()); },
                      "17 cached + 1 new tokens exceed max_seq = 17");
         EXPECT_EQ(cache.size(), 17);
+      }
+    }
+  }
+}
+
+// Multiples of 1/grid in [-1, 1]: with those weights and inputs every projection sum is exact
+// in f32 whatever the order (oneDNN's or the reference's), so a bf16/f16 cache rounds the very
+// values the float64 reference rounds.
+std::vector<float> on_grid(std::vector<float> x, float grid) {
+  for (float& e : x) e = std::round(e * grid) / grid;
+  return x;
+}
+
+// max |actual - ref| / max(1, max |ref|): expect_close's measure.
+double scaled_error(std::span<const float> actual, const Vec& ref) {
+  double scale = 1.0, err = 0.0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    scale = std::max(scale, std::abs(ref[i]));
+    err = std::max(err, std::abs(static_cast<double>(actual[i]) - ref[i]));
+  }
+  return err / scale;
+}
+
+double round_bf16(double x) { return round_to_bf16(static_cast<float>(x)); }
+double round_f16(double x) { return round_to_f16(static_cast<float>(x)); }
+
+TEST(LayersMha, HalfKvCacheMatchesRoundedReference) {
+  // A bf16/f16 cache: the appended k/v are the f32 cache's values rounded (bit for bit), and the
+  // output is the float64 attention of q, k, v rounded to that dtype, within the tolerance of
+  // that dtype's products: 2^-8 where they round the probabilities to bf16 (vdpbf16ps pairs,
+  // AMX: up to 2^-9 each), else DESIGN.md's floor of 2e-5 (the f32 products of the rounded
+  // values are exact; only the order of the sums differs).
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    const double rtol = rounds_probabilities(attention_flash_product_path(dtype)) ? 0x1p-8 : 2e-5;
+    for (std::int64_t Hkv : {4, 2, 1}) {
+      Weights w(64, 4, Hkv, 64, 64, 91 + Hkv);
+      for (auto* part : {&w.q_w, &w.q_b, &w.k_w, &w.k_b, &w.v_w, &w.v_b, &w.o_w, &w.o_b}) {
+        *part = on_grid(*part, 64);
+      }
+      const std::int64_t batch = 2, seq = 40, E = 64;
+      const std::vector<float> x = on_grid(random_floats(batch * seq * E, 92), 8);
+      MultiHeadAttention mha(w.config(), w.packed(QkvPacking::kSeparate));
+      auto p = w.problem(batch, seq, seq);
+      p.causal = true;
+      p.round_qkv = dtype == DType::kBF16 ? round_bf16 : round_f16;
+      const Vec ref = mha_ref(p, w.ref(), to_f64(x), to_f64(x), to_f64(x)).out;
+      for (std::int64_t max_seq : {0, 40}) {
+        const std::string what = std::string(dtype_name(dtype)) + " Hkv=" + std::to_string(Hkv) +
+                                 " max_seq=" + std::to_string(max_seq);
+        KvCache half = mha.make_cache(batch, max_seq, dtype), full = mha.make_cache(batch, max_seq);
+        ASSERT_EQ(half.dtype(), dtype);
+        std::vector<float> got(x.size());
+        std::int64_t pos = 0;
+        for (std::int64_t n : {1, 3, 1, 5, 1, 1, 5, 7, 16}) {
+          std::vector<float> xs(batch * n * E), os(batch * n * E), unused(batch * n * E);
+          for (std::int64_t b = 0; b < batch; ++b)
+            std::copy_n(x.data() + (b * seq + pos) * E, n * E, xs.data() + b * n * E);
+          mha.forward_cached(xs.data(), batch, n, half, os.data(), {.causal = true});
+          mha.forward_cached(xs.data(), batch, n, full, unused.data(), {.causal = true});
+          for (std::int64_t b = 0; b < batch; ++b)
+            std::copy_n(os.data() + b * n * E, n * E, got.data() + (b * seq + pos) * E);
+          pos += n;
+        }
+        ASSERT_EQ(pos, seq);
+        for (const auto& [h, f] : {std::pair{half.keys(), full.keys()},
+                                   std::pair{half.values(), full.values()}}) {
+          ASSERT_EQ(h.dtype, dtype) << what;
+          ASSERT_EQ(h.sizes, f.sizes) << what;
+          for (std::int64_t b = 0; b < batch; ++b)
+            for (std::int64_t t = 0; t < seq; ++t)
+              for (std::int64_t k = 0; k < Hkv; ++k)
+                for (std::int64_t d = 0; d < E / 4; ++d) {
+                  const float value = static_cast<const float*>(f.data)[f.offset(b, t, k, d)];
+                  ASSERT_EQ(static_cast<const std::uint16_t*>(h.data)[h.offset(b, t, k, d)],
+                            f32_to_half_bits(dtype, value))
+                      << what << " b=" << b << " t=" << t << " head=" << k << " d=" << d;
+                }
+        }
+        expect_close(got, ref, rtol, what);
+        // The rounded reference is the one the output follows: the unrounded float64 attention
+        // is farther from it.
+        auto unrounded = p;
+        unrounded.round_qkv = nullptr;
+        const Vec exact = mha_ref(unrounded, w.ref(), to_f64(x), to_f64(x), to_f64(x)).out;
+        const double err = scaled_error(got, ref), err_unrounded = scaled_error(got, exact);
+        std::printf("%s: error / tolerance %.3f (against the unrounded attention %.3f)\n",
+                    what.c_str(), err / rtol, err_unrounded / rtol);
+        EXPECT_LT(err, err_unrounded) << what;
       }
     }
   }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The C++ package as a consumer sees it: installs the build tree into a temporary prefix,
-# configures and builds examples/ against it (find_package(qkv CONFIG REQUIRED)), runs both
+# configures and builds examples/ against it (find_package(qkv CONFIG REQUIRED)), runs the
 # examples, and checks that the attention-only example links no oneDNN.
 #
 #   check_package.sh SOURCE_DIR BUILD_DIR      (QKV_MODEL_DIR: the all-MiniLM-L6-v2 folder)
@@ -24,8 +24,9 @@ cmake --build "$work/build"
 
 "$work/build/attention_bhsd"
 "$work/build/embed_sentences" "$QKV_MODEL_DIR"
+"$work/build/decode_kv_cache"
 if ldd "$work/build/attention_bhsd" | grep -q libdnnl; then
   echo "check_package: attention_bhsd links oneDNN, but qkv::attention must not need it" >&2
   exit 1
 fi
-echo "check_package: installed package built and ran both examples"
+echo "check_package: installed package built and ran the three examples"

@@ -126,7 +126,9 @@ class MultiHeadAttention {
   // everything cached (Lk = cache.size() after the append). options.causal is usually set
   // (bottom-right alignment makes new token i see cached tokens 0 .. Lk - Lnew + i); then the
   // result equals a full causal forward over the concatenated sequence. Key lengths, mask and
-  // bias refer to Lk. The cache must be KvCache(B, Hkv, head_dim, ...).
+  // bias refer to Lk. The cache must be KvCache(B, Hkv, head_dim, ...). With a bf16 or f16
+  // cache, the new k/v are rounded to it and q too (qkv::attention takes one dtype): the core
+  // then runs that dtype's products (f32 softmax and accumulation), as on bf16 tensors.
   void forward_cached(const float* x, std::int64_t batch, std::int64_t seq_new, KvCache& cache,
                       float* out, const MhaOptions& options = {}) const;
 
@@ -134,8 +136,10 @@ class MultiHeadAttention {
   // time): layers that run one after another need only one set.
   void share_scratch_with(const MultiHeadAttention& other);
 
-  // A cache shaped for this layer: [batch, max_seq (0 = growing), Hkv, head_dim].
-  KvCache make_cache(std::int64_t batch, std::int64_t max_seq = 0) const;
+  // A cache shaped for this layer: [batch, max_seq (0 = growing), Hkv, head_dim], stored in
+  // `dtype` (kF32, kBF16 or kF16).
+  KvCache make_cache(std::int64_t batch, std::int64_t max_seq = 0,
+                     DType dtype = DType::kF32) const;
 
   // Training (self-attention, the cache-free path; multi_head_attention_train.cc).
   // forward_train is forward() keeping in `tape` what backward needs (options.attn_weights,
