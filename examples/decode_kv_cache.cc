@@ -6,11 +6,14 @@
 //   decode_kv_cache 32768 15 4096 32 8                          (a Llama-sized layer)
 //
 // The cache holds CONTEXT random tokens (as if a prompt had been run); each round times one step
-// (one new token, causal) of every setup in turn, and the cache is truncated back after it.
-// Prints the cache's size, the median time per step of each setup, and how far the bf16 setups'
-// outputs are from the f32 one's; exits 1 if that is more than 5% of the output's scale.
+// (one new token, causal) of every setup in turn, the cache truncated back after it, and then
+// qkv::attention alone on that cache (a random q in the cache's dtype). Prints the cache's size,
+// the median times of each setup with their speed-ups over the first, and how far the bf16
+// setups' outputs are from the f32 one's, relative to the largest |output| (at least 1); exits
+// 1 if that is more than 5%.
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -20,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "qkv/attention.h"
 #include "qkv/error.h"
 #include "qkv/layers/kv_cache.h"
 #include "qkv/layers/multi_head_attention.h"
@@ -37,6 +41,11 @@ std::vector<float> random_floats(std::size_t n, float scale, std::mt19937& rng) 
   std::vector<float> x(n);
   for (float& e : x) e = uniform(rng);
   return x;
+}
+
+// bf16 bits of x, truncated (a random timing input needs no rounding).
+std::uint16_t bf16_bits(float x) {
+  return static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(x) >> 16);
 }
 
 double median(std::vector<double> x) {
@@ -82,6 +91,14 @@ int main(int argc, char** argv) {
                        prompt_v = random_floats(context * kv_width, 1.0f, rng);
     const std::array<std::int64_t, 4> prompt_shape = {1, context, kv_heads, head_dim};
     const std::vector<float> x = random_floats(embed, 1.0f, rng);  // the new token
+    // A q for the attention alone, [1, 1, H, head_dim], in f32 and in bf16.
+    std::vector<float> q_f32 = random_floats(embed, 1.0f, rng);
+    std::vector<std::uint16_t> q_bf16(q_f32.size());
+    std::transform(q_f32.begin(), q_f32.end(), q_bf16.begin(), bf16_bits);
+    const std::array<std::int64_t, 4> q_shape = {1, 1, heads, head_dim};
+    const qkv::TensorView q_views[] = {
+        qkv::TensorView::contiguous(q_f32.data(), qkv::DType::kF32, q_shape),
+        qkv::TensorView::contiguous(q_bf16.data(), qkv::DType::kBF16, q_shape)};
 
     std::vector<qkv::MultiHeadAttention> layers;
     std::vector<qkv::KvCache> caches;
@@ -98,7 +115,10 @@ int main(int argc, char** argv) {
     }
 
     std::vector<std::vector<float>> outputs(kSetups, std::vector<float>(embed));
-    std::vector<std::vector<double>> ms(kSetups);
+    std::vector<float> attention_out(embed);
+    const qkv::AttentionOutputs attention_outputs{
+        .out = qkv::TensorView::contiguous(attention_out.data(), qkv::DType::kF32, q_shape)};
+    std::vector<std::vector<double>> ms(kSetups), attention_ms(kSetups);
     for (std::int64_t round = 0; round <= rounds; ++round) {  // round 0 warms up
       for (int s = 0; s < kSetups; ++s) {
         const auto start = std::chrono::steady_clock::now();
@@ -106,7 +126,15 @@ int main(int argc, char** argv) {
         const std::chrono::duration<double, std::milli> took =
             std::chrono::steady_clock::now() - start;
         caches[s].truncate(context);
-        if (round > 0) ms[s].push_back(took.count());
+        const auto attention_start = std::chrono::steady_clock::now();
+        qkv::attention(q_views[setups[s].cache_dtype == qkv::DType::kF32 ? 0 : 1], caches[s].keys(),
+                       caches[s].values(), attention_outputs, {.causal = true});
+        const std::chrono::duration<double, std::milli> attention_took =
+            std::chrono::steady_clock::now() - attention_start;
+        if (round > 0) {
+          ms[s].push_back(took.count());
+          attention_ms[s].push_back(attention_took.count());
+        }
       }
     }
 
@@ -126,8 +154,9 @@ int main(int argc, char** argv) {
       const double cache_mib = 2.0 * static_cast<double>(context * kv_width) *
                                (setups[s].cache_dtype == qkv::DType::kF32 ? 4 : 2) / (1 << 20);
       std::printf(
-          "  %-26s cache %9.2f MiB  %9.3f ms/step  %5.2fx  max |out - f32's| / scale %.2e\n",
-          setups[s].name, cache_mib, median(ms[s]), median(ms[0]) / median(ms[s]), diff / scale);
+          "  %-24s %8.2f MiB  step %8.3f ms %5.2fx  attention %8.3f ms %5.2fx  |out - f32| %.1e\n",
+          setups[s].name, cache_mib, median(ms[s]), median(ms[0]) / median(ms[s]),
+          median(attention_ms[s]), median(attention_ms[0]) / median(attention_ms[s]), diff / scale);
       ok = ok && diff <= 0.05 * scale;
     }
     return ok ? 0 : 1;
