@@ -94,7 +94,7 @@ WorkPlan PlanWork(const AttentionKernelParams& p) {
   // Hkv = 32, Lk = 16384: f32 1.19-1.23x, bf16 1.72-1.88x (4 heads per group: 1.12-1.13x and
   // 1.37-1.70x); GQA 32:8, Lk = 32768: f32 1.07-1.09x, bf16 1.14-1.20x. The same in BSHD ran
   // 0.38-0.62x.
-  const bool narrow = p.num_heads_q / p.num_heads_kv * p.seq_q <= kNarrowRows;
+  const bool narrow = RowsPerKvHead(p) <= kNarrowRows;
   const bool one_per_group = narrow && !HeadsInner(p);
   w.per_task = one_per_group
                    ? 1
@@ -144,7 +144,7 @@ WorkPlan PlanWork(const AttentionKernelParams& p) {
 // leaves 2 threads 6% of the time unbalanced. The order changes no result, only which thread
 // computes what.
 std::vector<std::int64_t> GroupOrder(const AttentionKernelParams& p, const WorkPlan& w) {
-  const std::int64_t group_rows = p.num_heads_q / p.num_heads_kv * p.seq_q;
+  const std::int64_t group_rows = RowsPerKvHead(p);
   std::vector<std::int64_t> cost(w.groups, 0), order(w.groups);
   for (std::int64_t item = 0; item < w.items; ++item) {
     const std::int64_t b = item / (p.num_heads_kv * w.blocks_per_kv_head);
@@ -267,7 +267,7 @@ void Flash(const AttentionKernelParams& p) {
   const std::int64_t num_tasks = plan.groups * plan.splits;
   const int num_threads = static_cast<int>(std::min<std::int64_t>(p.num_threads, num_tasks));
   // Narrow blocks: rows the last block of a kv head holds (all others hold kBlockQ).
-  const std::int64_t last_rows = (p.num_heads_q / p.num_heads_kv * p.seq_q - 1) % kBlockQ + 1;
+  const std::int64_t last_rows = (RowsPerKvHead(p) - 1) % kBlockQ + 1;
   // (Dropout takes the wide path only: DropoutTile works on kBlockQ lanes.)
   const bool dropout = p.dropout_p > 0.0f;
   const bool narrow_ok =

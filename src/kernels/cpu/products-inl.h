@@ -250,8 +250,7 @@ inline ProductPath FlashProductPath(DType dtype) {
 // and BHSD keep the pairs (there they ran 1.2-1.6x faster than widened).
 inline ProductPath FlashProductPath(const AttentionKernelParams& p) {
   const ProductPath path = FlashProductPath(p.dtype);
-  const bool multi_head_step =
-      p.num_heads_q == p.num_heads_kv && p.seq_q == 1 && p.num_heads_kv > 1 && HeadsInner(p);
+  const bool multi_head_step = RowsPerKvHead(p) == 1 && p.num_heads_kv > 1 && HeadsInner(p);
   if (path == ProductPath::kBf16Pairs && multi_head_step && !bf16dot::forced()) {
     return ProductPath::kBf16Widened;
   }

@@ -33,7 +33,7 @@ inline void StartQueryBlock(const AttentionKernelParams& p, std::int64_t b, std:
   const std::int64_t group = p.num_heads_q / p.num_heads_kv;
   const std::int64_t row0 = block * kBlockQ;
   qb.b = b;
-  qb.num_q = std::min<std::int64_t>(kBlockQ, group * p.seq_q - row0);
+  qb.num_q = std::min<std::int64_t>(kBlockQ, RowsPerKvHead(p) - row0);
   qb.k = element_at(p.k, p.dtype, b * p.k_stride[0] + kv_head * p.k_stride[2]);
   qb.v = element_at(p.v, p.dtype, b * p.v_stride[0] + kv_head * p.v_stride[2]);
 

@@ -186,10 +186,15 @@ inline std::int64_t ScratchFloats(const AttentionKernelParams& p) {
 }
 constexpr std::int64_t kScratchInts = 9 * kBlockQ + 1;
 
-// Query blocks per kv head of batch entry: the flattened group rows in blocks of kBlockQ.
+// Query rows per kv head of a batch entry: the (query head in the GQA group, query) rows that
+// share one K/V walk (1 for a multi-head decode step).
+inline std::int64_t RowsPerKvHead(const AttentionKernelParams& p) {
+  return p.num_heads_q / p.num_heads_kv * p.seq_q;
+}
+
+// Query blocks per kv head of batch entry: those rows in blocks of kBlockQ.
 inline std::int64_t BlocksPerKvHead(const AttentionKernelParams& p) {
-  const std::int64_t rows = p.num_heads_q / p.num_heads_kv * p.seq_q;
-  return (rows + kBlockQ - 1) / kBlockQ;
+  return (RowsPerKvHead(p) + kBlockQ - 1) / kBlockQ;
 }
 
 inline void BindScratch(const AttentionKernelParams& p, float* floats, std::int64_t* ints,
