@@ -236,6 +236,27 @@ TEST(LayersMha, AttentionWeightsPerHeadAndAveraged) {
   expect_close(avg, averaged, 1e-5, "averaged weights");
 }
 
+// Feeds x [B, seq, E] to forward_cached in pieces of the given token counts (summing to seq),
+// checking the cache's size after each; returns the outputs put back together as [B, seq, E].
+std::vector<float> decode_in_pieces(const MultiHeadAttention& mha, const std::vector<float>& x,
+                                    std::int64_t batch, std::int64_t seq, std::int64_t E,
+                                    KvCache& cache, std::span<const std::int64_t> pieces) {
+  std::vector<float> got(x.size());
+  std::int64_t pos = 0;
+  for (std::int64_t n : pieces) {
+    std::vector<float> xs(batch * n * E), os(batch * n * E);
+    for (std::int64_t b = 0; b < batch; ++b)
+      std::copy_n(x.data() + (b * seq + pos) * E, n * E, xs.data() + b * n * E);
+    mha.forward_cached(xs.data(), batch, n, cache, os.data(), {.causal = true});
+    for (std::int64_t b = 0; b < batch; ++b)
+      std::copy_n(os.data() + b * n * E, n * E, got.data() + (b * seq + pos) * E);
+    pos += n;
+    EXPECT_EQ(cache.size(), pos);
+  }
+  EXPECT_EQ(pos, seq);
+  return got;
+}
+
 TEST(LayersMha, KvCacheTokenByTokenEqualsFullCausal) {
   for (std::int64_t Hkv : {4, 1}) {
     const Weights w(32, 4, Hkv, 32, 32, 61 + Hkv);
@@ -251,20 +272,8 @@ TEST(LayersMha, KvCacheTokenByTokenEqualsFullCausal) {
     // Feed the sequence in pieces of 1, 3, 1, 5, ... tokens: [B, piece, E] each.
     for (std::int64_t max_seq : {0, 17}) {
       KvCache cache = mha.make_cache(batch, max_seq);
-      std::vector<float> got(x.size());
       const std::int64_t pieces[] = {1, 3, 1, 5, 1, 1, 5};
-      std::int64_t pos = 0;
-      for (std::int64_t n : pieces) {
-        std::vector<float> xs(batch * n * E), os(batch * n * E);
-        for (std::int64_t b = 0; b < batch; ++b)
-          std::copy_n(x.data() + (b * seq + pos) * E, n * E, xs.data() + b * n * E);
-        mha.forward_cached(xs.data(), batch, n, cache, os.data(), {.causal = true});
-        for (std::int64_t b = 0; b < batch; ++b)
-          std::copy_n(os.data() + b * n * E, n * E, got.data() + (b * seq + pos) * E);
-        pos += n;
-        EXPECT_EQ(cache.size(), pos);
-      }
-      ASSERT_EQ(pos, seq);
+      const std::vector<float> got = decode_in_pieces(mha, x, batch, seq, E, cache, pieces);
       for (std::size_t i = 0; i < got.size(); ++i) {
         ASSERT_NEAR(got[i], full[i], 2e-5 * std::max(1.0f, std::abs(full[i])))
             << "Hkv=" << Hkv << " max_seq=" << max_seq << " i=" << i;
@@ -297,6 +306,22 @@ double scaled_error(std::span<const float> actual, const Vec& ref) {
   return err / scale;
 }
 
+// Every element of the bf16/f16 view `half` is the f32 view `full`'s, rounded (bit for bit).
+void expect_rounded_copy(const TensorView& half, const TensorView& full, const std::string& what) {
+  ASSERT_TRUE(half.dtype == DType::kBF16 || half.dtype == DType::kF16) << what;
+  ASSERT_EQ(full.dtype, DType::kF32) << what;
+  ASSERT_EQ(half.sizes, full.sizes) << what;
+  for (std::int64_t b = 0; b < full.sizes[0]; ++b)
+    for (std::int64_t t = 0; t < full.sizes[1]; ++t)
+      for (std::int64_t h = 0; h < full.sizes[2]; ++h)
+        for (std::int64_t d = 0; d < full.sizes[3]; ++d) {
+          const float value = static_cast<const float*>(full.data)[full.offset(b, t, h, d)];
+          ASSERT_EQ(static_cast<const std::uint16_t*>(half.data)[half.offset(b, t, h, d)],
+                    f32_to_half_bits(half.dtype, value))
+              << what << " b=" << b << " t=" << t << " head=" << h << " d=" << d;
+        }
+}
+
 double round_bf16(double x) { return round_to_bf16(static_cast<float>(x)); }
 double round_f16(double x) { return round_to_f16(static_cast<float>(x)); }
 
@@ -325,33 +350,11 @@ TEST(LayersMha, HalfKvCacheMatchesRoundedReference) {
                                  " max_seq=" + std::to_string(max_seq);
         KvCache half = mha.make_cache(batch, max_seq, dtype), full = mha.make_cache(batch, max_seq);
         ASSERT_EQ(half.dtype(), dtype);
-        std::vector<float> got(x.size());
-        std::int64_t pos = 0;
-        for (std::int64_t n : {1, 3, 1, 5, 1, 1, 5, 7, 16}) {
-          std::vector<float> xs(batch * n * E), os(batch * n * E), unused(batch * n * E);
-          for (std::int64_t b = 0; b < batch; ++b)
-            std::copy_n(x.data() + (b * seq + pos) * E, n * E, xs.data() + b * n * E);
-          mha.forward_cached(xs.data(), batch, n, half, os.data(), {.causal = true});
-          mha.forward_cached(xs.data(), batch, n, full, unused.data(), {.causal = true});
-          for (std::int64_t b = 0; b < batch; ++b)
-            std::copy_n(os.data() + b * n * E, n * E, got.data() + (b * seq + pos) * E);
-          pos += n;
-        }
-        ASSERT_EQ(pos, seq);
-        for (const auto& [h, f] : {std::pair{half.keys(), full.keys()},
-                                   std::pair{half.values(), full.values()}}) {
-          ASSERT_EQ(h.dtype, dtype) << what;
-          ASSERT_EQ(h.sizes, f.sizes) << what;
-          for (std::int64_t b = 0; b < batch; ++b)
-            for (std::int64_t t = 0; t < seq; ++t)
-              for (std::int64_t k = 0; k < Hkv; ++k)
-                for (std::int64_t d = 0; d < E / 4; ++d) {
-                  const float value = static_cast<const float*>(f.data)[f.offset(b, t, k, d)];
-                  ASSERT_EQ(static_cast<const std::uint16_t*>(h.data)[h.offset(b, t, k, d)],
-                            f32_to_half_bits(dtype, value))
-                      << what << " b=" << b << " t=" << t << " head=" << k << " d=" << d;
-                }
-        }
+        const std::int64_t pieces[] = {1, 3, 1, 5, 1, 1, 5, 7, 16};
+        const std::vector<float> got = decode_in_pieces(mha, x, batch, seq, E, half, pieces);
+        decode_in_pieces(mha, x, batch, seq, E, full, pieces);
+        expect_rounded_copy(half.keys(), full.keys(), what + " keys");
+        expect_rounded_copy(half.values(), full.values(), what + " values");
         expect_close(got, ref, rtol, what);
         // The rounded reference is the one the output follows: the unrounded float64 attention
         // is farther from it.
