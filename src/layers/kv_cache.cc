@@ -4,7 +4,7 @@
 #include <array>
 #include <string>
 
-#include "core/float16.h"
+#include "core/view_copy.h"
 #include "qkv/error.h"
 
 namespace qkv {
@@ -47,24 +47,10 @@ void KvCache::reserve(std::int64_t tokens) {
 
 namespace {
 
-// dst[b, t, h, :] (rows of Hkv * head_dim elements, `capacity` rows per batch entry, starting
-// at row `first`) = src[b, t, h, :], element by element through convert(const Src&) -> Dst.
-template <typename Dst, typename Src, typename Convert>
-void copy_rows(const TensorView& src, std::byte* dst_bytes, std::int64_t capacity,
-               std::int64_t first, Convert convert) {
-  const auto* data = static_cast<const Src*>(src.data);
-  Dst* dst = reinterpret_cast<Dst*>(dst_bytes);
-  const std::int64_t heads = src.sizes[2], head_dim = src.sizes[3];
-  for (std::int64_t b = 0; b < src.sizes[0]; ++b) {
-    for (std::int64_t t = 0; t < src.sizes[1]; ++t) {
-      Dst* row = dst + (b * capacity + first + t) * heads * head_dim;
-      for (std::int64_t h = 0; h < heads; ++h) {
-        for (std::int64_t d = 0; d < head_dim; ++d) {
-          row[h * head_dim + d] = convert(data[src.offset(b, t, h, d)]);
-        }
-      }
-    }
-  }
+// Element strides of a cache store [B, capacity, Hkv, head_dim].
+std::array<std::int64_t, 4> store_strides(std::int64_t capacity, std::int64_t heads,
+                                          std::int64_t head_dim) {
+  return {capacity * heads * head_dim, heads * head_dim, head_dim, 1};
 }
 
 }  // namespace
@@ -89,20 +75,11 @@ void KvCache::append(const TensorView& k, const TensorView& v) {
                 " new tokens exceed max_seq = " + std::to_string(max_seq_));
   }
   reserve(size_ + seq_new);
+  // Rows [size_, size_ + seq_new) of every batch entry.
+  const std::array<std::int64_t, 4> strides = store_strides(capacity_, num_kv_heads_, head_dim_);
+  const std::int64_t first = size_ * strides[1] * dtype_size(dtype_);  // bytes
   for (const auto& [src, store] : {std::pair{&k, &keys_}, std::pair{&v, &values_}}) {
-    std::byte* dst = store->data();
-    if (dtype_ == DType::kF32) {
-      copy_rows<float, float>(*src, dst, capacity_, size_, [](float x) { return x; });
-    } else if (src->dtype == DType::kF32 && dtype_ == DType::kBF16) {
-      copy_rows<std::uint16_t, float>(*src, dst, capacity_, size_,
-                                      [](float x) { return f32_to_bf16_bits(x); });
-    } else if (src->dtype == DType::kF32) {
-      copy_rows<std::uint16_t, float>(*src, dst, capacity_, size_,
-                                      [](float x) { return f32_to_f16_bits(x); });
-    } else {  // already in the cache's half dtype: the bits as they are
-      copy_rows<std::uint16_t, std::uint16_t>(*src, dst, capacity_, size_,
-                                              [](std::uint16_t x) { return x; });
-    }
+    copy_view(*src, dtype_, store->data() + first, strides);
   }
   size_ += seq_new;
 }
@@ -123,7 +100,7 @@ TensorView cache_view(const std::vector<std::byte>& store, DType dtype, std::int
   view.data = const_cast<std::byte*>(store.data());
   view.dtype = dtype;
   view.sizes = {batch, size, heads, head_dim};
-  view.strides = {capacity * heads * head_dim, heads * head_dim, head_dim, 1};
+  view.strides = store_strides(capacity, heads, head_dim);
   return view;
 }
 }  // namespace

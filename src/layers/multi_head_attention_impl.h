@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/float16.h"
+#include "core/view_copy.h"
 #include "layers/scratch.h"
 #include "qkv/error.h"
 #include "qkv/layers/linear.h"
@@ -33,24 +33,10 @@ inline TensorView bshd_view(const float* data, std::int64_t batch, std::int64_t 
 // `buffer`: the q of a cached step whose cache holds that dtype.
 inline TensorView half_copy(const TensorView& src, DType dtype, AlignedBuffer& buffer) {
   const std::int64_t count = src.sizes[0] * src.sizes[1] * src.sizes[2] * src.sizes[3];
-  auto* dst = reinterpret_cast<std::uint16_t*>(scratch_floats(buffer, (count + 1) / 2));
-  const auto fill = [&](auto convert) {
-    std::uint16_t* out = dst;
-    for (std::int64_t b = 0; b < src.sizes[0]; ++b) {
-      for (std::int64_t t = 0; t < src.sizes[1]; ++t) {
-        for (std::int64_t h = 0; h < src.sizes[2]; ++h) {
-          const float* row = static_cast<const float*>(src.data) + src.offset(b, t, h, 0);
-          for (std::int64_t d = 0; d < src.sizes[3]; ++d) *out++ = convert(row[d]);
-        }
-      }
-    }
-  };
-  if (dtype == DType::kBF16) {
-    fill([](float x) { return f32_to_bf16_bits(x); });
-  } else {
-    fill([](float x) { return f32_to_f16_bits(x); });
-  }
-  return TensorView::contiguous(dst, dtype, src.sizes);
+  void* dst = scratch_floats(buffer, (count + 1) / 2);
+  const TensorView copy = TensorView::contiguous(dst, dtype, src.sizes);
+  copy_view(src, dtype, dst, copy.strides);
+  return copy;
 }
 
 // The attention core's params for `options` (its masks, bias, threads and dropout), with
