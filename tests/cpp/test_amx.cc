@@ -2,7 +2,8 @@
 // scores over depths and key counts that do and do not fill a tile pair (16, 32 keys), values
 // with and without a rescale (factors of exactly 1 skip it), key_end (each 16-lane vector's keys;
 // the lanes past it must not count, whatever st holds there), padded value dims, pack_probs
-// bit for bit against f32_to_bf16_bits, and the peak probe. In qkv_tests every test skips on
+// bit for bit against f32_to_bf16_bits, the fused softmax step against the two passes it
+// replaces, and the peak probe. In qkv_tests every test skips on
 // CPUs without AMX-BF16 (the flash kernel's whole case table on the AMX path is in
 // test_attention_kernels.cc); qkv_amx_emulated_tests (tests/amx_emulated/) runs them, and that
 // table, on a C++ model of the tile instructions wherever the CPU has AVX512-BF16.
@@ -18,6 +19,7 @@
 #include "core/splitmix64.h"
 #include "hwy/aligned_allocator.h"
 #include "kernels/cpu/amx.h"
+#include "kernels/cpu/fast_exp.h"
 
 namespace qkv::testing {
 namespace {
@@ -102,6 +104,67 @@ TEST(Amx, PackProbsRoundsAndZeroesPastTheEnds) {
     }
   }
   EXPECT_EQ(pp[32 * kLanes], 0xdeadbeefu);  // rows past round_up(num_k, 32) / 2 untouched
+}
+
+// The fused softmax step against the two passes it replaces, bit for bit: p =
+// fastexp::Pow2Coarse(fma(s, c, -m2)) through pow2_coarse_cpu, rounded to bf16 as pack_probs
+// does, the row sums added in key order. Vector 0 keeps its running max; vector 1 has one lane
+// whose scores rise past the slack, vector 2 one lane with no running max yet (both must be left
+// to the caller, their state untouched); vector 3 keeps it with masked (-inf) scores inside.
+TEST(Amx, SoftmaxPackLazyMatchesTheTwoPasses) {
+  QKV_SKIP_WITHOUT_AMX();
+  SplitMix64 rng(17);
+  const std::int64_t num_k = 45;
+  const std::int64_t key_end[4] = {6, 17, 32, 45};
+  const float c = 0.125f * 1.44269504f, slack = 12.0f;
+  const float inf = std::numeric_limits<float>::infinity();
+  auto st = zeros<float>(64 * kLanes);
+  auto row_max = zeros<float>(kLanes), row_sum = zeros<float>(kLanes), alpha = zeros<float>(kLanes);
+  for (std::int64_t l = 0; l < kLanes; ++l) {
+    row_max[l] = l == 37 ? -inf : 8.0f * rng.uniform24() - 4.0f;
+    row_sum[l] = 1.0f + rng.uniform24();
+    alpha[l] = 0.5f;
+  }
+  for (std::int64_t j = 0; j < 64; ++j) {
+    for (std::int64_t l = 0; l < kLanes; ++l) {
+      // Scores s with s * c within [m2 - 10, m2 + 2]: inside the slack.
+      float s = (row_max[l] + 12.0f * rng.uniform24() - 10.0f) / c;
+      if (l == 21 && j == 9) s = (row_max[l] + slack + 0.5f) / c;  // past the slack
+      if (l >= 48 && (j + l) % 5 == 0) s = -inf;                    // masked
+      st[j * kLanes + l] = j < key_end[l / 16] ? s : std::numeric_limits<float>::quiet_NaN();
+    }
+  }
+  auto pp = zeros<std::uint32_t>(32 * kLanes);
+  for (std::int64_t i = 0; i < 32 * kLanes; ++i) pp[i] = 0xdeadbeefu;
+  const std::vector<float> max_before(row_max.get(), row_max.get() + kLanes);
+  const std::vector<float> sum_before(row_sum.get(), row_sum.get() + kLanes);
+  const unsigned redo = amx::softmax_pack_lazy(st.get(), num_k, key_end, c, slack, row_max.get(),
+                                               row_sum.get(), alpha.get(), pp.get());
+  EXPECT_EQ(redo, 0b0110u);
+  for (std::int64_t l = 0; l < kLanes; ++l) {
+    const int x = static_cast<int>(l / 16);
+    EXPECT_EQ(row_max[l], max_before[l]) << l;
+    if (redo >> x & 1u) {
+      EXPECT_EQ(row_sum[l], sum_before[l]) << l;
+      EXPECT_EQ(alpha[l], 0.5f) << l;
+      continue;
+    }
+    EXPECT_EQ(alpha[l], 1.0f) << l;
+    std::vector<float> arg(key_end[x]), p(key_end[x]);
+    for (std::int64_t j = 0; j < key_end[x]; ++j) {
+      arg[j] = std::fma(st[j * kLanes + l], c, -row_max[l]);
+    }
+    pow2_coarse_cpu(arg.data(), p.data(), key_end[x]);
+    float sum = 0.0f;
+    for (float v : p) sum += v;
+    EXPECT_EQ(row_sum[l], sum_before[l] + sum) << l;
+    for (std::int64_t t = 0; t < 32; ++t) {  // round_up(45, 32) / 2 pair rows
+      const auto half = [&](std::int64_t j) -> std::uint32_t {
+        return j < key_end[x] ? f32_to_bf16_bits(p[j]) : 0u;
+      };
+      ASSERT_EQ(pp[t * kLanes + l], half(2 * t) | half(2 * t + 1) << 16) << t << " " << l;
+    }
+  }
 }
 
 TEST(Amx, ValuesMatchFloat64WithRescaleAndKeyEnds) {

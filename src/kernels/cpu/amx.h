@@ -61,8 +61,23 @@ void scores(const std::uint16_t* k, std::int64_t k_stride, const std::uint32_t* 
 // nearest even, with p[j][l] = st[j][l] for keys j < end(l) and +0 past it, where end(l) =
 // key_end[l / 16] (key_end nullable: num_k; each <= num_k). The probabilities are finite and
 // >= 0 below end(l); what lies past it is never read. st and pp are 64-byte aligned.
+// Only the query vectors x (16 lanes each) whose bit x is set in `vecs`; the others' pp words
+// are left as they are.
 void pack_probs(const float* st, std::int64_t num_k, const std::int64_t* key_end,
-                std::uint32_t* pp);
+                std::uint32_t* pp, unsigned vecs = 0xF);
+
+// The online softmax step of the lazy max (online_softmax-inl.h, OnlineSoftmaxTile<true>) fused
+// with pack_probs, for the tiles where the running max stays: per query vector x whose running
+// max m2 (row_max, base 2) is finite in every lane, one pass over st's keys [0, end(x)) takes
+// their max (ColumnMax's four chains) and p = 2^(s * c - m2) (fastexp::Pow2Coarse, bit for bit)
+// and writes pp as pack_probs does. If the tile's max * c stays within `slack` above m2 in every
+// lane, the vector is done as OnlineSoftmaxTile would have done it: row_sum += the p's (in key
+// order), alpha = 1, row_max unchanged. Else (or when m2 is not finite) its bit is set in the
+// result and nothing of it is written but pp: the caller runs the two passes on it. st is only
+// read; row_max, row_sum, alpha 64-byte aligned.
+unsigned softmax_pack_lazy(const float* st, std::int64_t num_k, const std::int64_t* key_end,
+                           float c, float slack, const float* row_max, float* row_sum,
+                           float* alpha, std::uint32_t* pp);
 
 // ot[e][l] = alpha[l] * ot[e][l] + sum_{j < num_k} vt[e][j] * p[j][l] for e < round_up(dv, 16),
 // l < kLanes (alpha null: no rescale), p from pack_probs (the same num_k and key_end). vt: rows

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "kernels/cpu/amx.h"
+#include "kernels/cpu/fast_exp.h"
 
 namespace qkv::amx {
 namespace {
@@ -120,28 +121,128 @@ void scores(const std::uint16_t* k, std::int64_t k_stride, const std::uint32_t* 
   }
 }
 
-void pack_probs(const float* st, std::int64_t num_k, const std::int64_t* key_end,
-                std::uint32_t* pp) {
-  // vcvtne2ps2bf16(hi, lo) gives 16-bit words [bf16(lo) x 16, bf16(hi) x 16]; this vpermw index
-  // interleaves them into pairs: word 2i <- lo[i] (word i), word 2i + 1 <- hi[i] (word 16 + i).
-  alignas(64) static const std::uint16_t kInterleave[32] = {
+namespace {
+
+// Pair words of two key rows of 16 lanes: word l = (bf16(lo[l]), bf16(hi[l])), rounded to nearest
+// even. vcvtne2ps2bf16(hi, lo) gives the 16-bit words [bf16(lo) x 16, bf16(hi) x 16]; the vpermw
+// index interleaves them: word 2i <- lo[i] (word i), word 2i + 1 <- hi[i] (word 16 + i).
+inline __m512i PairWords(__m512 lo, __m512 hi) {
+  alignas(64) static constexpr std::uint16_t kInterleave[32] = {
       0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i interleave = _mm512_load_si512(kInterleave);
+  return _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave),
+                                  (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+}  // namespace
+
+void pack_probs(const float* st, std::int64_t num_k, const std::int64_t* key_end,
+                std::uint32_t* pp, unsigned vecs) {
   std::int64_t end[kLanes / kVecLanes];
   for (int x = 0; x < kLanes / kVecLanes; ++x) end[x] = key_end != nullptr ? key_end[x] : num_k;
   const std::int64_t pairs = round_up(num_k, kDepthStep) / 2;
   for (std::int64_t t = 0; t < pairs; ++t) {
     const std::int64_t j = 2 * t;
     for (int x = 0; x < kLanes / kVecLanes; ++x) {
+      if ((vecs >> x & 1u) == 0) continue;
       const float* lo_row = st + j * kLanes + x * kVecLanes;
       const __m512 lo = j < end[x] ? _mm512_load_ps(lo_row) : _mm512_setzero_ps();
       const __m512 hi = j + 1 < end[x] ? _mm512_load_ps(lo_row + kLanes) : _mm512_setzero_ps();
-      const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-      _mm512_store_si512(pp + t * kLanes + x * kVecLanes,
-                         _mm512_permutexvar_epi16(interleave, halves));
+      _mm512_store_si512(pp + t * kLanes + x * kVecLanes, PairWords(lo, hi));
     }
   }
+}
+
+namespace {
+
+// fastexp::Pow2Coarse (fast_exp-inl.h) bit for bit: n = (x + 1.5 * 2^23) - 1.5 * 2^23 (x rounded
+// to an integer), r = x - n, the degree-4 polynomial p(r), then p * 2^n, which for x >=
+// kMinPow2Arg is normal, so vscalefps gives the bits of the exponent add there; below, +0 (a NaN
+// x stays NaN, as there).
+inline __m512 Pow2Coarse(__m512 x) {
+  using namespace fastexp;
+  const __m512 magic = _mm512_set1_ps(kRoundMagic);
+  const __m512 n = _mm512_sub_ps(_mm512_add_ps(x, magic), magic);
+  const __m512 r = _mm512_sub_ps(x, n);
+  __m512 q = _mm512_fmadd_ps(_mm512_set1_ps(kCoarseP4), r, _mm512_set1_ps(kCoarseP3));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(kCoarseP2));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(kCoarseP1));
+  const __m512 p = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
+  const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kMinPow2Arg), _CMP_NLT_UQ);
+  return _mm512_maskz_scalef_ps(normal, p, n);
+}
+
+// _mm512_max_ps (vmaxps: b where either is NaN), through its masked form with every lane set:
+// the same instruction, without GCC 12's false -Wmaybe-uninitialized on the plain intrinsic's
+// undefined pass-through operand.
+inline __m512 Max(__m512 a, __m512 b) { return _mm512_mask_max_ps(a, 0xFFFF, a, b); }
+
+}  // namespace
+
+unsigned softmax_pack_lazy(const float* st, std::int64_t num_k, const std::int64_t* key_end,
+                           float c, float slack, const float* row_max, float* row_sum,
+                           float* alpha, std::uint32_t* pp) {
+  const __m512 cv = _mm512_set1_ps(c);
+  const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
+  const std::int64_t pairs = round_up(num_k, kDepthStep) / 2;
+  unsigned redo = 0;
+  for (int x = 0; x < kLanes / kVecLanes; ++x) {
+    const std::int64_t end = key_end != nullptr ? key_end[x] : num_k;
+    const __m512 old_max = _mm512_load_ps(row_max + x * kVecLanes);
+    if (_mm512_cmp_ps_mask(old_max, neg_inf, _CMP_GT_OQ) != 0xFFFF) {
+      redo |= 1u << x;
+      continue;
+    }
+    __m512 m0 = neg_inf, m1 = neg_inf, m2 = neg_inf, m3 = neg_inf, sum = _mm512_setzero_ps();
+    const float* s = st + x * kVecLanes;
+    std::uint32_t* out = pp + x * kVecLanes;
+    // The max in ColumnMax's four chains (so a NaN takes the same course), the probabilities
+    // and their sum in key order.
+    std::int64_t j = 0;
+    for (; j + 4 <= end; j += 4, s += 4 * kLanes, out += 2 * kLanes) {
+      const __m512 s0 = _mm512_load_ps(s), s1 = _mm512_load_ps(s + kLanes);
+      const __m512 s2 = _mm512_load_ps(s + 2 * kLanes), s3 = _mm512_load_ps(s + 3 * kLanes);
+      m0 = Max(m0, s0);
+      m1 = Max(m1, s1);
+      m2 = Max(m2, s2);
+      m3 = Max(m3, s3);
+      const __m512 p0 = Pow2Coarse(_mm512_fmsub_ps(s0, cv, old_max));
+      const __m512 p1 = Pow2Coarse(_mm512_fmsub_ps(s1, cv, old_max));
+      const __m512 p2 = Pow2Coarse(_mm512_fmsub_ps(s2, cv, old_max));
+      const __m512 p3 = Pow2Coarse(_mm512_fmsub_ps(s3, cv, old_max));
+      sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_add_ps(sum, p0), p1), p2), p3);
+      _mm512_store_si512(out, PairWords(p0, p1));
+      _mm512_store_si512(out + kLanes, PairWords(p2, p3));
+    }
+    for (; j < end; j += 2, s += 2 * kLanes, out += kLanes) {
+      const __m512 s0 = _mm512_load_ps(s);
+      m0 = Max(m0, s0);
+      const __m512 p0 = Pow2Coarse(_mm512_fmsub_ps(s0, cv, old_max));
+      sum = _mm512_add_ps(sum, p0);
+      __m512 p1 = _mm512_setzero_ps();
+      if (j + 1 < end) {
+        const __m512 s1 = _mm512_load_ps(s + kLanes);
+        m0 = Max(m0, s1);
+        p1 = Pow2Coarse(_mm512_fmsub_ps(s1, cv, old_max));
+        sum = _mm512_add_ps(sum, p1);
+      }
+      _mm512_store_si512(out, PairWords(p0, p1));
+    }
+    for (std::int64_t t = (end + 1) / 2; t < pairs; ++t, out += kLanes) {
+      _mm512_store_si512(out, _mm512_setzero_si512());
+    }
+    const __m512 tile_max =
+        _mm512_mul_ps(Max(Max(m0, m1), Max(m2, m3)), cv);
+    const __m512 bound = _mm512_add_ps(old_max, _mm512_set1_ps(slack));
+    if (_mm512_cmp_ps_mask(tile_max, bound, _CMP_LE_OQ) != 0xFFFF) {
+      redo |= 1u << x;
+      continue;
+    }
+    float* rs = row_sum + x * kVecLanes;
+    _mm512_store_ps(rs, _mm512_add_ps(_mm512_load_ps(rs), sum));
+    _mm512_store_ps(alpha + x * kVecLanes, _mm512_set1_ps(1.0f));
+  }
+  return redo;
 }
 
 void values(const std::uint16_t* vt, std::int64_t vt_stride, const std::uint32_t* pp,

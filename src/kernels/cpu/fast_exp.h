@@ -7,6 +7,37 @@
 
 namespace qkv {
 
+// The constants of fast_exp-inl.h (its comments say what each does), here so that code outside
+// Highway (the AMX softmax, amx_tiles.cc) computes the same bits.
+namespace fastexp {
+// Below this the result would be under FLT_MIN (ln(FLT_MIN) = -87.33654): +0 is returned, never
+// a denormal. The cut sits 4.5e-5 above ln(FLT_MIN) so that n >= -126 comes with r > 0, p > 1
+// and the exponent field stays >= 1 whatever the polynomial's rounding.
+constexpr float kMinArg = -87.3365f;
+constexpr float kLog2e = 0x1.715476p+0f;   // log2(e) rounded to float
+constexpr float kRoundMagic = 0x1.8p+23f;  // 1.5 * 2^23
+constexpr float kLn2Hi = 0x1.62e4p-1f;     // ln2 with the low 8 mantissa bits cleared
+constexpr float kLn2Lo = 0x1.7f7d1cp-20f;  // float(ln2 - kLn2Hi)
+// p(r) = 1 + (r + r^2 * (kC2 + r * (kC3 + ...))): scripts/fit_exp_poly.py --degree 5 --pinned 2
+constexpr float kC2 = 0x1.fffdfcp-2f;  // 0.499992311
+constexpr float kC3 = 0x1.5557aep-3f;  // 0.166671142
+constexpr float kC4 = 0x1.5729f4p-5f;  // 0.041890122
+constexpr float kC5 = 0x1.106286p-7f;  // 0.00831252616
+
+constexpr float kMinPow2Arg = -126.0f;  // n >= -126 comes with r >= 0, p >= 1: a normal result
+// scripts/fit_exp_poly.py --base2 --degree 5
+constexpr float kP1 = 0x1.62e42ap-1f;    // 0.693147004
+constexpr float kP2 = 0x1.ebf9bcp-3f;    // 0.240222424
+constexpr float kP3 = 0x1.c6b752p-5f;    // 0.0555073358
+constexpr float kP4 = 0x1.3cea8cp-7f;    // 0.00967151485
+constexpr float kP5 = 0x1.5bba14p-10f;   // 0.00132647273
+// scripts/fit_exp_poly.py --base2 --degree 4
+constexpr float kCoarseP1 = 0x1.62e12cp-1f;  // 0.693124175
+constexpr float kCoarseP2 = 0x1.ec0378p-3f;  // 0.240240991
+constexpr float kCoarseP3 = 0x1.c9fc4ep-5f;  // 0.0559064411
+constexpr float kCoarseP4 = 0x1.3a02ccp-7f;  // 0.00958285294
+}  // namespace fastexp
+
 // y[i] = exp(x[i]) for x[i] <= 0 (-inf gives +0; x < -87.3365 gives +0, never a denormal).
 //   x: [n]   y: [n]   (y may alias x; any alignment; n >= 0)
 void exp_nonpositive_cpu(const float* x, float* y, std::int64_t n);

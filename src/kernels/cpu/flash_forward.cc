@@ -292,7 +292,6 @@ void Flash(const AttentionKernelParams& p) {
   }
 
   const bool sparse = p.sparse.kind != SparseKernelParams::Kind::kNone;
-  const float softmax_scale = Products::SoftmaxScale(p);
 
   parallel_for(num_tasks, num_threads, [&](std::int64_t task, int thread) {
     [[maybe_unused]] const typename Products::TaskScope scope{};
@@ -383,8 +382,7 @@ void Flash(const AttentionKernelParams& p) {
         const std::int64_t* vec_end = keys.ends();
         Products::Scores(p, qb, t.lo, num_k, st, staging, vec_end);
         MaskScoreTile(p, qb, t.lo, num_k, st, t.predicate);
-        OnlineSoftmaxTile<rounds_probabilities(Products::kPath)>(qb, num_k, st, kQueryVecs,
-                                                                 vec_end, softmax_scale);
+        Products::Softmax(p, qb, num_k, st, staging, vec_end);
         if (dropout) DropoutTile(p, qb, t.lo, num_k, st);
         Products::Values(p, qb, t.lo, num_k, st, qb.alpha, staging, vec_end);
       }

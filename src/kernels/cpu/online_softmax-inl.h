@@ -85,29 +85,36 @@ constexpr float kLazyMaxSlack = 12.0f;
 // score_scale > 0: st holds the scores divided by it (the AMX path defers the scale to here,
 // Products::SoftmaxScale).
 template <bool kCoarse = false>
+HWY_INLINE void OnlineSoftmaxVec(QueryBlock& qb, int x, std::int64_t keys, float* HWY_RESTRICT st,
+                                 VF c) {
+  const DF df;
+  const std::int64_t lane0 = x * kLanes;
+  const VF old_max = hn::Load(df, qb.row_max + lane0);
+  const VF tile_max = hn::Mul(ColumnMax(df, st, keys, lane0), c);
+  VF new_max = hn::Max(old_max, tile_max);
+  if constexpr (kCoarse) {
+    const auto keep = hn::And(hn::Gt(old_max, hn::Set(df, kNegInf)),
+                              hn::Le(tile_max, hn::Add(old_max, hn::Set(df, kLazyMaxSlack))));
+    if (hn::AllTrue(df, keep)) new_max = old_max;
+  }
+  // 2^(-inf) = 0: the first tile rescales an all-zero accumulator.
+  const VF shift = SafeMax(df, new_max);
+  const VF alpha = fastexp::Pow2(df, hn::Sub(old_max, shift));
+  const VF sum = ExpInPlaceAndSum<kCoarse>(df, st, keys, lane0, shift, c);
+  hn::Store(new_max, df, qb.row_max + lane0);
+  hn::Store(hn::MulAdd(hn::Load(df, qb.row_sum + lane0), alpha, sum), df, qb.row_sum + lane0);
+  hn::Store(alpha, df, qb.alpha + lane0);
+}
+
+// The step on every query vector x whose bit is set in `vecs` (all of them by default).
+template <bool kCoarse = false>
 inline void OnlineSoftmaxTile(QueryBlock& qb, std::int64_t num_k, float* HWY_RESTRICT st,
                               int num_vecs = kQueryVecs, const std::int64_t* vec_end = nullptr,
-                              float score_scale = 1.0f) {
-  const DF df;
-  const VF c = hn::Set(df, score_scale * fastexp::kLog2e);
+                              float score_scale = 1.0f, unsigned vecs = ~0u) {
+  const VF c = hn::Set(DF(), score_scale * fastexp::kLog2e);
   for (int x = 0; x < num_vecs; ++x) {
-    const std::int64_t lane0 = x * kLanes;
-    const std::int64_t keys = vec_end != nullptr ? vec_end[x] : num_k;
-    const VF old_max = hn::Load(df, qb.row_max + lane0);
-    const VF tile_max = hn::Mul(ColumnMax(df, st, keys, lane0), c);
-    VF new_max = hn::Max(old_max, tile_max);
-    if constexpr (kCoarse) {
-      const auto keep = hn::And(hn::Gt(old_max, hn::Set(df, kNegInf)),
-                                hn::Le(tile_max, hn::Add(old_max, hn::Set(df, kLazyMaxSlack))));
-      if (hn::AllTrue(df, keep)) new_max = old_max;
-    }
-    // 2^(-inf) = 0: the first tile rescales an all-zero accumulator.
-    const VF shift = SafeMax(df, new_max);
-    const VF alpha = fastexp::Pow2(df, hn::Sub(old_max, shift));
-    const VF sum = ExpInPlaceAndSum<kCoarse>(df, st, keys, lane0, shift, c);
-    hn::Store(new_max, df, qb.row_max + lane0);
-    hn::Store(hn::MulAdd(hn::Load(df, qb.row_sum + lane0), alpha, sum), df, qb.row_sum + lane0);
-    hn::Store(alpha, df, qb.alpha + lane0);
+    if ((vecs >> x & 1u) == 0) continue;
+    OnlineSoftmaxVec<kCoarse>(qb, x, vec_end != nullptr ? vec_end[x] : num_k, st, c);
   }
 }
 

@@ -15,8 +15,9 @@
 //                            one tile's products for a task's narrow blocks (their nb.part)
 //   NarrowProbs(st, num_k, vecs)  the probabilities as NarrowValues reads them
 //   TaskScope                a type a task holds while it runs (the AMX tile state; else empty)
-//   SoftmaxScale(p)          the factor the online softmax still applies to st (1: Scores
-//                            scaled them already)
+//   Softmax(p, qb, num_k, st, staging, vec_end)
+//                            the online softmax step on st (online_softmax-inl.h), leaving the
+//                            probabilities where Values reads them
 //
 // vec_end (TileVecKeys(...).ends(), nullable): query vector x needs keys [0, vec_end[x]) only;
 // its lanes of the later keys may be left as they were until the masks set them to -inf.
@@ -36,6 +37,7 @@
 #include "kernels/cpu/amx.h"
 #include "kernels/cpu/bf16_dot.h"
 #include "kernels/cpu/decode_walk-inl.h"
+#include "kernels/cpu/online_softmax-inl.h"
 #include "kernels/cpu/tile_geometry-inl.h"
 #include "kernels/cpu/tile_products-inl.h"
 #include "kernels/cpu/tile_staging-inl.h"
@@ -56,7 +58,10 @@ struct WideProducts {
                                        : std::is_same_v<T, hwy::bfloat16_t> ? ProductPath::kBf16Widened
                                                                             : ProductPath::kF16Widened;
   struct TaskScope {};
-  static float SoftmaxScale(const AttentionKernelParams&) { return 1.0f; }
+  static void Softmax(const AttentionKernelParams&, QueryBlock& qb, std::int64_t num_k,
+                      float* HWY_RESTRICT st, Staging&, const std::int64_t* vec_end) {
+    OnlineSoftmaxTile<rounds_probabilities(kPath)>(qb, num_k, st, kQueryVecs, vec_end);
+  }
 
   static void StartBlock(const AttentionKernelParams& p, QueryBlock& qb) {
     PackQuery<T>(p, qb);
@@ -101,7 +106,10 @@ struct PairProducts {
   static constexpr ProductPath kPath = ProductPath::kBf16Pairs;
   static constexpr bool kPairLanes = kBlockQ == bf16dot::kLanes;
   struct TaskScope {};
-  static float SoftmaxScale(const AttentionKernelParams&) { return 1.0f; }
+  static void Softmax(const AttentionKernelParams&, QueryBlock& qb, std::int64_t num_k,
+                      float* HWY_RESTRICT st, Staging&, const std::int64_t* vec_end) {
+    OnlineSoftmaxTile<rounds_probabilities(kPath)>(qb, num_k, st, kQueryVecs, vec_end);
+  }
 
   static void StartBlock(const AttentionKernelParams& p, QueryBlock& qb) {
     PackQueryPairs(p, qb);
@@ -174,6 +182,23 @@ struct AmxProducts {
   static float SoftmaxScale(const AttentionKernelParams& p) {
     return DeferScale(p) ? p.scale : 1.0f;
   }
+  // The softmax writes the probabilities' pair words itself (amx::softmax_pack_lazy) unless
+  // dropout has to change them in st first.
+  static bool FusedPack(const AttentionKernelParams& p) { return p.dropout_p <= 0.0f; }
+  static void Softmax(const AttentionKernelParams& p, QueryBlock& qb, std::int64_t num_k,
+                      float* HWY_RESTRICT st, Staging& staging, const std::int64_t* vec_end) {
+    const float scale = SoftmaxScale(p);
+    if (!FusedPack(p)) {
+      OnlineSoftmaxTile<true>(qb, num_k, st, kQueryVecs, vec_end, scale);
+      return;
+    }
+    const unsigned redo =
+        amx::softmax_pack_lazy(st, num_k, vec_end, scale * fastexp::kLog2e, kLazyMaxSlack,
+                               qb.row_max, qb.row_sum, qb.alpha, staging.prob_pairs);
+    if (redo == 0) return;
+    OnlineSoftmaxTile<true>(qb, num_k, st, kQueryVecs, vec_end, scale, redo);
+    amx::pack_probs(st, num_k, vec_end, staging.prob_pairs, redo);
+  }
   static void StartBlock(const AttentionKernelParams& p, QueryBlock& qb) {
     if constexpr (kSplit) {
       PackQuerySplit(p, qb);
@@ -198,7 +223,7 @@ struct AmxProducts {
                      const std::int64_t* vec_end) {
     const std::uint16_t* vt = kSplit ? StageValueSplit(p, qb, j0, num_k, staging.v)
                                      : StageValueTile(p, qb, j0, num_k, staging.v);
-    amx::pack_probs(st, num_k, vec_end, staging.prob_pairs);
+    if (!FusedPack(p)) amx::pack_probs(st, num_k, vec_end, staging.prob_pairs);
     amx::values(vt, kBlockK, staging.prob_pairs, num_k, p.head_dim_v, alpha, vec_end, qb.ot);
     if constexpr (kSplit) {  // + P . Vl, the lo parts' columns OtRows(p) rows further
       amx::values(vt + OtRows(p) * kBlockK, kBlockK, staging.prob_pairs, num_k, p.head_dim_v,
