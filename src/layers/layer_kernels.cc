@@ -1,4 +1,4 @@
-// Highway kernels for activations and LayerNorm; one copy per target (CMakeLists.txt lists
+// Highway kernels for activations, LayerNorm and the rounding to bf16; one copy per target (CMakeLists.txt lists
 // the targets), chosen at run time.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "layers/layer_kernels.cc"
@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/float16.h"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 // Per-target header: must come after foreach_target.h (kept in its own include block).
@@ -175,6 +176,41 @@ void LayerNormKernel(const float* x, const float* residual, std::int64_t rows,
   }
 }
 
+// bf16 of x rounded to nearest even, as f32_to_bf16_bits does it lane for lane (NaN keeps its
+// sign and becomes quiet), in the low 16 bits of u32 lanes.
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> Bf16Bits(DF df, VF v) {
+  const hn::RebindToUnsigned<DF> du;
+  const auto bits = hn::BitCast(du, v);
+  const auto high = hn::ShiftRight<16>(bits);
+  const auto rounded =
+      hn::ShiftRight<16>(hn::Add(hn::Add(bits, hn::Set(du, 0x7fffu)), hn::And(high, hn::Set(du, 1u))));
+  return hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(v)), hn::Or(high, hn::Set(du, 0x40u)),
+                        rounded);
+}
+
+void RoundToBf16Kernel(const float* x, std::int64_t n, std::uint16_t* bits, float* values) {
+  const DF df;
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<std::uint16_t, DF> d16;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(df));
+  std::int64_t i = 0;
+  for (; i + lanes <= n; i += lanes) {
+    const auto b = Bf16Bits(df, hn::LoadU(df, x + i));
+    if (bits != nullptr) {
+      hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, b)), d16, bits + i);
+    } else {
+      hn::StoreU(hn::BitCast(df, hn::ShiftLeft<16>(b)), df, values + i);
+    }
+  }
+  for (; i < n; ++i) {
+    if (bits != nullptr) {
+      bits[i] = f32_to_bf16_bits(x[i]);
+    } else {
+      values[i] = round_to_bf16(x[i]);
+    }
+  }
+}
+
 const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
 
 }  // namespace HWY_NAMESPACE
@@ -187,6 +223,7 @@ namespace qkv::layers {
 
 HWY_EXPORT(ActivationKernel);
 HWY_EXPORT(LayerNormKernel);
+HWY_EXPORT(RoundToBf16Kernel);
 HWY_EXPORT(TargetName);
 
 void activation_kernel(Activation act, float* x, std::int64_t n) {
@@ -197,6 +234,14 @@ void layer_norm_kernel(const float* x, const float* residual, std::int64_t rows,
                        std::int64_t features, const float* gamma, const float* beta, float eps,
                        float* y) {
   HWY_DYNAMIC_DISPATCH(LayerNormKernel)(x, residual, rows, features, gamma, beta, eps, y);
+}
+
+void round_to_bf16_kernel(const float* x, std::int64_t n, std::uint16_t* bits) {
+  HWY_DYNAMIC_DISPATCH(RoundToBf16Kernel)(x, n, bits, nullptr);
+}
+
+void round_to_bf16_kernel(const float* x, std::int64_t n, float* values) {
+  HWY_DYNAMIC_DISPATCH(RoundToBf16Kernel)(x, n, nullptr, values);
 }
 
 const char* layer_kernels_target_name() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }

@@ -18,6 +18,12 @@ void layer_norm_kernel(const float* x, const float* residual, std::int64_t rows,
                        std::int64_t features, const float* gamma, const float* beta, float eps,
                        float* y);
 
+// x rounded to bf16 (nearest even; NaN stays NaN, quiet), element for element as
+// f32_to_bf16_bits / round_to_bf16 (core/float16.h): as bf16 bits, or as the f32 values of
+// those bits. x: [n]; bits / values: [n], not aliasing x.
+void round_to_bf16_kernel(const float* x, std::int64_t n, std::uint16_t* bits);
+void round_to_bf16_kernel(const float* x, std::int64_t n, float* values);
+
 // Name of the Highway target the kernels dispatch to on this CPU ("AVX3", "AVX2", ...).
 const char* layer_kernels_target_name();
 

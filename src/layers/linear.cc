@@ -31,6 +31,7 @@
 #include "core/aligned_buffer.h"
 #include "core/float16.h"
 #include "core/parallel.h"
+#include "layers/layer_kernels.h"
 #include "qkv/error.h"
 
 namespace qkv {
@@ -298,16 +299,14 @@ void Linear::run(const float* x, std::int64_t rows, float* y, std::int64_t x_str
       if (x_rounded.size() < static_cast<std::size_t>(rows * in)) x_rounded.resize(rows * in);
       float* dst = x_rounded.data();
       parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
-        for (std::int64_t i = 0; i < in; ++i) {
-          dst[r * in + i] = round_to_bf16(x[r * x_stride + i]);
-        }
+        layers::round_to_bf16_kernel(x + r * x_stride, in, dst + r * in);
       });
       src_data = dst;
     } else if (m.dtype == DType::kBF16) {
       if (x_bf16.size() < static_cast<std::size_t>(rows * in)) x_bf16.resize(rows * in);
       std::uint16_t* dst = x_bf16.data();
       parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
-        for (std::int64_t i = 0; i < in; ++i) dst[r * in + i] = f32_to_bf16_bits(x[r * x_stride + i]);
+        layers::round_to_bf16_kernel(x + r * x_stride, in, dst + r * in);
       });
       src_data = dst;
     }

@@ -2,6 +2,7 @@
 // layers_reference.h, over sizes that are not multiples of any vector width.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cfloat>
 #include <cmath>
 #include <iostream>
@@ -10,6 +11,7 @@
 
 #include "core/float16.h"
 #include "expect_error.h"
+#include "layers/layer_kernels.h"
 #include "layers_reference.h"
 #include "qkv/layers/activation.h"
 #include "qkv/layers/layer_norm.h"
@@ -208,6 +210,37 @@ TEST(LayersLinear, Bf16ProductsOfTheRoundedOperands) {
   check_linear_bf16({1, 5, 7, Activation::kNone, false, 0});
   check_linear_bf16({300, 384, 1536, Activation::kGeluErf, true, 0});
   check_linear_bf16({17, 5, 7, Activation::kNone, true, 9});  // strided x
+}
+
+// The vectorised rounding Linear's bf16 products apply to their activations, bit for bit
+// against the scalar f32_to_bf16_bits / round_to_bf16 over every 997th float bit pattern (NaNs
+// of both signs, infinities, subnormals, ties among them), plus the ties to even and the
+// largest finite values, at every length of a vector's tail.
+TEST(LayersLinear, Bf16RoundingKernelMatchesTheScalarOne) {
+  std::vector<float> x;
+  for (std::uint64_t b = 0; b <= 0xffffffffu; b += 997) {
+    x.push_back(std::bit_cast<float>(static_cast<std::uint32_t>(b)));
+  }
+  for (std::uint32_t b : {0x3f808000u, 0x3f818000u, 0x7f7fffffu, 0xff7fffffu, 0x7f7f8000u,
+                          0x00008000u, 0x80018000u, 0x7f800001u, 0xffc00000u, 0x7f800000u}) {
+    x.push_back(std::bit_cast<float>(b));
+  }
+  for (std::size_t n : {x.size(), std::size_t{0}, std::size_t{1}, std::size_t{15},
+                        std::size_t{17}, std::size_t{33}}) {
+    std::vector<std::uint16_t> bits(n + 1, 0xabcd);
+    std::vector<float> values(n + 1, 7.0f);
+    const float* in = x.data() + (x.size() - n);  // the specials are at the end
+    layers::round_to_bf16_kernel(in, static_cast<std::int64_t>(n), bits.data());
+    layers::round_to_bf16_kernel(in, static_cast<std::int64_t>(n), values.data());
+    for (std::size_t i = 0; i < n; ++i) {
+      ASSERT_EQ(bits[i], f32_to_bf16_bits(in[i])) << std::hex << std::bit_cast<std::uint32_t>(in[i]);
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(values[i]),
+                std::bit_cast<std::uint32_t>(round_to_bf16(in[i])))
+          << std::hex << std::bit_cast<std::uint32_t>(in[i]);
+    }
+    EXPECT_EQ(bits[n], 0xabcd);  // nothing past n
+    EXPECT_EQ(values[n], 7.0f);
+  }
 }
 
 TEST(LayersLinear, Bf16IsInferenceOnly) {
