@@ -109,9 +109,7 @@ void EncoderLayer::forward(float* x, std::int64_t batch, std::int64_t seq,
     m.attention.forward(x, batch, seq, a, m.attention_options(options, m.step));
     m.maybe_dropout(a, rows * E, kAfterAttention);
     m.norm1.forward(a, x, rows, x);
-    m.ff1.forward(x, rows, h);
-    m.maybe_dropout(h, rows * m.config.d_ff, kAfterActivation);
-    m.ff2.forward(h, rows, a);
+    m.feed_forward(x, rows, h, a);
     m.maybe_dropout(a, rows * E, kAfterFeedForward);
     m.norm2.forward(a, x, rows, x);
   } else {
@@ -122,9 +120,7 @@ void EncoderLayer::forward(float* x, std::int64_t batch, std::int64_t seq,
     m.maybe_dropout(a, rows * E, kAfterAttention);
     add_in_place(x, a, rows * E);
     m.norm2.forward(x, nullptr, rows, n);
-    m.ff1.forward(n, rows, h);
-    m.maybe_dropout(h, rows * m.config.d_ff, kAfterActivation);
-    m.ff2.forward(h, rows, a);
+    m.feed_forward(n, rows, h, a);
     m.maybe_dropout(a, rows * E, kAfterFeedForward);
     add_in_place(x, a, rows * E);
   }

@@ -77,11 +77,12 @@ struct Linear::Impl {
     memory weights;  // the copy of W in the layout this primitive asked for (a shared handle)
   };
   std::mutex mutex;  // guards `weights` (after construction) and `cache`
-  // Keyed by (rows, x_stride, with the activation).
-  std::map<std::tuple<std::int64_t, std::int64_t, bool>, std::shared_ptr<const Entry>> cache;
+  // Keyed by (rows, x_stride, with the activation, bf16 dst).
+  std::map<std::tuple<std::int64_t, std::int64_t, bool, bool>, std::shared_ptr<const Entry>> cache;
 
+  // bf16_dst: y as bf16 (only where storage is bf16; oneDNN rounds to nearest even).
   dnnl::matmul::primitive_desc make_pd(std::int64_t rows, std::int64_t x_stride,
-                                       bool fused = true) const {
+                                       bool fused = true, bool bf16_dst = false) const {
     // bf16: x is rounded into a contiguous copy first (run), so the src is dense.
     const memory::desc src_md = dtype == DType::kBF16
                                     ? memory::desc(Dims{rows, in_features}, storage,
@@ -90,7 +91,8 @@ struct Linear::Impl {
                                                    Dims{x_stride, 1});
     const memory::desc weights_md(Dims{in_features, out_features}, weight_type(),
                                   memory::format_tag::any);
-    const memory::desc dst_md(Dims{rows, out_features}, memory::data_type::f32,
+    const memory::desc dst_md(Dims{rows, out_features},
+                              bf16_dst ? memory::data_type::bf16 : memory::data_type::f32,
                               memory::format_tag::ab);
     const dnnl::matmul::desc desc(src_md, weights_md, bias_md, dst_md);
     return dnnl::matmul::primitive_desc(desc, fused ? attr : linear_attr, cpu_engine());
@@ -135,13 +137,14 @@ struct Linear::Impl {
                         Dims{1, in_features});
   }
 
-  std::shared_ptr<const Entry> entry(std::int64_t rows, std::int64_t x_stride, bool fused) {
-    const auto key = std::make_tuple(rows, x_stride, fused);
+  std::shared_ptr<const Entry> entry(std::int64_t rows, std::int64_t x_stride, bool fused,
+                                     bool bf16_dst) {
+    const auto key = std::make_tuple(rows, x_stride, fused, bf16_dst);
     const std::lock_guard<std::mutex> lock(mutex);
     auto it = cache.find(key);
     if (it != cache.end()) return it->second;
     if (cache.size() >= kMaxCachedPrimitives) cache.clear();  // users keep their shared_ptrs
-    const auto pd = make_pd(rows, x_stride, fused);
+    const auto pd = make_pd(rows, x_stride, fused, bf16_dst);
     auto e = std::make_shared<const Entry>(Entry{dnnl::matmul(pd), pd.src_desc(), pd.dst_desc(),
                                                  pd.scratchpad_desc(),
                                                  weights_in_layout(pd.weights_desc())});
@@ -267,51 +270,81 @@ Activation Linear::activation() const { return impl_->activation; }
 DType Linear::dtype() const { return impl_->dtype; }
 
 void Linear::forward(const float* x, std::int64_t rows, float* y, std::int64_t x_stride) const {
-  run(x, rows, y, x_stride, /*fused=*/true);
+  run(x, false, rows, y, false, x_stride, /*fused=*/true, "forward");
 }
 
 void Linear::forward_linear(const float* x, std::int64_t rows, float* y,
                             std::int64_t x_stride) const {
-  run(x, rows, y, x_stride, /*fused=*/false);
+  run(x, false, rows, y, false, x_stride, /*fused=*/false, "forward_linear");
 }
 
-void Linear::run(const float* x, std::int64_t rows, float* y, std::int64_t x_stride,
-                 bool fused) const {
+void Linear::forward_to_bf16(const float* x, std::int64_t rows, std::uint16_t* y,
+                             std::int64_t x_stride) const {
+  run(x, false, rows, y, true, x_stride, /*fused=*/true, "forward_to_bf16");
+}
+
+void Linear::forward_from_bf16(const std::uint16_t* x, std::int64_t rows, float* y) const {
+  run(x, true, rows, y, false, 0, /*fused=*/true, "forward_from_bf16");
+}
+
+void Linear::run(const void* x, bool x_bf16, std::int64_t rows, void* y, bool y_bf16,
+                 std::int64_t x_stride, bool fused, const char* what) const {
   // x: [rows, in_features] (row stride x_stride)  ->  y: [rows, out_features]
   Impl& m = *impl_;
+  const std::string where = std::string("Linear::") + what;
+  if ((x_bf16 || y_bf16) && m.dtype != DType::kBF16) {
+    throw Error(where + ": needs a bf16 Linear, this one has dtype " + dtype_name(m.dtype));
+  }
   if (x_stride == 0) x_stride = m.in_features;
-  if (rows < 0) throw Error("Linear::forward: rows = " + std::to_string(rows) + " is negative");
+  if (rows < 0) throw Error(where + ": rows = " + std::to_string(rows) + " is negative");
   if (x_stride < m.in_features) {
-    throw Error("Linear::forward: x_stride = " + std::to_string(x_stride) +
+    throw Error(where + ": x_stride = " + std::to_string(x_stride) +
                 " is smaller than in_features = " + std::to_string(m.in_features));
   }
   if (rows == 0) return;
-  if (x == nullptr || y == nullptr) throw Error("Linear::forward: x and y must not be null");
+  if (x == nullptr || y == nullptr) throw Error(where + ": x and y must not be null");
   try {
-    const std::shared_ptr<const Impl::Entry> e = m.entry(rows, x_stride, fused);
+    // A bf16 y comes from oneDNN's own store where it has bf16 matmuls; on f32 storage, from
+    // the f32 result rounded here.
+    const bool dst_bf16 = y_bf16 && !m.rounds_in_f32();
+    const std::shared_ptr<const Impl::Entry> e = m.entry(rows, x_stride, fused, dst_bf16);
     // bf16: x rounded into this thread's buffer (grow-only; concurrent calls never share one),
-    // as bf16 bits or (rounds_in_f32) as the f32 values of those bits.
-    thread_local std::vector<std::uint16_t> x_bf16;
+    // as bf16 bits or (rounds_in_f32) as the f32 values of those bits; bf16 bits given are
+    // used as they are (or widened, exactly, for f32 storage).
+    thread_local std::vector<std::uint16_t> x_bf16_buffer;
     thread_local std::vector<float> x_rounded;
-    void* src_data = const_cast<float*>(x);
+    thread_local std::vector<float> y_f32;
+    void* src_data = const_cast<void*>(x);
     const std::int64_t in = m.in_features;
+    const float* xf = static_cast<const float*>(x);
+    const auto* xb = static_cast<const std::uint16_t*>(x);
     if (m.rounds_in_f32()) {
       if (x_rounded.size() < static_cast<std::size_t>(rows * in)) x_rounded.resize(rows * in);
       float* dst = x_rounded.data();
       parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
-        layers::round_to_bf16_kernel(x + r * x_stride, in, dst + r * in);
+        if (x_bf16) {
+          for (std::int64_t i = 0; i < in; ++i) dst[r * in + i] = bf16_bits_to_f32(xb[r * in + i]);
+        } else {
+          layers::round_to_bf16_kernel(xf + r * x_stride, in, dst + r * in);
+        }
       });
       src_data = dst;
-    } else if (m.dtype == DType::kBF16) {
-      if (x_bf16.size() < static_cast<std::size_t>(rows * in)) x_bf16.resize(rows * in);
-      std::uint16_t* dst = x_bf16.data();
+    } else if (m.dtype == DType::kBF16 && !x_bf16) {
+      if (x_bf16_buffer.size() < static_cast<std::size_t>(rows * in)) {
+        x_bf16_buffer.resize(rows * in);
+      }
+      std::uint16_t* dst = x_bf16_buffer.data();
       parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
-        layers::round_to_bf16_kernel(x + r * x_stride, in, dst + r * in);
+        layers::round_to_bf16_kernel(xf + r * x_stride, in, dst + r * in);
       });
       src_data = dst;
     }
+    const std::int64_t out = m.out_features;
+    const bool rounds_y = y_bf16 && !dst_bf16;
+    if (rounds_y && y_f32.size() < static_cast<std::size_t>(rows * out)) y_f32.resize(rows * out);
+    void* dst_data = rounds_y ? y_f32.data() : y;
     memory src(e->src_md, cpu_engine(), src_data);
-    memory dst(e->dst_md, cpu_engine(), y);
+    memory dst(e->dst_md, cpu_engine(), dst_data);
     std::unordered_map<int, memory> args = {
         {DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, e->weights}, {DNNL_ARG_DST, dst}};
     if (!m.bias.empty()) {
@@ -328,8 +361,14 @@ void Linear::run(const float* x, std::int64_t rows, float* y, std::int64_t x_str
     dnnl::stream stream(cpu_engine());
     e->matmul.execute(stream, args);
     stream.wait();
+    if (rounds_y) {
+      auto* yb = static_cast<std::uint16_t*>(y);
+      parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
+        layers::round_to_bf16_kernel(y_f32.data() + r * out, out, yb + r * out);
+      });
+    }
   } catch (const dnnl::error& e) {
-    throw Error(std::string("Linear::forward: oneDNN failed for x shape [") + std::to_string(rows) +
+    throw Error(where + ": oneDNN failed for x shape [" + std::to_string(rows) +
                 ", " + std::to_string(m.in_features) + "], weight shape " +
                 linear_shape(m.out_features, m.in_features) + ": " + e.what());
   }

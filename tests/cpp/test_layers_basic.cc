@@ -2,6 +2,8 @@
 // layers_reference.h, over sizes that are not multiples of any vector width.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <bit>
 #include <cfloat>
 #include <cmath>
@@ -10,6 +12,7 @@
 #include <vector>
 
 #include "core/float16.h"
+#include "core/splitmix64.h"
 #include "expect_error.h"
 #include "layers/layer_kernels.h"
 #include "layers_reference.h"
@@ -241,6 +244,51 @@ TEST(LayersLinear, Bf16RoundingKernelMatchesTheScalarOne) {
     EXPECT_EQ(bits[n], 0xabcd);  // nothing past n
     EXPECT_EQ(values[n], 7.0f);
   }
+}
+
+// A feed-forward's two bf16 Linears handing their hidden activations over as bf16 bits give the
+// bits of the f32 hand-off (ff2 rounds its input to bf16 anyway): forward_to_bf16 is forward()
+// rounded to nearest even, forward_from_bf16 is forward() on the widened bits; odd sizes, a
+// strided input, every activation. Both refuse an f32 Linear.
+TEST(LayersLinear, Bf16HandOffGivesTheBitsOfTheF32One) {
+  SplitMix64 rng(23);
+  const auto random = [&](std::size_t n) {
+    std::vector<float> v(n);
+    for (float& x : v) x = rng.uniform24() * 2.0f - 1.0f;
+    return v;
+  };
+  for (Activation act : kAllActivations) {
+    for (const auto [rows, in, hidden, out, stride] :
+         {std::array<std::int64_t, 5>{17, 96, 65, 33, 0}, {300, 384, 1536, 384, 0},
+          {5, 7, 9, 3, 11}}) {
+      const std::vector<float> w1 = random(hidden * in), b1 = random(hidden);
+      const std::vector<float> w2 = random(out * hidden), b2 = random(out);
+      const std::vector<float> x = random(rows * std::max(in, stride));
+      const Linear ff1({.weight = w1, .bias = b1, .in_features = in, .out_features = hidden,
+                        .activation = act, .dtype = DType::kBF16});
+      const Linear ff2({.weight = w2, .bias = b2, .in_features = hidden, .out_features = out,
+                        .dtype = DType::kBF16});
+      std::vector<float> h(rows * hidden), y(rows * out), y_handed(rows * out);
+      std::vector<std::uint16_t> bits(rows * hidden);
+      ff1.forward(x.data(), rows, h.data(), stride);
+      ff2.forward(h.data(), rows, y.data());
+      ff1.forward_to_bf16(x.data(), rows, bits.data(), stride);
+      for (std::size_t i = 0; i < h.size(); ++i) ASSERT_EQ(bits[i], f32_to_bf16_bits(h[i])) << i;
+      ff2.forward_from_bf16(bits.data(), rows, y_handed.data());
+      for (std::size_t i = 0; i < y.size(); ++i) {
+        ASSERT_EQ(std::bit_cast<std::uint32_t>(y_handed[i]), std::bit_cast<std::uint32_t>(y[i]))
+            << i;
+      }
+    }
+  }
+  const std::vector<float> w(12, 0.5f), x(6, 1.0f);
+  std::vector<float> y(8);
+  std::vector<std::uint16_t> bits(8);
+  const Linear f32({.weight = w, .in_features = 3, .out_features = 4});
+  expect_error([&] { f32.forward_to_bf16(x.data(), 2, bits.data()); },
+               "Linear::forward_to_bf16: needs a bf16 Linear, this one has dtype f32");
+  expect_error([&] { f32.forward_from_bf16(bits.data(), 2, y.data()); },
+               "Linear::forward_from_bf16: needs a bf16 Linear, this one has dtype f32");
 }
 
 TEST(LayersLinear, Bf16IsInferenceOnly) {

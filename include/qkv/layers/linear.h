@@ -54,6 +54,18 @@ class Linear {
   // y: [rows, out_features] contiguous; must not overlap x. rows == 0 does nothing.
   void forward(const float* x, std::int64_t rows, float* y, std::int64_t x_stride = 0) const;
 
+  // bf16 Linear (dtype kBF16) only, for a chain of two (a feed-forward's hidden activations):
+  // forward_to_bf16 writes y as bf16 bits, the f32 result of forward() rounded to nearest even
+  // (by oneDNN on its store, where it has bf16 matmuls); forward_from_bf16 reads x as bf16 bits,
+  // the rounding forward() would apply itself, so
+  //   a.forward_to_bf16(x, rows, h);  b.forward_from_bf16(h, rows, y);
+  // gives the bits of a.forward(x, rows, h32); b.forward(h32, rows, y) while moving half the
+  // hidden bytes and skipping b's pass over them. x (forward_from_bf16) and y (forward_to_bf16):
+  // [rows, features] contiguous. Other dtypes: qkv::Error.
+  void forward_to_bf16(const float* x, std::int64_t rows, std::uint16_t* y,
+                       std::int64_t x_stride = 0) const;
+  void forward_from_bf16(const std::uint16_t* x, std::int64_t rows, float* y) const;
+
   // y = x W^T + b without the fused activation (training keeps this pre-activation for
   // activation_backward, then applies apply_activation itself). Same arguments as forward().
   void forward_linear(const float* x, std::int64_t rows, float* y, std::int64_t x_stride = 0) const;
@@ -79,7 +91,9 @@ class Linear {
   void set_weights(std::span<const float> weight, std::span<const float> bias = {});
 
  private:
-  void run(const float* x, std::int64_t rows, float* y, std::int64_t x_stride, bool fused) const;
+  // x: f32 (x_bf16 false) or bf16 bits; y: f32 (y_bf16 false) or bf16 bits.
+  void run(const void* x, bool x_bf16, std::int64_t rows, void* y, bool y_bf16,
+           std::int64_t x_stride, bool fused, const char* what) const;
 
   struct Impl;
   std::unique_ptr<Impl> impl_;
