@@ -155,15 +155,16 @@ void pack_probs(const float* st, std::int64_t num_k, const std::int64_t* key_end
 
 namespace {
 
-// fastexp::Pow2Coarse (fast_exp-inl.h) bit for bit: n = (x + 1.5 * 2^23) - 1.5 * 2^23 (x rounded
-// to an integer), r = x - n, the degree-4 polynomial p(r), then p * 2^n, which for x >=
-// kMinPow2Arg is normal, so vscalefps gives the bits of the exponent add there; below, +0 (a NaN
-// x stays NaN, as there).
+// fastexp::Pow2Coarse (fast_exp-inl.h) bit for bit: r = x - n with n = x rounded to an integer
+// (there by adding and subtracting 1.5 * 2^23), the degree-4 polynomial p(r), then p * 2^n,
+// which for x >= kMinPow2Arg is normal, so vscalefps gives the bits of the exponent add there;
+// below, +0 (a NaN x stays NaN, as there). 11 instructions where the Highway form takes 12.
 inline __m512 Pow2Coarse(__m512 x) {
   using namespace fastexp;
-  const __m512 magic = _mm512_set1_ps(kRoundMagic);
-  const __m512 n = _mm512_sub_ps(_mm512_add_ps(x, magic), magic);
-  const __m512 r = _mm512_sub_ps(x, n);
+  // r = x - round(x) in one vreduceps (exact, ties to even as the magic-number rounding);
+  // n = x - r is then exact too.
+  const __m512 r = _mm512_reduce_round_ps(x, _MM_FROUND_TO_NEAREST_INT, _MM_FROUND_CUR_DIRECTION);
+  const __m512 n = _mm512_sub_ps(x, r);
   __m512 q = _mm512_fmadd_ps(_mm512_set1_ps(kCoarseP4), r, _mm512_set1_ps(kCoarseP3));
   q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(kCoarseP2));
   q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(kCoarseP1));
