@@ -30,6 +30,8 @@
 #define QKV_KERNELS_CPU_FAST_EXP_INL_H_
 #endif
 
+#include <type_traits>
+
 #include "hwy/highway.h"
 #include "kernels/cpu/fast_exp.h"
 
@@ -46,6 +48,11 @@ using namespace ::qkv::fastexp;
 // The range reduction of exp: k = n + 1.5 * 2^23 exactly (the add rounds x * log2e to
 // the nearest integer, ties to even), r = x - n * ln2 (Cody-Waite). For x = -inf everything is
 // inf/NaN; ScaleByPow2's final select discards it.
+// Whether D is a whole AVX-512 vector of floats (the base-2 functions below then use
+// vreduceps and vscalefps on AVX3 targets).
+template <class D>
+constexpr bool kNative512 = std::is_same_v<hn::TFromD<D>, float> && hn::MaxLanes(D()) == 16;
+
 template <class D>
 struct Reduced {
   hn::Vec<D> k, r;
@@ -110,8 +117,29 @@ HWY_INLINE hn::Vec<D> ExpNonPositive(D d, hn::Vec<D> x) {
 // become 2^n) and r = x - n (exact: |r| <= 1/2).
 template <class D>
 HWY_INLINE Reduced<D> ReduceBase2(D d, hn::Vec<D> x) {
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  if constexpr (kNative512<D>) {  // r = x - round(x) in one vreduceps; k = n = x - r
+    const hn::Vec<D> r{_mm512_reduce_round_ps(x.raw, _MM_FROUND_TO_NEAREST_INT,
+                                              _MM_FROUND_CUR_DIRECTION)};
+    return {hn::Sub(x, r), r};
+  }
+#endif
   const auto k = hn::Add(x, hn::Set(d, kRoundMagic));
   return {k, hn::Sub(x, hn::Sub(k, hn::Set(d, kRoundMagic)))};
+}
+
+// 2^x = p * 2^n from ReduceBase2's k and p = 2^r; +0 below kMinPow2Arg. On AVX-512 one vscalefps
+// under the x >= kMinPow2Arg mask (k holds n there): p * 2^n is normal above the cut, so the
+// bits are those of the exponent add (ScaleByPow2), in 2 instructions instead of 4.
+template <class D>
+HWY_INLINE hn::Vec<D> ScaleBase2(D d, hn::Vec<D> x, hn::Vec<D> k, hn::Vec<D> p) {
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  if constexpr (kNative512<D>) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x.raw, _mm512_set1_ps(kMinPow2Arg), _CMP_NLT_UQ);
+    return hn::Vec<D>{_mm512_maskz_scalef_ps(keep, p.raw, k.raw)};
+  }
+#endif
+  return ScaleByPow2(d, x, k, p, kMinPow2Arg);
 }
 
 // 2^x = p(r) * 2^n with p = 1 + r * (kP1 + r * (kP2 + ...)).
@@ -122,7 +150,7 @@ HWY_INLINE hn::Vec<D> Pow2(D d, hn::Vec<D> x) {
   q = hn::MulAdd(q, a.r, hn::Set(d, kP3));
   q = hn::MulAdd(q, a.r, hn::Set(d, kP2));
   q = hn::MulAdd(q, a.r, hn::Set(d, kP1));
-  return ScaleByPow2(d, x, a.k, hn::MulAdd(q, a.r, hn::Set(d, 1.0f)), kMinPow2Arg);
+  return ScaleBase2(d, x, a.k, hn::MulAdd(q, a.r, hn::Set(d, 1.0f)));
 }
 
 // The same with degree 4 (2.9e-6), for the product paths that round the probabilities to bf16
@@ -134,7 +162,7 @@ HWY_INLINE hn::Vec<D> Pow2Coarse(D d, hn::Vec<D> x) {
   auto q = hn::MulAdd(hn::Set(d, kCoarseP4), a.r, hn::Set(d, kCoarseP3));
   q = hn::MulAdd(q, a.r, hn::Set(d, kCoarseP2));
   q = hn::MulAdd(q, a.r, hn::Set(d, kCoarseP1));
-  return ScaleByPow2(d, x, a.k, hn::MulAdd(q, a.r, hn::Set(d, 1.0f)), kMinPow2Arg);
+  return ScaleBase2(d, x, a.k, hn::MulAdd(q, a.r, hn::Set(d, 1.0f)));
 }
 
 // The 2^x a softmax takes: coarse where the probabilities are rounded to bf16 afterwards.
