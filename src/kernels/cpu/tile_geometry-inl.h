@@ -43,7 +43,7 @@ using VF = hn::Vec<DF>;
 // Tile geometry for this target (x86 targets have a fixed vector length).
 constexpr std::int64_t kLanes = HWY_LANES(float);
 // Query vectors per block: as many accumulators as the register file holds comfortably
-// (AVX-512: 32 registers -> 4 x 4 accumulators; AVX2: 16 -> 4 x 2).
+// (AVX-512: 32 registers -> kRows x 4 accumulators; AVX2: 16 -> kRows x 2).
 constexpr int kQueryVecs = kLanes == 8 ? 2 : 4;
 constexpr std::int64_t kBlockQ = kQueryVecs * kLanes;  // queries per block
 // Keys per tile. AVX2: 64, so the staged K or V tile of the product at hand stays in L1 beside
@@ -60,8 +60,11 @@ constexpr bool kStagesF32Rows = kLanes == 8;
 // chains, 15 of its 16 registers): on Zen 3 the rate grows with the chains well past the 8 that
 // two pipes of 4 cycles' latency would seem to need; a lone loop over a 64-deep tile in L1 ran
 // 4 x 2 at 55%, 5 x 2 at 65-73%, 6 x 2 at 79-91% and 7 x 2 (a q vector then read from memory)
-// at 74% of the FMA peak, interleaved in one process (docs/kernels.md, "AVX2: 6 x 2").
-constexpr int kRows = kLanes == 8 ? 6 : 4;
+// at 74% of the FMA peak, interleaved in one process (docs/kernels.md, "AVX2: 6 x 2"). AVX-512
+// has 6 x 4 (24 chains, 29 of its 32 registers): on the Intel AMX Xeon the lone loop ran 4 x 4
+// at 85-86% of the FMA peak and 6 x 4 at 89-93%, and the flash kernel 1.02-1.07x faster
+// (docs/kernels.md, "AVX-512: 6 x 4").
+constexpr int kRows = kLanes >= 8 ? 6 : 4;
 // Query blocks sharing one K/V walk (flash_forward.cc's work plan): 1024 queries on AVX-512 and
 // on AVX2 (whose blocks are 4x narrower), so a staged K/V tile serves as many queries.
 constexpr std::int64_t kMaxBlocksPerTask = kLanes == 8 ? 64 : 16;

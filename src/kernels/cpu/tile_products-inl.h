@@ -123,10 +123,9 @@ HWY_INLINE void OuterProductTail(std::int64_t n, int first_vec, const float* a, 
 
 // Runs OuterProductRows over `rows` rows: blocks of kRows, then the rows left, so no row past
 // `rows` is ever read (keys past the tile may be padding garbage or out of bounds). With kRows =
-// 6 (AVX2) the rows left are one block (64 keys or D = 64 leave 4: as single rows, 2 chains
-// each, they cost 6-10% of a product); with kRows = 4 (AVX-512, scalar) single rows, as
-// before: tail blocks on every target made the backward (five products in its tile loop) 35%
-// slower to compile, for odd sizes only.
+// 6 (AVX2, AVX-512) the rows left are one block (64 keys or D = 64 leave 4: as single rows, 2
+// or 4 chains each, they cost 6-10% of a product; 128 keys or D = 128 leave 2); with kRows = 4
+// (scalar) single rows: tail blocks there would only add instantiations to compile.
 // With row_end (non-decreasing, the last = rows), query vector x computes rows [0, row_end[x])
 // only: a block of rows starts at the first vector that still needs its first row. With
 // depth_end, see OuterProductRows. (The causal diagonal: docs/kernels.md, "Causal diagonal".)
