@@ -4,6 +4,7 @@
     /usr/bin/python3 scripts/fit_exp_poly.py                          # the table, then constants
     /usr/bin/python3 scripts/fit_exp_poly.py --degree 5 --pinned 2   # (the defaults)
     /usr/bin/python3 scripts/fit_exp_poly.py --base2 --degree 5      # fastexp::Pow2's constants
+    /usr/bin/python3 scripts/fit_exp_poly.py --base2 --half --degree 4   # Pow2CoarseHalf's
 
 exp(x) = 2^n * p(r), n = round(x * log2(e)), r = x - n * ln2 in [-ln2/2, ln2/2]. p's first
 `pinned` coefficients are fixed at the Taylor ones: pinned 1 (p = 1 + r q(r), Horner) or pinned 2
@@ -152,12 +153,58 @@ def base2_main(degree):
         print(f"constexpr float kP{i} = {mantissa.rstrip('0').rstrip('.')}p{exponent}f;  // {float(c):.9g}")
 
 
+def float32_pow2_half(coefs32, xh):
+    """The float32 formula of fastexp::Pow2CoarseHalf: 2^(xh - 1/2) = 2^n * q(t), n = floor(xh),
+    t = xh - n in [0, 1) (exact), q(t) = h0 + t (h1 + t (h2 + ...)) in Horner form."""
+    n = np.floor(xh)
+    t = (xh - n).astype(np.float32)
+    q = np.full_like(t, coefs32[-1])
+    for c in reversed(coefs32[:-1]):
+        q = fma32(q, t, c)
+    return np.ldexp(q.astype(np.float64), n.astype(np.int64)).astype(np.float32)
+
+
+def half_main(degree):
+    """--base2 --half: q(t) = p(t - 1/2) for p the base-2 minimax of `degree` (an affine change of
+    variable, so the same minimax error in real arithmetic), re-expanded in float64 and rounded to
+    float32; then h0 is moved by ulps until the float32 formula gives q(1/2) = 1 exactly, so
+    integers x (xh = x + 1/2) give exactly 2^x."""
+    coefs, err = lawson(degree, 1)
+    p = np.polynomial.Polynomial([c * LN2**i for i, c in enumerate(coefs)])
+    q = p(np.polynomial.Polynomial([-0.5, 1.0]))  # p(t - 1/2)
+    h = [f32(c) for c in q.coef]
+    half = np.array([0.5], np.float32)
+    for _ in range(64):
+        v = float32_pow2_half(h, half)[0]
+        if v == f32(1.0):
+            break
+        h[0] = np.nextafter(h[0], f32(-np.inf) if v > 1.0 else f32(np.inf), dtype=np.float32)
+    assert float32_pow2_half(h, half)[0] == f32(1.0)
+    rng = np.random.default_rng(1)
+    x = np.concatenate([-rng.uniform(0, 126, 2_000_000), -rng.uniform(0, 1, 1_000_000),
+                        rng.uniform(0, 12, 100_000)]).astype(np.float32)
+    xh = (x + np.float32(0.5)).astype(np.float32)
+    ref = np.exp2(xh.astype(np.float64) - 0.5)
+    err32 = float(np.max(np.abs(float32_pow2_half(h, xh).astype(np.float64) - ref) / ref))
+    print(f"degree {degree}: minimax (real) {err:.3e}, float32 formula {err32:.3e} "
+          f"(2^(xh - 1/2) on 3.1e6 samples, xh = x + 1/2, x in [-126, 12])")
+    print(f"\nC++ constants, 2^(xh - 1/2), degree {degree}:")
+    for i, c in enumerate(h):
+        mantissa, exponent = float(c).hex().split("p")
+        print(f"constexpr float kHalfP{i} = {mantissa.rstrip('0').rstrip('.')}p{exponent}f;  // {float(c):.9g}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--degree", type=int, default=5, help="degree whose constants to print")
     parser.add_argument("--pinned", type=int, default=2, help="Taylor coefficients fixed (1, 2)")
     parser.add_argument("--base2", action="store_true", help="the constants of 2^x (fastexp::Pow2)")
+    parser.add_argument("--half", action="store_true",
+                        help="with --base2: 2^(xh - 1/2) from t = xh - floor(xh) (Pow2CoarseHalf)")
     args = parser.parse_args()
+    if args.base2 and args.half:
+        half_main(args.degree)
+        return
     if args.base2:
         base2_main(args.degree)
         return

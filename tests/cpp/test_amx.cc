@@ -107,7 +107,8 @@ TEST(Amx, PackProbsRoundsAndZeroesPastTheEnds) {
 }
 
 // The fused softmax step against the two passes it replaces, bit for bit: p =
-// fastexp::Pow2Coarse(fma(s, c, -m2)) through pow2_coarse_cpu, rounded to bf16 as pack_probs
+// fastexp::Pow2CoarseHalf(fma(s, c, -(m2 - 1/2))) through pow2_coarse_half_cpu, rounded to bf16
+// as pack_probs
 // does, the row sums added in key order. Vector 0 keeps its running max; vector 1 has one lane
 // whose scores rise past the slack, vector 2 one lane with no running max yet (both must be left
 // to the caller, their state untouched); vector 3 keeps it with masked (-inf) scores inside.
@@ -152,9 +153,9 @@ TEST(Amx, SoftmaxPackLazyMatchesTheTwoPasses) {
     EXPECT_EQ(alpha[l], 1.0f) << l;
     std::vector<float> arg(key_end[x]), p(key_end[x]);
     for (std::int64_t j = 0; j < key_end[x]; ++j) {
-      arg[j] = std::fma(st[j * kLanes + l], c, -row_max[l]);
+      arg[j] = std::fma(st[j * kLanes + l], c, -(row_max[l] - 0.5f));
     }
-    pow2_coarse_cpu(arg.data(), p.data(), key_end[x]);
+    pow2_coarse_half_cpu(arg.data(), p.data(), key_end[x]);
     float sum = 0.0f;
     for (float v : p) sum += v;
     EXPECT_EQ(row_sum[l], sum_before[l] + sum) << l;

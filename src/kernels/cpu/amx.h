@@ -69,7 +69,8 @@ void pack_probs(const float* st, std::int64_t num_k, const std::int64_t* key_end
 // The online softmax step of the lazy max (online_softmax-inl.h, OnlineSoftmaxTile<true>) fused
 // with pack_probs, for the tiles where the running max stays: per query vector x whose running
 // max m2 (row_max, base 2) is finite in every lane, one pass over st's keys [0, end(x)) takes
-// their max (ColumnMax's four chains) and p = 2^(s * c - m2) (fastexp::Pow2Coarse, bit for bit)
+// their max (ColumnMax's four chains) and p = 2^(s * c - m2) (fastexp::Pow2CoarseHalf of
+// s * c - (m2 - 1/2), bit for bit)
 // and writes pp as pack_probs does. If the tile's max * c stays within `slack` above m2 in every
 // lane, the vector is done as OnlineSoftmaxTile would have done it: row_sum += the p's (in key
 // order), alpha = 1, row_max unchanged. Else (or when m2 is not finite) its bit is set in the

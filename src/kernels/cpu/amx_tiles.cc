@@ -155,22 +155,19 @@ void pack_probs(const float* st, std::int64_t num_k, const std::int64_t* key_end
 
 namespace {
 
-// fastexp::Pow2Coarse (fast_exp-inl.h) bit for bit: r = x - n with n = x rounded to an integer
-// (there by adding and subtracting 1.5 * 2^23), the degree-4 polynomial p(r), then p * 2^n,
-// which for x >= kMinPow2Arg is normal, so vscalefps gives the bits of the exponent add there;
-// below, +0 (a NaN x stays NaN, as there). 8 instructions where the Highway form takes 11.
-inline __m512 Pow2Coarse(__m512 x) {
+// fastexp::Pow2CoarseHalf (fast_exp-inl.h) bit for bit, on AVX3's instructions: 2^(xh - 1/2) =
+// 2^floor(xh) * q(t), t = xh - floor(xh) in one vreduceps rounding down (exact), q the degree-4
+// polynomial, 2^floor(xh) by vscalefps (which floors its exponent operand), +0 below
+// kMinPow2HalfArg (a NaN xh stays NaN). 7 instructions.
+inline __m512 Pow2CoarseHalf(__m512 xh) {
   using namespace fastexp;
-  // r = x - round(x) in one vreduceps (exact, ties to even as the magic-number rounding);
-  // n = x - r is then exact too.
-  const __m512 r = _mm512_reduce_round_ps(x, _MM_FROUND_TO_NEAREST_INT, _MM_FROUND_CUR_DIRECTION);
-  const __m512 n = _mm512_sub_ps(x, r);
-  __m512 q = _mm512_fmadd_ps(_mm512_set1_ps(kCoarseP4), r, _mm512_set1_ps(kCoarseP3));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(kCoarseP2));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(kCoarseP1));
-  const __m512 p = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
-  const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kMinPow2Arg), _CMP_NLT_UQ);
-  return _mm512_maskz_scalef_ps(normal, p, n);
+  const __m512 t = _mm512_reduce_round_ps(xh, _MM_FROUND_TO_NEG_INF, _MM_FROUND_CUR_DIRECTION);
+  __m512 q = _mm512_fmadd_ps(_mm512_set1_ps(kHalfP4), t, _mm512_set1_ps(kHalfP3));
+  q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(kHalfP2));
+  q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(kHalfP1));
+  q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(kHalfP0));
+  const __mmask16 normal = _mm512_cmp_ps_mask(xh, _mm512_set1_ps(kMinPow2HalfArg), _CMP_NLT_UQ);
+  return _mm512_maskz_scalef_ps(normal, q, xh);
 }
 
 // _mm512_max_ps (vmaxps: b where either is NaN), through its masked form with every lane set:
@@ -194,6 +191,9 @@ unsigned softmax_pack_lazy(const float* st, std::int64_t num_k, const std::int64
       redo |= 1u << x;
       continue;
     }
+    // The argument of Pow2CoarseHalf: s * c - (m2 - 1/2) (online_softmax-inl.h's
+    // ExpInPlaceAndSum, the same bits).
+    const __m512 shift = _mm512_sub_ps(old_max, _mm512_set1_ps(0.5f));
     __m512 m0 = neg_inf, m1 = neg_inf, m2 = neg_inf, m3 = neg_inf, sum = _mm512_setzero_ps();
     const float* s = st + x * kVecLanes;
     std::uint32_t* out = pp + x * kVecLanes;
@@ -207,10 +207,10 @@ unsigned softmax_pack_lazy(const float* st, std::int64_t num_k, const std::int64
       m1 = Max(m1, s1);
       m2 = Max(m2, s2);
       m3 = Max(m3, s3);
-      const __m512 p0 = Pow2Coarse(_mm512_fmsub_ps(s0, cv, old_max));
-      const __m512 p1 = Pow2Coarse(_mm512_fmsub_ps(s1, cv, old_max));
-      const __m512 p2 = Pow2Coarse(_mm512_fmsub_ps(s2, cv, old_max));
-      const __m512 p3 = Pow2Coarse(_mm512_fmsub_ps(s3, cv, old_max));
+      const __m512 p0 = Pow2CoarseHalf(_mm512_fmsub_ps(s0, cv, shift));
+      const __m512 p1 = Pow2CoarseHalf(_mm512_fmsub_ps(s1, cv, shift));
+      const __m512 p2 = Pow2CoarseHalf(_mm512_fmsub_ps(s2, cv, shift));
+      const __m512 p3 = Pow2CoarseHalf(_mm512_fmsub_ps(s3, cv, shift));
       sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_add_ps(sum, p0), p1), p2), p3);
       _mm512_store_si512(out, PairWords(p0, p1));
       _mm512_store_si512(out + kLanes, PairWords(p2, p3));
@@ -218,13 +218,13 @@ unsigned softmax_pack_lazy(const float* st, std::int64_t num_k, const std::int64
     for (; j < end; j += 2, s += 2 * kLanes, out += kLanes) {
       const __m512 s0 = _mm512_load_ps(s);
       m0 = Max(m0, s0);
-      const __m512 p0 = Pow2Coarse(_mm512_fmsub_ps(s0, cv, old_max));
+      const __m512 p0 = Pow2CoarseHalf(_mm512_fmsub_ps(s0, cv, shift));
       sum = _mm512_add_ps(sum, p0);
       __m512 p1 = _mm512_setzero_ps();
       if (j + 1 < end) {
         const __m512 s1 = _mm512_load_ps(s + kLanes);
         m0 = Max(m0, s1);
-        p1 = Pow2Coarse(_mm512_fmsub_ps(s1, cv, old_max));
+        p1 = Pow2CoarseHalf(_mm512_fmsub_ps(s1, cv, shift));
         sum = _mm512_add_ps(sum, p1);
       }
       _mm512_store_si512(out, PairWords(p0, p1));

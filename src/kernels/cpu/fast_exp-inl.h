@@ -155,23 +155,61 @@ HWY_INLINE hn::Vec<D> Pow2(D d, hn::Vec<D> x) {
 
 // The same with degree 4 (2.9e-6), for the product paths that round the probabilities to bf16
 // (relative error up to 3.9e-3) before the value product: there the last bits are rounded away,
-// and the row sums (hence lse) move by at most the 2.9e-6. One multiply-add fewer.
+// and the row sums (hence lse) move by at most the 2.9e-6. One multiply-add fewer; and its
+// argument comes shifted by one half, xh = x + 1/2 (the softmax folds the half into its shift,
+// so it costs nothing): with n = floor(xh) and t = xh - n in [0, 1), 2^x = 2^n * q(t) where
+// q(t) = p(t - 1/2) is the same minimax polynomial in the shifted variable (fast_exp.h,
+// kHalfP*). On AVX-512, t is one vreduceps rounding down and 2^n one vscalefps, which takes
+// floor(xh) itself: the subtraction n = x - r of Pow2 goes (7 instructions; the AMX path's
+// softmax, with the shift, 1.02x at B = 1, H = 8, L = 4096, D = 128 on the Intel AMX Xeon).
+// Integers x (t = 1/2) give 2^x exactly; +0 where xh < kMinPow2HalfArg (x < -126).
 template <class D>
-HWY_INLINE hn::Vec<D> Pow2Coarse(D d, hn::Vec<D> x) {
-  const Reduced<D> a = ReduceBase2(d, x);
-  auto q = hn::MulAdd(hn::Set(d, kCoarseP4), a.r, hn::Set(d, kCoarseP3));
-  q = hn::MulAdd(q, a.r, hn::Set(d, kCoarseP2));
-  q = hn::MulAdd(q, a.r, hn::Set(d, kCoarseP1));
-  return ScaleBase2(d, x, a.k, hn::MulAdd(q, a.r, hn::Set(d, 1.0f)));
+HWY_INLINE hn::Vec<D> Pow2CoarseHalf(D d, hn::Vec<D> xh) {
+  hn::Vec<D> t, n;
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  if constexpr (kNative512<D>) {
+    t = hn::Vec<D>{_mm512_reduce_round_ps(xh.raw, _MM_FROUND_TO_NEG_INF, _MM_FROUND_CUR_DIRECTION)};
+    n = xh;  // vscalefps scales by 2^floor(xh)
+  } else
+#endif
+  {
+    n = hn::Floor(xh);
+    t = hn::Sub(xh, n);  // exact
+  }
+  auto q = hn::MulAdd(hn::Set(d, kHalfP4), t, hn::Set(d, kHalfP3));
+  q = hn::MulAdd(q, t, hn::Set(d, kHalfP2));
+  q = hn::MulAdd(q, t, hn::Set(d, kHalfP1));
+  q = hn::MulAdd(q, t, hn::Set(d, kHalfP0));
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  if constexpr (kNative512<D>) {
+    const __mmask16 keep =
+        _mm512_cmp_ps_mask(xh.raw, _mm512_set1_ps(kMinPow2HalfArg), _CMP_NLT_UQ);
+    return hn::Vec<D>{_mm512_maskz_scalef_ps(keep, q.raw, n.raw)};
+  }
+#endif
+  // k = n + 1.5 * 2^23 (exact: n is an integer well inside the magic number's range, or the
+  // lane is zeroed by the cut); its low bits become 2^n as in ScaleByPow2.
+  return ScaleByPow2(d, xh, hn::Add(n, hn::Set(d, kRoundMagic)), q, kMinPow2HalfArg);
 }
 
-// The 2^x a softmax takes: coarse where the probabilities are rounded to bf16 afterwards.
+// 2^x with Pow2CoarseHalf's polynomial (x + 1/2 rounded once more): what pow2_coarse_cpu and
+// the tests call; the kernels pass the shifted argument themselves.
+template <class D>
+HWY_INLINE hn::Vec<D> Pow2Coarse(D d, hn::Vec<D> x) {
+  return Pow2CoarseHalf(d, hn::Add(x, hn::Set(d, 0.5f)));
+}
+
+// The 2^x a softmax takes, of x + kPow2ArgOffset<kCoarse>: Pow2 (offset 0), or where the
+// probabilities are rounded to bf16 afterwards Pow2CoarseHalf (offset 1/2, which the caller
+// folds into the max it subtracts).
+template <bool kCoarse>
+constexpr float kPow2ArgOffset = kCoarse ? 0.5f : 0.0f;
 template <bool kCoarse, class D>
-HWY_INLINE hn::Vec<D> Pow2ForProbs(D d, hn::Vec<D> x) {
+HWY_INLINE hn::Vec<D> Pow2ForProbs(D d, hn::Vec<D> x_plus_offset) {
   if constexpr (kCoarse) {
-    return Pow2Coarse(d, x);
+    return Pow2CoarseHalf(d, x_plus_offset);
   } else {
-    return Pow2(d, x);
+    return Pow2(d, x_plus_offset);
   }
 }
 

@@ -47,6 +47,10 @@ void Pow2CoarseArray(const float* x, float* y, std::int64_t n) {
   ApplyArray(x, y, n, [](DF df, hn::Vec<DF> v) { return fastexp::Pow2Coarse(df, v); });
 }
 
+void Pow2CoarseHalfArray(const float* x, float* y, std::int64_t n) {
+  ApplyArray(x, y, n, [](DF df, hn::Vec<DF> v) { return fastexp::Pow2CoarseHalf(df, v); });
+}
+
 void ExpHwyArray(const float* x, float* y, std::int64_t n) {
   ApplyArray(x, y, n, [](DF df, hn::Vec<DF> v) { return hn::Exp(df, v); });
 }
@@ -63,6 +67,7 @@ namespace qkv {
 HWY_EXPORT(ExpNonPositiveArray);
 HWY_EXPORT(Pow2Array);
 HWY_EXPORT(Pow2CoarseArray);
+HWY_EXPORT(Pow2CoarseHalfArray);
 HWY_EXPORT(ExpHwyArray);
 HWY_EXPORT(FastExpTargetName);
 
@@ -76,6 +81,10 @@ void pow2_cpu(const float* x, float* y, std::int64_t n) {
 
 void pow2_coarse_cpu(const float* x, float* y, std::int64_t n) {
   HWY_DYNAMIC_DISPATCH(Pow2CoarseArray)(x, y, n);
+}
+
+void pow2_coarse_half_cpu(const float* xh, float* y, std::int64_t n) {
+  HWY_DYNAMIC_DISPATCH(Pow2CoarseHalfArray)(xh, y, n);
 }
 
 void exp_hwy_cpu(const float* x, float* y, std::int64_t n) {

@@ -36,6 +36,16 @@ constexpr float kCoarseP1 = 0x1.62e12cp-1f;  // 0.693124175
 constexpr float kCoarseP2 = 0x1.ec0378p-3f;  // 0.240240991
 constexpr float kCoarseP3 = 0x1.c9fc4ep-5f;  // 0.0559064411
 constexpr float kCoarseP4 = 0x1.3a02ccp-7f;  // 0.00958285294
+// Pow2CoarseHalf: 2^(xh - 1/2) = 2^floor(xh) * q(xh - floor(xh)), q(t) = p(t - 1/2) for the
+// degree-4 p above (scripts/fit_exp_poly.py --base2 --half --degree 4; kHalfP0 moved so that
+// q(1/2) = 1 exactly in float32). Below kMinPow2HalfArg (x = xh - 1/2 below kMinPow2Arg): +0;
+// at or above it, floor(xh) = -126 comes with t >= 1/2, q >= 1: a normal result.
+constexpr float kMinPow2HalfArg = kMinPow2Arg + 0.5f;
+constexpr float kHalfP0 = 0x1.6a0a2ap-1f;  // 0.707108796
+constexpr float kHalfP1 = 0x1.f5c83ap-2f;  // 0.490021616
+constexpr float kHalfP2 = 0x1.5db51ep-3f;  // 0.17075561
+constexpr float kHalfP3 = 0x1.2cfae8p-5f;  // 0.0367407352
+constexpr float kHalfP4 = 0x1.3a02ccp-7f;  // 0.00958285294
 }  // namespace fastexp
 
 // y[i] = exp(x[i]) for x[i] <= 0 (-inf gives +0; x < -87.3365 gives +0, never a denormal).
@@ -44,10 +54,14 @@ void exp_nonpositive_cpu(const float* x, float* y, std::int64_t n);
 
 // y[i] = 2^x[i] for x[i] <= 16 (fastexp::Pow2, the online softmax's; -inf and x < -126 give +0,
 // never a denormal), and the same with its degree-4 polynomial (fastexp::Pow2Coarse: 2.9e-6,
-// for probabilities rounded to bf16 afterwards).
+// for probabilities rounded to bf16 afterwards, as Pow2CoarseHalf(x + 1/2)).
 //   x: [n]   y: [n]   (y may alias x; any alignment; n >= 0)
 void pow2_cpu(const float* x, float* y, std::int64_t n);
 void pow2_coarse_cpu(const float* x, float* y, std::int64_t n);
+// y[i] = 2^(xh[i] - 1/2) for xh[i] <= 16.5 (fastexp::Pow2CoarseHalf, what the bf16 paths' softmax
+// calls on xh = s * c - (m2 - 1/2); +0 below -125.5).
+//   xh: [n]   y: [n]   (y may alias xh; any alignment; n >= 0)
+void pow2_coarse_half_cpu(const float* xh, float* y, std::int64_t n);
 
 // The same through hwy::Exp (hwy/contrib/math), the exp this replaces.
 //   x: [n]   y: [n]
