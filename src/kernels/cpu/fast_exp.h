@@ -31,14 +31,9 @@ constexpr float kP2 = 0x1.ebf9bcp-3f;    // 0.240222424
 constexpr float kP3 = 0x1.c6b752p-5f;    // 0.0555073358
 constexpr float kP4 = 0x1.3cea8cp-7f;    // 0.00967151485
 constexpr float kP5 = 0x1.5bba14p-10f;   // 0.00132647273
-// scripts/fit_exp_poly.py --base2 --degree 4
-constexpr float kCoarseP1 = 0x1.62e12cp-1f;  // 0.693124175
-constexpr float kCoarseP2 = 0x1.ec0378p-3f;  // 0.240240991
-constexpr float kCoarseP3 = 0x1.c9fc4ep-5f;  // 0.0559064411
-constexpr float kCoarseP4 = 0x1.3a02ccp-7f;  // 0.00958285294
 // Pow2CoarseHalf: 2^(xh - 1/2) = 2^floor(xh) * q(xh - floor(xh)), q(t) = p(t - 1/2) for the
-// degree-4 p above (scripts/fit_exp_poly.py --base2 --half --degree 4; kHalfP0 moved so that
-// q(1/2) = 1 exactly in float32). Below kMinPow2HalfArg (x = xh - 1/2 below kMinPow2Arg): +0;
+// degree-4 base-2 minimax p (scripts/fit_exp_poly.py --base2 --degree 4; the constants below
+// from --base2 --half --degree 4, kHalfP0 moved so that q(1/2) = 1 exactly in float32). Below kMinPow2HalfArg (x = xh - 1/2 below kMinPow2Arg): +0;
 // at or above it, floor(xh) = -126 comes with t >= 1/2, q >= 1: a normal result.
 constexpr float kMinPow2HalfArg = kMinPow2Arg + 0.5f;
 constexpr float kHalfP0 = 0x1.6a0a2ap-1f;  // 0.707108796
