@@ -193,7 +193,7 @@ unsigned softmax_pack_lazy(const float* st, std::int64_t num_k, const std::int64
     }
     // The argument of Pow2CoarseHalf: s * c - (m2 - 1/2) (online_softmax-inl.h's
     // ExpInPlaceAndSum, the same bits).
-    const __m512 shift = _mm512_sub_ps(old_max, _mm512_set1_ps(0.5f));
+    const __m512 shift = _mm512_sub_ps(old_max, _mm512_set1_ps(fastexp::kHalfShift));
     __m512 m0 = neg_inf, m1 = neg_inf, m2 = neg_inf, m3 = neg_inf, sum = _mm512_setzero_ps();
     const float* s = st + x * kVecLanes;
     std::uint32_t* out = pp + x * kVecLanes;

@@ -164,52 +164,45 @@ HWY_INLINE hn::Vec<D> Pow2(D d, hn::Vec<D> x) {
 // 1.03x at D = 64 and 1.04x at D = 128, B = 1, H = 8, L = 4096, on the Intel AMX Xeon).
 // Integers x (t = 1/2) give 2^x exactly; +0 where xh < kMinPow2HalfArg (x < -126).
 template <class D>
-HWY_INLINE hn::Vec<D> Pow2CoarseHalf(D d, hn::Vec<D> xh) {
-  hn::Vec<D> t, n;
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-  if constexpr (kNative512<D>) {
-    t = hn::Vec<D>{_mm512_reduce_round_ps(xh.raw, _MM_FROUND_TO_NEG_INF, _MM_FROUND_CUR_DIRECTION)};
-    n = xh;  // vscalefps scales by 2^floor(xh)
-  } else
-#endif
-  {
-    n = hn::Floor(xh);
-    t = hn::Sub(xh, n);  // exact
-  }
+HWY_INLINE hn::Vec<D> HalfPoly(D d, hn::Vec<D> t) {  // q(t), Horner
   auto q = hn::MulAdd(hn::Set(d, kHalfP4), t, hn::Set(d, kHalfP3));
   q = hn::MulAdd(q, t, hn::Set(d, kHalfP2));
   q = hn::MulAdd(q, t, hn::Set(d, kHalfP1));
-  q = hn::MulAdd(q, t, hn::Set(d, kHalfP0));
+  return hn::MulAdd(q, t, hn::Set(d, kHalfP0));
+}
+template <class D>
+HWY_INLINE hn::Vec<D> Pow2CoarseHalf(D d, hn::Vec<D> xh) {
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-  if constexpr (kNative512<D>) {
+  if constexpr (kNative512<D>) {  // vscalefps scales by 2^floor(xh) itself
+    const hn::Vec<D> t{_mm512_reduce_round_ps(xh.raw, _MM_FROUND_TO_NEG_INF,
+                                              _MM_FROUND_CUR_DIRECTION)};
     const __mmask16 keep =
         _mm512_cmp_ps_mask(xh.raw, _mm512_set1_ps(kMinPow2HalfArg), _CMP_NLT_UQ);
-    return hn::Vec<D>{_mm512_maskz_scalef_ps(keep, q.raw, n.raw)};
+    return hn::Vec<D>{_mm512_maskz_scalef_ps(keep, HalfPoly(d, t).raw, xh.raw)};
   }
 #endif
+  const auto n = hn::Floor(xh);
   // k = n + 1.5 * 2^23 (exact: n is an integer well inside the magic number's range, or the
   // lane is zeroed by the cut); its low bits become 2^n as in ScaleByPow2.
-  return ScaleByPow2(d, xh, hn::Add(n, hn::Set(d, kRoundMagic)), q, kMinPow2HalfArg);
+  return ScaleByPow2(d, xh, hn::Add(n, hn::Set(d, kRoundMagic)), HalfPoly(d, hn::Sub(xh, n)),
+                     kMinPow2HalfArg);
 }
 
 // 2^x with Pow2CoarseHalf's polynomial (x + 1/2 rounded once more): what pow2_coarse_cpu and
 // the tests call; the kernels pass the shifted argument themselves.
 template <class D>
 HWY_INLINE hn::Vec<D> Pow2Coarse(D d, hn::Vec<D> x) {
-  return Pow2CoarseHalf(d, hn::Add(x, hn::Set(d, 0.5f)));
+  return Pow2CoarseHalf(d, hn::Add(x, hn::Set(d, kHalfShift)));
 }
 
-// The 2^x a softmax takes, of x + kPow2ArgOffset<kCoarse>: Pow2 (offset 0), or where the
-// probabilities are rounded to bf16 afterwards Pow2CoarseHalf (offset 1/2, which the caller
-// folds into the max it subtracts).
-template <bool kCoarse>
-constexpr float kPow2ArgOffset = kCoarse ? 0.5f : 0.0f;
+// The 2^x a softmax takes: Pow2, or where the probabilities are rounded to bf16 afterwards
+// Pow2CoarseHalf, whose argument is x + kHalfShift (the caller folds it into the max).
 template <bool kCoarse, class D>
-HWY_INLINE hn::Vec<D> Pow2ForProbs(D d, hn::Vec<D> x_plus_offset) {
+HWY_INLINE hn::Vec<D> Pow2ForProbs(D d, hn::Vec<D> x_or_xh) {
   if constexpr (kCoarse) {
-    return Pow2CoarseHalf(d, x_plus_offset);
+    return Pow2CoarseHalf(d, x_or_xh);
   } else {
-    return Pow2(d, x_plus_offset);
+    return Pow2(d, x_or_xh);
   }
 }
 

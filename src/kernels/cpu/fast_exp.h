@@ -33,9 +33,12 @@ constexpr float kP4 = 0x1.3cea8cp-7f;    // 0.00967151485
 constexpr float kP5 = 0x1.5bba14p-10f;   // 0.00132647273
 // Pow2CoarseHalf: 2^(xh - 1/2) = 2^floor(xh) * q(xh - floor(xh)), q(t) = p(t - 1/2) for the
 // degree-4 base-2 minimax p (scripts/fit_exp_poly.py --base2 --degree 4; the constants below
-// from --base2 --half --degree 4, kHalfP0 moved so that q(1/2) = 1 exactly in float32). Below kMinPow2HalfArg (x = xh - 1/2 below kMinPow2Arg): +0;
-// at or above it, floor(xh) = -126 comes with t >= 1/2, q >= 1: a normal result.
-constexpr float kMinPow2HalfArg = kMinPow2Arg + 0.5f;
+// from --base2 --half --degree 4, kHalfP0 moved so that q(1/2) = 1 exactly in float32). Its
+// argument is xh = x + kHalfShift: the bf16 softmaxes subtract the shift from their max. Below
+// kMinPow2HalfArg (x below kMinPow2Arg): +0; at or above it, floor(xh) = -126 comes with
+// t >= 1/2, q >= 1: a normal result.
+constexpr float kHalfShift = 0.5f;
+constexpr float kMinPow2HalfArg = kMinPow2Arg + kHalfShift;
 constexpr float kHalfP0 = 0x1.6a0a2ap-1f;  // 0.707108796
 constexpr float kHalfP1 = 0x1.f5c83ap-2f;  // 0.490021616
 constexpr float kHalfP2 = 0x1.5db51ep-3f;  // 0.17075561

@@ -47,12 +47,12 @@ HWY_INLINE VF ColumnMax(DF df, const float* HWY_RESTRICT st, std::int64_t num_k,
 // argument, 5 for the polynomial; with c = scale * log2e and shift2 a max in base 2 this is
 // exp(st * scale - max)); returns the sum down the keys.
 // 2^(-inf) = 0: masked pairs drop out exactly. kCoarse: the 2^x for probabilities rounded to bf16
-// afterwards (fastexp::Pow2ForProbs; its argument's offset of 1/2 is taken off shift2 once, so
+// afterwards (fastexp::Pow2ForProbs; its argument's kHalfShift is taken off shift2 once, so
 // each score still costs one FMA for it).
 template <bool kCoarse = false>
 HWY_INLINE VF ExpInPlaceAndSum(DF df, float* HWY_RESTRICT st, std::int64_t num_k,
                                std::int64_t lane0, VF shift2, VF c) {
-  if constexpr (kCoarse) shift2 = hn::Sub(shift2, hn::Set(df, fastexp::kPow2ArgOffset<kCoarse>));
+  if constexpr (kCoarse) shift2 = hn::Sub(shift2, hn::Set(df, fastexp::kHalfShift));
   VF sum = hn::Zero(df);
   for (std::int64_t j = 0; j < num_k; ++j) {
     float* s = st + j * kBlockQ + lane0;
