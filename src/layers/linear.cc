@@ -362,9 +362,11 @@ void Linear::run(const void* x, bool x_bf16, std::int64_t rows, void* y, bool y_
     e->matmul.execute(stream, args);
     stream.wait();
     if (rounds_y) {
+      // Pointers taken here: the workers' own thread_local y_f32 is not this thread's.
+      const float* yf = y_f32.data();
       auto* yb = static_cast<std::uint16_t*>(y);
       parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
-        layers::round_to_bf16_kernel(y_f32.data() + r * out, out, yb + r * out);
+        layers::round_to_bf16_kernel(yf + r * out, out, yb + r * out);
       });
     }
   } catch (const dnnl::error& e) {
