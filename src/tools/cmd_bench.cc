@@ -373,7 +373,6 @@ std::vector<BenchResult> run_case(const BenchCase& c, Kernel kernel, const Bench
   for (char& ch : result.sparse) {
     if (ch == '"' || ch == '\\' || static_cast<unsigned char>(ch) < 0x20) ch = '?';  // JSON-safe
   }
-  result.products = resolved_product_path(q_view, k_view, v_view, outputs, params);
   LinearAttentionParams linear;  // after params is complete: --sparse with --linear is an error
   if (options.linear) {
     linear = linear_params_from(*options.linear, params);
@@ -402,6 +401,9 @@ std::vector<BenchResult> run_case(const BenchCase& c, Kernel kernel, const Bench
              .dv = TensorView::contiguous(dv.data(), DType::kF32, kv_sizes)};
     result.kernel = std::string(kernel == Kernel::kReference ? "reference" : "flash") + "-backward";
     result.products = backward_product_path(params, options.dtype);
+  }
+  if (!options.linear && !options.backward && paths.empty()) {  // pinned paths: per row, below
+    result.products = resolved_product_path(q_view, k_view, v_view, outputs, params);
   }
   auto call = [&] {
     if (options.linear) {
