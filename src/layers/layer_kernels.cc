@@ -101,6 +101,17 @@ HWY_INLINE void MapInPlace(float* HWY_RESTRICT x, std::int64_t n, Op op) {
   }
 }
 
+// v rounded to f32, infinities kept. (Highway 1.0.3's HWY_SCALAR DemoteTo clamps them to
+// +-FLT_MAX, its guard against converting out-of-range values; the x86 targets' conversion
+// keeps them. The scalar target runs on CPUs without AVX2: test_layers_basic.cc forces it.)
+HWY_INLINE hn::Vec<DFHalf> DemoteKeepingInf(DFHalf dh, VD v) {
+#if HWY_TARGET == HWY_SCALAR
+  return hn::Set(dh, static_cast<float>(hn::GetLane(v)));
+#else
+  return hn::DemoteTo(dh, v);
+#endif
+}
+
 // x[i] = op(x[i]) evaluated in f64 lanes, rounded once to f32.
 template <class Op>
 HWY_INLINE void MapInPlaceF64(float* HWY_RESTRICT x, std::int64_t n, Op op) {
@@ -110,7 +121,7 @@ HWY_INLINE void MapInPlaceF64(float* HWY_RESTRICT x, std::int64_t n, Op op) {
   for (std::int64_t i = 0; i < n; i += lanes) {
     const size_t count = static_cast<size_t>(std::min(lanes, n - i));
     const VD v = op(dd, hn::PromoteTo(dd, LoadFirst(dh, x + i, count)));
-    StoreFirst(hn::DemoteTo(dh, v), dh, x + i, count);
+    StoreFirst(DemoteKeepingInf(dh, v), dh, x + i, count);
   }
 }
 
@@ -146,25 +157,34 @@ void LayerNormKernel(const float* x, const float* residual, std::int64_t rows,
     const float* xr = x + row * features;
     const float* rr = residual ? residual + row * features : nullptr;
     float* yr = y + row * features;
-    // Two passes (mean, then squared deviations): no E[v^2] - E[v]^2 cancellation. LoadFirst
-    // zero-fills the tail lanes, which then add 0 to the sum; the squared-deviation pass masks
-    // them out.
+    // Two passes (mean, then deviations d = v - mean): no E[v^2] - E[v]^2 cancellation. The
+    // mean's own rounding (a sum of `features` values in as many lanes as the target has: one
+    // on HWY_SCALAR) is corrected with the deviations' sum, which the second pass adds up
+    // anyway (the corrected two-pass algorithm, Chan, Golub and LeVeque 1983): mean' = mean +
+    // sum(d) / n and sum((v - mean')^2) = sum(d^2) - sum(d)^2 / n. Without it, rows of offset
+    // 100 and spread 1 lost 3e-4 on the scalar target. LoadFirst zero-fills the tail lanes,
+    // which then add 0 to the sum; the deviation pass masks them out.
+    const float n = static_cast<float>(features);
     VF sum = hn::Zero(df);
     for (std::int64_t i = 0; i < full; i += lanes) sum = hn::Add(sum, load(xr, rr, i, lanes));
     if (rest) sum = hn::Add(sum, load(xr, rr, full, rest));
-    const float mean = hn::GetLane(hn::SumOfLanes(df, sum)) / static_cast<float>(features);
-    const VF vmean = hn::Set(df, mean);
-    VF sq = hn::Zero(df);
+    const float mean = hn::GetLane(hn::SumOfLanes(df, sum)) / n;
+    VF dsum = hn::Zero(df), sq = hn::Zero(df);
     for (std::int64_t i = 0; i < full; i += lanes) {
-      const VF d = hn::Sub(load(xr, rr, i, lanes), vmean);
+      const VF d = hn::Sub(load(xr, rr, i, lanes), hn::Set(df, mean));
+      dsum = hn::Add(dsum, d);
       sq = hn::MulAdd(d, d, sq);
     }
     if (rest) {
-      const VF d =
-          hn::IfThenElseZero(hn::FirstN(df, rest), hn::Sub(load(xr, rr, full, rest), vmean));
+      const VF d = hn::IfThenElseZero(hn::FirstN(df, rest),
+                                      hn::Sub(load(xr, rr, full, rest), hn::Set(df, mean)));
+      dsum = hn::Add(dsum, d);
       sq = hn::MulAdd(d, d, sq);
     }
-    const float var = hn::GetLane(hn::SumOfLanes(df, sq)) / static_cast<float>(features);
+    const float d_total = hn::GetLane(hn::SumOfLanes(df, dsum));
+    const float var =
+        std::max(0.0f, (hn::GetLane(hn::SumOfLanes(df, sq)) - d_total * d_total / n) / n);
+    const VF vmean = hn::Set(df, mean + d_total / n);
     const VF inv_std = hn::Set(df, 1.0f / std::sqrt(var + eps));
     for (std::int64_t i = 0; i < features; i += lanes) {
       const size_t count = static_cast<size_t>(std::min<std::int64_t>(lanes, features - i));

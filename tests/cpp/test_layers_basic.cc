@@ -13,6 +13,7 @@
 
 #include "core/float16.h"
 #include "core/splitmix64.h"
+#include "every_target.h"
 #include "expect_error.h"
 #include "layers/layer_kernels.h"
 #include "layers_reference.h"
@@ -55,52 +56,62 @@ double max_relative_error(Activation act, float limit = 16.0f) {
 }
 
 TEST(LayersActivation, GeluErfRelativeError) {
-  // Evaluated in f64 lanes: Numerical Recipes' erfc fit (1.05e-7) plus one rounding to f32.
-  EXPECT_LE(max_relative_error(Activation::kGeluErf, 4.0f), 2e-7);
-  EXPECT_LE(max_relative_error(Activation::kGeluErf, 16.0f), 2e-7);
+  for_each_target(layers::layer_kernels_target_name, [&](std::int64_t) {
+    // Evaluated in f64 lanes: Numerical Recipes' erfc fit (1.05e-7) plus one rounding to f32.
+    EXPECT_LE(max_relative_error(Activation::kGeluErf, 4.0f), 2e-7);
+    EXPECT_LE(max_relative_error(Activation::kGeluErf, 16.0f), 2e-7);
+  });
 }
 
 TEST(LayersActivation, GeluTanhRelativeError) {
-  // Evaluated in f64 lanes and rounded once: within half an ulp (2^-24 = 6e-8) plus a little.
-  EXPECT_LE(max_relative_error(Activation::kGeluTanh, 16.0f), 7e-8);
+  for_each_target(layers::layer_kernels_target_name, [&](std::int64_t) {
+    // Evaluated in f64 lanes and rounded once: within half an ulp (2^-24 = 6e-8) plus a little.
+    EXPECT_LE(max_relative_error(Activation::kGeluTanh, 16.0f), 7e-8);
+  });
 }
 
 TEST(LayersActivation, ReluExactAndNoneIdentity) {
-  EXPECT_EQ(max_relative_error(Activation::kRelu), 0.0);
-  EXPECT_EQ(max_relative_error(Activation::kNone), 0.0);
+  for_each_target(layers::layer_kernels_target_name, [&](std::int64_t) {
+    EXPECT_EQ(max_relative_error(Activation::kRelu), 0.0);
+    EXPECT_EQ(max_relative_error(Activation::kNone), 0.0);
+  });
 }
 
 TEST(LayersActivation, OddLengthsTouchOnlyTheirElements) {
-  for (std::int64_t n : {1, 3, 7, 15, 16, 17, 31, 33, 100003}) {
-    for (Activation act : kAllActivations) {
-      std::vector<float> x = random_floats(n + 8, 100 + n, -4.0f, 4.0f);
-      const std::vector<float> original = x;
-      apply_activation(act, x.data(), n);
-      for (std::int64_t i = 0; i < n; ++i) {
-        const double ref = activation_ref(act, original[i]);
-        ASSERT_NEAR(x[i], ref, 4e-7 * std::max(1.0, std::abs(ref)))
-            << activation_name(act) << " n=" << n << " i=" << i;
+  for_each_target(layers::layer_kernels_target_name, [&](std::int64_t) {
+    for (std::int64_t n : {1, 3, 7, 15, 16, 17, 31, 33, 100003}) {
+      for (Activation act : kAllActivations) {
+        std::vector<float> x = random_floats(n + 8, 100 + n, -4.0f, 4.0f);
+        const std::vector<float> original = x;
+        apply_activation(act, x.data(), n);
+        for (std::int64_t i = 0; i < n; ++i) {
+          const double ref = activation_ref(act, original[i]);
+          ASSERT_NEAR(x[i], ref, 4e-7 * std::max(1.0, std::abs(ref)))
+              << activation_name(act) << " n=" << n << " i=" << i;
+        }
+        for (std::int64_t i = n; i < n + 8; ++i) ASSERT_EQ(x[i], original[i]) << "past n";
       }
-      for (std::int64_t i = n; i < n + 8; ++i) ASSERT_EQ(x[i], original[i]) << "past n";
     }
-  }
+  });
 }
 
 TEST(LayersActivation, SpecialValues) {
-  const float inf = std::numeric_limits<float>::infinity();
-  std::vector<float> x = {0.0f, -0.0f, inf, -30.0f, 30.0f, 1e-30f, -1e-30f};
-  apply_activation(Activation::kGeluErf, x.data(), static_cast<std::int64_t>(x.size()));
-  EXPECT_EQ(x[0], 0.0f);
-  EXPECT_EQ(x[1], 0.0f);
-  EXPECT_EQ(x[2], inf);
-  EXPECT_EQ(x[3], 0.0f);
-  EXPECT_EQ(x[4], 30.0f);
-  EXPECT_FLOAT_EQ(x[5], 0.5e-30f);
-  EXPECT_FLOAT_EQ(x[6], -0.5e-30f);
-  std::vector<float> nan = {std::nanf(""), -inf};
-  apply_activation(Activation::kGeluErf, nan.data(), 2);
-  EXPECT_TRUE(std::isnan(nan[0]));
-  EXPECT_TRUE(std::isnan(nan[1]));  // -inf * 0, as 0.5 x (1 + erf(x / sqrt 2)) in float64
+  for_each_target(layers::layer_kernels_target_name, [&](std::int64_t) {
+    const float inf = std::numeric_limits<float>::infinity();
+    std::vector<float> x = {0.0f, -0.0f, inf, -30.0f, 30.0f, 1e-30f, -1e-30f};
+    apply_activation(Activation::kGeluErf, x.data(), static_cast<std::int64_t>(x.size()));
+    EXPECT_EQ(x[0], 0.0f);
+    EXPECT_EQ(x[1], 0.0f);
+    EXPECT_EQ(x[2], inf);
+    EXPECT_EQ(x[3], 0.0f);
+    EXPECT_EQ(x[4], 30.0f);
+    EXPECT_FLOAT_EQ(x[5], 0.5e-30f);
+    EXPECT_FLOAT_EQ(x[6], -0.5e-30f);
+    std::vector<float> nan = {std::nanf(""), -inf};
+    apply_activation(Activation::kGeluErf, nan.data(), 2);
+    EXPECT_TRUE(std::isnan(nan[0]));
+    EXPECT_TRUE(std::isnan(nan[1]));  // -inf * 0, as 0.5 x (1 + erf(x / sqrt 2)) in float64
+  });
 }
 
 // ---- Linear ----
@@ -220,30 +231,32 @@ TEST(LayersLinear, Bf16ProductsOfTheRoundedOperands) {
 // of both signs, infinities, subnormals, ties among them), plus the ties to even and the
 // largest finite values, at every length of a vector's tail.
 TEST(LayersLinear, Bf16RoundingKernelMatchesTheScalarOne) {
-  std::vector<float> x;
-  for (std::uint64_t b = 0; b <= 0xffffffffu; b += 997) {
-    x.push_back(std::bit_cast<float>(static_cast<std::uint32_t>(b)));
-  }
-  for (std::uint32_t b : {0x3f808000u, 0x3f818000u, 0x7f7fffffu, 0xff7fffffu, 0x7f7f8000u,
-                          0x00008000u, 0x80018000u, 0x7f800001u, 0xffc00000u, 0x7f800000u}) {
-    x.push_back(std::bit_cast<float>(b));
-  }
-  for (std::size_t n : {x.size(), std::size_t{0}, std::size_t{1}, std::size_t{15},
-                        std::size_t{17}, std::size_t{33}}) {
-    std::vector<std::uint16_t> bits(n + 1, 0xabcd);
-    std::vector<float> values(n + 1, 7.0f);
-    const float* in = x.data() + (x.size() - n);  // the specials are at the end
-    layers::round_to_bf16_kernel(in, static_cast<std::int64_t>(n), bits.data());
-    layers::round_to_bf16_kernel(in, static_cast<std::int64_t>(n), values.data());
-    for (std::size_t i = 0; i < n; ++i) {
-      ASSERT_EQ(bits[i], f32_to_bf16_bits(in[i])) << std::hex << std::bit_cast<std::uint32_t>(in[i]);
-      ASSERT_EQ(std::bit_cast<std::uint32_t>(values[i]),
-                std::bit_cast<std::uint32_t>(round_to_bf16(in[i])))
-          << std::hex << std::bit_cast<std::uint32_t>(in[i]);
+  for_each_target(layers::layer_kernels_target_name, [&](std::int64_t) {
+    std::vector<float> x;
+    for (std::uint64_t b = 0; b <= 0xffffffffu; b += 997) {
+      x.push_back(std::bit_cast<float>(static_cast<std::uint32_t>(b)));
     }
-    EXPECT_EQ(bits[n], 0xabcd);  // nothing past n
-    EXPECT_EQ(values[n], 7.0f);
-  }
+    for (std::uint32_t b : {0x3f808000u, 0x3f818000u, 0x7f7fffffu, 0xff7fffffu, 0x7f7f8000u,
+                            0x00008000u, 0x80018000u, 0x7f800001u, 0xffc00000u, 0x7f800000u}) {
+      x.push_back(std::bit_cast<float>(b));
+    }
+    for (std::size_t n : {x.size(), std::size_t{0}, std::size_t{1}, std::size_t{15},
+                          std::size_t{17}, std::size_t{33}}) {
+      std::vector<std::uint16_t> bits(n + 1, 0xabcd);
+      std::vector<float> values(n + 1, 7.0f);
+      const float* in = x.data() + (x.size() - n);  // the specials are at the end
+      layers::round_to_bf16_kernel(in, static_cast<std::int64_t>(n), bits.data());
+      layers::round_to_bf16_kernel(in, static_cast<std::int64_t>(n), values.data());
+      for (std::size_t i = 0; i < n; ++i) {
+        ASSERT_EQ(bits[i], f32_to_bf16_bits(in[i])) << std::hex << std::bit_cast<std::uint32_t>(in[i]);
+        ASSERT_EQ(std::bit_cast<std::uint32_t>(values[i]),
+                  std::bit_cast<std::uint32_t>(round_to_bf16(in[i])))
+            << std::hex << std::bit_cast<std::uint32_t>(in[i]);
+      }
+      EXPECT_EQ(bits[n], 0xabcd);  // nothing past n
+      EXPECT_EQ(values[n], 7.0f);
+    }
+  });
 }
 
 // A feed-forward's two bf16 Linears handing their hidden activations over as bf16 bits give the
@@ -328,44 +341,48 @@ TEST(LayersLinear, ValidationErrors) {
 // ---- LayerNorm ----
 
 TEST(LayersLayerNorm, SweepWithAndWithoutResidual) {
-  for (std::int64_t rows : {1, 3, 17}) {
-    for (std::int64_t features : {1, 5, 64, 96, 384}) {
-      const std::uint64_t seed = rows * 131 + features;
-      const std::vector<float> gamma = random_floats(features, seed, 0.5f, 1.5f);
-      const std::vector<float> beta = random_floats(features, seed + 1);
-      // A large common offset checks the two-pass variance (E[v^2] - E[v]^2 would cancel).
-      const std::vector<float> x = random_floats(rows * features, seed + 2, 99.0f, 101.0f);
-      const std::vector<float> r = random_floats(rows * features, seed + 3);
-      const float eps = 1e-5f;
-      LayerNorm norm(gamma, beta, features, eps);
-      const std::string what = "rows=" + std::to_string(rows) + " F=" + std::to_string(features);
+  for_each_target(layers::layer_kernels_target_name, [&](std::int64_t) {
+    for (std::int64_t rows : {1, 3, 17}) {
+      for (std::int64_t features : {1, 5, 64, 96, 384}) {
+        const std::uint64_t seed = rows * 131 + features;
+        const std::vector<float> gamma = random_floats(features, seed, 0.5f, 1.5f);
+        const std::vector<float> beta = random_floats(features, seed + 1);
+        // A large common offset checks the two-pass variance (E[v^2] - E[v]^2 would cancel).
+        const std::vector<float> x = random_floats(rows * features, seed + 2, 99.0f, 101.0f);
+        const std::vector<float> r = random_floats(rows * features, seed + 3);
+        const float eps = 1e-5f;
+        LayerNorm norm(gamma, beta, features, eps);
+        const std::string what = "rows=" + std::to_string(rows) + " F=" + std::to_string(features);
 
-      std::vector<float> y(rows * features);
-      norm.forward(x.data(), nullptr, rows, y.data());
-      expect_close(y,
-                   layer_norm_ref(to_f64(x), {}, rows, features, to_f64(gamma), to_f64(beta), eps),
-                   3e-5, what + " no residual");
+        std::vector<float> y(rows * features);
+        norm.forward(x.data(), nullptr, rows, y.data());
+        expect_close(y,
+                     layer_norm_ref(to_f64(x), {}, rows, features, to_f64(gamma), to_f64(beta), eps),
+                     3e-5, what + " no residual");
 
-      const Vec ref_res =
-          layer_norm_ref(to_f64(x), to_f64(r), rows, features, to_f64(gamma), to_f64(beta), eps);
-      norm.forward(x.data(), r.data(), rows, y.data());
-      expect_close(y, ref_res, 3e-5, what + " residual");
-      std::vector<float> in_place = x;  // y aliases x
-      norm.forward(in_place.data(), r.data(), rows, in_place.data());
-      expect_close(in_place, ref_res, 3e-5, what + " y == x");
-      std::vector<float> res_alias = r;  // y aliases residual
-      norm.forward(x.data(), res_alias.data(), rows, res_alias.data());
-      expect_close(res_alias, ref_res, 3e-5, what + " y == residual");
+        const Vec ref_res =
+            layer_norm_ref(to_f64(x), to_f64(r), rows, features, to_f64(gamma), to_f64(beta), eps);
+        norm.forward(x.data(), r.data(), rows, y.data());
+        expect_close(y, ref_res, 3e-5, what + " residual");
+        std::vector<float> in_place = x;  // y aliases x
+        norm.forward(in_place.data(), r.data(), rows, in_place.data());
+        expect_close(in_place, ref_res, 3e-5, what + " y == x");
+        std::vector<float> res_alias = r;  // y aliases residual
+        norm.forward(x.data(), res_alias.data(), rows, res_alias.data());
+        expect_close(res_alias, ref_res, 3e-5, what + " y == residual");
+      }
     }
-  }
+  });
 }
 
 TEST(LayersLayerNorm, ConstantRowGivesBeta) {
-  const std::vector<float> gamma(5, 2.0f), beta = {1, 2, 3, 4, 5};
-  LayerNorm norm(gamma, beta, 5, 1e-12f);
-  std::vector<float> x(5, 7.25f), y(5);
-  norm.forward(x.data(), nullptr, 1, y.data());
-  for (int i = 0; i < 5; ++i) EXPECT_EQ(y[i], beta[i]);
+  for_each_target(layers::layer_kernels_target_name, [&](std::int64_t) {
+    const std::vector<float> gamma(5, 2.0f), beta = {1, 2, 3, 4, 5};
+    LayerNorm norm(gamma, beta, 5, 1e-12f);
+    std::vector<float> x(5, 7.25f), y(5);
+    norm.forward(x.data(), nullptr, 1, y.data());
+    for (int i = 0; i < 5; ++i) EXPECT_EQ(y[i], beta[i]);
+  });
 }
 
 TEST(LayersLayerNorm, ValidationErrors) {
