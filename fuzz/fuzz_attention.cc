@@ -25,6 +25,7 @@ using namespace qkv;
 struct Run {
   std::vector<float> out, lse;
   std::string error;
+  bool split = false;  // ran on f16-amx-split
 };
 
 }  // namespace
@@ -130,10 +131,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     AttentionParams p = params;
     p.kernel = kernel;
     try {
-      attention(q, k, v,
-                {.out = view(r.out.data(), seq_q, heads_q, dim_v, DType::kF32),
-                 .lse = TensorView::contiguous(r.lse.data(), DType::kF32, {batch, heads_q, seq_q, 1})},
-                p);
+      const AttentionOutputs outputs{
+          .out = view(r.out.data(), seq_q, heads_q, dim_v, DType::kF32),
+          .lse = TensorView::contiguous(r.lse.data(), DType::kF32, {batch, heads_q, seq_q, 1})};
+      attention(q, k, v, outputs, p);
+      r.split = std::string(resolved_product_path(q, k, v, outputs, p)) == "f16-amx-split";
     } catch (const Error& e) {
       r.error = e.what();
       for (float x : r.out) {
@@ -162,6 +164,25 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   for (float x : v32) max_v = std::max(max_v, static_cast<double>(std::abs(x)));
   const double score_error = 4.0 * static_cast<double>(dim) * 6e-8 * score_abs + 1e-6;
   const double out_tolerance = 2.0 * score_error * max_v + (half ? 8e-3 * max_v : 0.0);
+  // f16 on the AMX tiles (f16-amx-split) splits each value into bf16 hi + lo (lo = x - hi, both
+  // exact) and drops the lo x lo products (docs/kernels.md, "f16 on the same tiles"), so its
+  // scores (and lse) may be off by up to scale * sum_d max_i |ql_id| * max_j |kl_jd| more
+  // (|lo| <= 2^-8 |x|). Found by this fuzzer: D = 2, values near 30, lse off by 1.4e-3 where
+  // the f32-level tolerance was 1.1e-3 (the widened f16 path: 7.6e-6).
+  auto max_lo = [&](const std::vector<float>& x) {
+    std::vector<double> best(static_cast<std::size_t>(dim), 0.0);
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      const double lo = std::abs(double{x[i]} - round_to_bf16(x[i]));
+      best[i % dim] = std::max(best[i % dim], lo);
+    }
+    return best;
+  };
+  double split_error = 0.0;
+  if (dtype == DType::kF16) {
+    const std::vector<double> q_lo = max_lo(q32), k_lo = max_lo(k32);
+    for (std::int64_t d = 0; d < dim; ++d) split_error += q_lo[d] * k_lo[d];
+    split_error *= scale;
+  }
 
   const Run reference = run(Kernel::kReference);
   for (const Kernel kernel : {Kernel::kFlash, Kernel::kChunked}) {
@@ -185,7 +206,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     for (std::size_t i = 0; i < r.lse.size(); ++i) {
       const float a = r.lse[i], b = reference.lse[i];
       const bool both_empty = std::isinf(a) && std::isinf(b) && a < 0 && b < 0;
-      const double lse_tolerance = score_error + 1e-5 * std::max(1.0f, std::abs(b));
+      const double lse_tolerance =
+          score_error + (r.split ? split_error : 0.0) + 1e-5 * std::max(1.0f, std::abs(b));
       if (!both_empty && !(std::abs(a - b) <= lse_tolerance)) {
         std::fprintf(stderr, "kernel %d: lse[%zu] = %g, reference %g (tolerance %g)\n",
                      static_cast<int>(kernel), i, a, b, lse_tolerance);

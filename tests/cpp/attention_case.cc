@@ -293,11 +293,16 @@ Result Problem::plain(ProductPath path, const std::vector<std::uint8_t>* keep) c
   const TensorView vv = view(self.v, c.seq_kv, c.num_heads_kv, head_dim_v());
   Result r;
   r.out.assign(static_cast<std::size_t>(c.batch * c.seq_q * c.num_heads_q * head_dim_v()), 0.0f);
+  r.lse.assign(static_cast<std::size_t>(c.batch * c.num_heads_q * c.seq_q), kNegInf);
   const TensorView ov = view(r.out, c.seq_q, c.num_heads_q, head_dim_v());
   const float scale = c.scale.value_or(1.0f / std::sqrt(static_cast<float>(c.head_dim)));
   const std::int64_t offset = c.align == Align::kBottomRight ? c.seq_kv - c.seq_q : 0;
   const AttentionParams p = params();
   const bool round_probs = rounds_probabilities(path);
+  // f16 on the AMX tiles splits each value into bf16 hi + lo (x = hi + lo, exact) and drops the
+  // lo x lo products (docs/kernels.md, "f16 on the same tiles").
+  const bool split = path == ProductPath::kF16Amx;
+  const auto lo = [](float x) { return x - round_to_bf16(x); };
   std::vector<float> s(static_cast<std::size_t>(c.seq_kv));
   for (std::int64_t b = 0; b < c.batch; ++b) {
     for (std::int64_t h = 0; h < c.num_heads_q; ++h) {
@@ -324,8 +329,9 @@ Result Problem::plain(ProductPath path, const std::vector<std::uint8_t>* keep) c
           }
           float dot = 0.0f;
           for (std::int64_t d = 0; d < c.head_dim; ++d) {
-            dot += static_cast<float*>(qv.data)[qv.offset(b, i, h, d)] *
-                   static_cast<float*>(kv.data)[kv.offset(b, j, hk, d)];
+            const float qd = static_cast<float*>(qv.data)[qv.offset(b, i, h, d)];
+            const float kd = static_cast<float*>(kv.data)[kv.offset(b, j, hk, d)];
+            dot += split ? qd * kd - lo(qd) * lo(kd) : qd * kd;
           }
           float x = dot * scale;
           if (c.softcap > 0) x = c.softcap * std::tanh(x / c.softcap);
@@ -345,6 +351,8 @@ Result Problem::plain(ProductPath path, const std::vector<std::uint8_t>* keep) c
           s[j] = s[j] == kNegInf ? 0.0f : std::exp(s[j] - max);
           sum += s[j];
         }
+        r.lse[static_cast<std::size_t>((b * c.num_heads_q + h) * c.seq_q + i)] =
+            max + std::log(sum);
         // Where the path rounds the probabilities (to bf16, whatever the inputs' dtype: the f16
         // AMX path too), exp(s - max) is rounded before it weights v
         // and the f32 sum divides after (as the kernel's online softmax does); else p = e / sum.

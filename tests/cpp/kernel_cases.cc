@@ -170,6 +170,16 @@ std::vector<Case> kernel_cases() {
     c.num_heads_q = 3;
     add(c);
   }
+  // Large values in a short head (|q|, |k| ~ 30, D = 2): the lo parts of f16's bf16 split are
+  // then large next to the f32 error of so short a dot product (fuzz_attention found the lse of
+  // f16-amx-split 1.4e-3 off, where the old fixed lse tolerance allowed 1.1e-3).
+  {
+    Case c{.batch = 2, .seq_q = 9, .seq_kv = 42, .num_heads_q = 3, .num_heads_kv = 1};
+    c.head_dim = 2;
+    c.head_dim_v = 19;
+    c.input_scale = 30.0f;
+    add(c);
+  }
   return cases;
 }
 
@@ -187,7 +197,8 @@ void check_against_reference(const Problem& problem) {
   const double tol = tolerance(ref.out, problem.plain(flash_path).out);
   const double chunked_tol =
       chunked_path == flash_path ? tol : tolerance(ref.out, problem.plain(chunked_path).out);
-  const double lse_tol = 2e-5 * std::max(1.0, max_abs(ref.lse));
+  const double lse_tol = tolerance(ref.lse, problem.plain(flash_path).lse);
+  const double chunked_lse_tol = tolerance(ref.lse, problem.plain(chunked_path).lse);
   // The reference honours the contract too: fully masked rows give out 0 / lse -inf, no NaN.
   for (float x : ref.out) ASSERT_FALSE(std::isnan(x));
 
@@ -199,7 +210,7 @@ void check_against_reference(const Problem& problem) {
   for (std::int64_t chunk : {1, 128, 1000}) {
     const Result chunked = problem.run(Kernel::kChunked, true, 0, chunk);
     expect_close("out", "chunked", chunked.out, ref.out, chunked_tol);
-    expect_close("lse", "chunked", chunked.lse, ref.lse, lse_tol);
+    expect_close("lse", "chunked", chunked.lse, ref.lse, chunked_lse_tol);
     expect_close("probs", "chunked", chunked.probs, ref.probs, 2e-5);
     chunked_err = std::max(chunked_err, max_abs_diff(chunked.out, ref.out));
   }
