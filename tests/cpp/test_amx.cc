@@ -19,10 +19,10 @@
 #include "core/float16.h"
 #include "core/splitmix64.h"
 #include "hwy/aligned_allocator.h"
+#include "kernel_cases.h"
 #include "kernels/cpu/amx.h"
 #include "kernels/cpu/fast_exp.h"
 #include "kernels/product_path.h"
-#include "kernel_cases.h"
 
 namespace qkv::testing {
 namespace {
@@ -233,10 +233,16 @@ TEST(Amx, F16SplitDropsTheLoLoProductsAndLseSaysSo) {
   Problem problem(c);
   const float a = 30.0f + 3.0f / 64.0f, lo = a - round_to_bf16(a);
   ASSERT_EQ(lo, 3.0f / 64.0f);
-  for (std::size_t i = 0; i < problem.q.size(); ++i) problem.q[i] = i % 2 == 0 ? a : -30.0f;
-  for (std::size_t i = 0; i < problem.k.size(); ++i) problem.k[i] = i % 2 == 0 ? a : 30.0f;
-  for (std::size_t i = 0; i < problem.q.size(); ++i) problem.q16[i] = f32_to_f16_bits(problem.q[i]);
-  for (std::size_t i = 0; i < problem.k.size(); ++i) problem.k16[i] = f32_to_f16_bits(problem.k[i]);
+  // Rows (a, second): the f32 values the reference reads and the f16 bits the kernels read.
+  const auto fill = [&](std::vector<float>& values, std::vector<std::uint16_t>& bits,
+                        float second) {
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      values[i] = i % 2 == 0 ? a : second;
+      bits[i] = f32_to_f16_bits(values[i]);
+    }
+  };
+  fill(problem.q, problem.q16, -30.0f);
+  fill(problem.k, problem.k16, 30.0f);
   const double dropped = static_cast<double>(lo) * lo / std::sqrt(2.0);
   const Result ref = problem.run(Kernel::kReference, false);
   for (bool tiles : {true, false}) {

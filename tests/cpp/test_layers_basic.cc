@@ -248,7 +248,8 @@ TEST(LayersLinear, Bf16RoundingKernelMatchesTheScalarOne) {
       layers::round_to_bf16_kernel(in, static_cast<std::int64_t>(n), bits.data());
       layers::round_to_bf16_kernel(in, static_cast<std::int64_t>(n), values.data());
       for (std::size_t i = 0; i < n; ++i) {
-        ASSERT_EQ(bits[i], f32_to_bf16_bits(in[i])) << std::hex << std::bit_cast<std::uint32_t>(in[i]);
+        ASSERT_EQ(bits[i], f32_to_bf16_bits(in[i]))
+            << std::hex << std::bit_cast<std::uint32_t>(in[i]);
         ASSERT_EQ(std::bit_cast<std::uint32_t>(values[i]),
                   std::bit_cast<std::uint32_t>(round_to_bf16(in[i])))
             << std::hex << std::bit_cast<std::uint32_t>(in[i]);
@@ -356,9 +357,9 @@ TEST(LayersLayerNorm, SweepWithAndWithoutResidual) {
 
         std::vector<float> y(rows * features);
         norm.forward(x.data(), nullptr, rows, y.data());
-        expect_close(y,
-                     layer_norm_ref(to_f64(x), {}, rows, features, to_f64(gamma), to_f64(beta), eps),
-                     3e-5, what + " no residual");
+        expect_close(
+            y, layer_norm_ref(to_f64(x), {}, rows, features, to_f64(gamma), to_f64(beta), eps),
+            3e-5, what + " no residual");
 
         const Vec ref_res =
             layer_norm_ref(to_f64(x), to_f64(r), rows, features, to_f64(gamma), to_f64(beta), eps);
