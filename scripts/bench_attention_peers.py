@@ -25,12 +25,15 @@ Peers (DESIGN.md section 6: timed in the same run, reported as ratios):
                          on the torch peers' tensors (--python-module; the report then compares
                          its ratio to torch with the CLI's, same rounds)
   qkv-f32, qkv-bf16      `qkv bench --json --shape B,Hq,Hkv,Lq,Lk,D [--causal] --dtype T
-                         --threads N`, one process per round; its JSON carries the fp32 FMA
-                         peak (peak_gflops) and read bandwidth measured in the same process
+                         --threads N` (bf16 with --out-dtype input: out in bf16, as torch's
+                         bf16 SDPA returns it), one process per round; its JSON carries the
+                         fp32 FMA peak (peak_gflops) and read bandwidth measured in the same
+                         process
 
 Shapes (issue 4): B=1, H=8, D in {64, 128}, Lq = Lk = L in {1024, 4096, 16384}, causal and
 not; decode Lq=1, D=128: Lk=32768, Hq=32, Hkv=8 (GQA) and Lk=16384, Hq=Hkv=32 (multi-head).
---quick drops L=16384.
+--quick drops L=16384. --model-shapes times shapes of real models instead (batched encoders
+and a GQA decoder's prefill; model_cases below), no decode.
 
 Method: each implementation is warmed up, then timed once per round; rounds interleave the
 implementations (rotating their order) so that they share the machine's noise, and the median
@@ -106,6 +109,15 @@ def default_cases(lengths):
     # Decode steps: GQA 32:8 (issue 16's shape) and multi-head (Hq = Hkv = 32, as in models
     # without GQA), both D = 128 against a long KV cache.
     return cases + [Case(1, 32, 8, 1, 32768, 128, False), Case(1, 32, 32, 1, 16384, 128, False)]
+
+
+def model_cases():
+    """Shapes of real models' attention: a batch of short sequences through a BERT-base /
+    MiniLM-sized encoder (12 heads of 64), longer ones, and a Llama-style GQA prefill (32 query
+    heads on 8 kv heads of 128, causal), one long and a batch of four shorter."""
+    return [Case(32, 12, 12, 128, 128, 64, False), Case(8, 12, 12, 512, 512, 64, False),
+            Case(4, 16, 16, 1024, 1024, 64, False), Case(1, 32, 8, 2048, 2048, 128, True),
+            Case(4, 32, 8, 512, 512, 128, True)]
 
 
 class Skip(Exception):
@@ -357,9 +369,11 @@ class Qkv:
 
     def command(self, case, threads, repeats):
         shape = f"{case.B},{case.Hq},{case.Hkv},{case.Lq},{case.Lk},{case.D}"
+        # bf16: out in bf16 too (--out-dtype input), as torch's bf16 SDPA returns it.
         return [str(self.binary), "bench", "--json", "--shape", shape, "--dtype", self.dtype,
                 "--threads", str(threads), "--repeats", str(repeats)] + (
-                    ["--causal"] if case.causal else [])
+                    ["--causal"] if case.causal else []) + (
+                    ["--out-dtype", "input"] if self.dtype != "f32" else [])
 
     def run(self, case, threads, repeats):
         """Returns qkv bench's JSON object for the case; raises Skip when qkv refuses it."""
@@ -661,6 +675,8 @@ def main():
     parser = argparse.ArgumentParser(
         description="qkv attention vs PyTorch SDPA and ONNX Runtime, same run, same threads.")
     parser.add_argument("--quick", action="store_true", help="L in {1024, 4096} + decode")
+    parser.add_argument("--model-shapes", action="store_true",
+                        help="real models' shapes instead (batched encoders, GQA prefill)")
     parser.add_argument("--lengths", help="comma list of L instead of the default set")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per case")
@@ -689,7 +705,7 @@ def main():
 
     lengths = ([int(x) for x in args.lengths.split(",")] if args.lengths
                else [1024, 4096] if args.quick else [1024, 4096, 16384])
-    cases = default_cases(lengths)
+    cases = model_cases() if args.model_shapes else default_cases(lengths)
     if args.no_decode and args.decode_only:
         parser.error("--no-decode and --decode-only leave nothing to run")
     if args.no_decode:

@@ -70,7 +70,8 @@ struct AttentionParams {
 };
 
 struct AttentionOutputs {
-  TensorView out = {};    // required, f32, [B, Lq, Hq, Dv]
+  TensorView out = {};    // required, [B, Lq, Hq, Dv]: f32, or bf16/f16 like q, k and v (the f32
+                          // result rounded to nearest even; attention() only)
   TensorView lse = {};    // optional, f32, [B, Hq, Lq, 1]; natural log; -inf for fully masked rows
   TensorView probs = {};  // optional, f32, [B, Hq, Lq, Lk]; not available from Kernel::kFlash
 };

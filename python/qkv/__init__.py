@@ -92,6 +92,38 @@ def _empty(framework: str, shape: Tuple[int, ...], f64: bool = False) -> Any:
     return np.empty(shape, np.float64 if f64 else np.float32)
 
 
+_DTYPE_KEYS = {"float32": "f32", "f32": "f32", "bfloat16": "bf16", "bf16": "bf16",
+               "float16": "f16", "f16": "f16", "half": "f16"}
+
+
+def _dtype_key(name: str, dtype: Any) -> str:
+    """"f32", "bf16" or "f16" for a dtype name ("float32", "bfloat16", "float16", "f32", "bf16",
+    "f16") or a numpy / torch / JAX dtype; ValueError naming `name` for anything else."""
+    text = str(dtype).replace("torch.", "")
+    if text not in _DTYPE_KEYS:
+        try:
+            text = np.dtype(dtype).name
+        except TypeError:
+            pass
+    if text not in _DTYPE_KEYS:
+        raise ValueError(f"{name}: expected float32, bfloat16 or float16, got {dtype!r}")
+    return _DTYPE_KEYS[text]
+
+
+def _empty_half(framework: str, shape: Tuple[int, ...], key: str) -> Any:
+    """A bfloat16 ("bf16") or float16 ("f16") array for out: torch for torch inputs, else numpy
+    (ml_dtypes' bfloat16; jax converts after)."""
+    if framework == "torch":
+        import torch
+        return torch.empty(shape, dtype=torch.bfloat16 if key == "bf16" else torch.float16)
+    if key == "f16":
+        return np.empty(shape, np.float16)
+    if _NUMPY_BF16 is None:  # pragma: no cover - numpy bf16 inputs come with ml_dtypes
+        raise ValueError("out_dtype: bfloat16 numpy outputs need ml_dtypes (pip install "
+                         "ml_dtypes)")
+    return np.empty(shape, _NUMPY_BF16)
+
+
 def _is_f64(x: Any) -> bool:
     """Whether x holds float64 (the reference kernel's gradient-check path: float64 outputs)."""
     return str(getattr(x, "dtype", "")) in ("float64", "torch.float64")
@@ -159,7 +191,7 @@ def attention(q: Array, k: Array, v: Array, *, layout: str = "bshd", causal: boo
               sparsity: Optional[Sparsity] = None, kernel: str = "auto", num_threads: int = 0,
               dropout_p: float = 0.0, seed: int = 0, offset: int = 0,
               return_lse: bool = False, return_weights: bool = False,
-              out: Optional[Array] = None) -> Any:
+              out: Optional[Array] = None, out_dtype: Any = None) -> Any:
     """Exact scaled dot-product attention (qkv::attention; docs/semantics.md).
 
     Shapes with layout="bshd" (default; with "bhsd" each of q, k, v, out is (B, H, L, D)):
@@ -192,9 +224,13 @@ def attention(q: Array, k: Array, v: Array, *, layout: str = "bshd", causal: boo
     every kernel, in attention_backward and on any thread count (lse and weights stay the
     softmax's; docs/training.md). Not from kernel "chunked".
 
-    Returns out, or a tuple (out, lse), (out, weights) or (out, lse, weights) as asked, all
-    float32 in q's framework. out=: a writable float32 array of out's shape to write into
-    (nothing is written when an error is raised).
+    Returns out, or a tuple (out, lse), (out, weights) or (out, lse, weights) as asked, in q's
+    framework: lse and weights float32, out float32 unless out_dtype or out= say otherwise.
+    out_dtype: float32 (None, the default) or, for bfloat16 / float16 q, k and v, their dtype
+    (a name or a numpy / torch / JAX dtype): out is then the float32 result rounded to nearest
+    even, written by the kernel (no float32 copy; half the memory). out=: a writable array of
+    out's shape to write into, float32 or q's bfloat16 / float16 (nothing is written when an
+    error is raised); not with out_dtype.
     """
     framework = _framework(q)
     f64 = _is_f64(q)
@@ -202,10 +238,23 @@ def attention(q: Array, k: Array, v: Array, *, layout: str = "bshd", causal: boo
     q_shape = _shape("q", q, "(B, Hq, Lq, D) for layout 'bhsd'" if bhsd else "(B, Lq, Hq, D)")
     v_shape = _shape("v", v, "(B, Hkv, Lk, Dv) for layout 'bhsd'" if bhsd else "(B, Lk, Hkv, Dv)")
     batch, seq_q, heads_q = (q_shape[0], q_shape[2], q_shape[1]) if bhsd else q_shape[:3]
+    half = None  # "bf16" / "f16": out in the inputs' dtype
+    if out_dtype is not None:
+        if out is not None:
+            raise ValueError("out_dtype: give out= or out_dtype, not both (out= has its dtype)")
+        want = _dtype_key("out_dtype", out_dtype)
+        have = "f64" if f64 else _dtype_key("q", getattr(q, "dtype", None))
+        if want != "f32" or f64:
+            if want != have:
+                raise ValueError(f"out_dtype: {out_dtype!r} is neither float32 nor q's dtype "
+                                 f"({getattr(q, 'dtype', None)}); out is float32 or the "
+                                 f"inputs' bfloat16 / float16")
+            half = want
     if out is None:
         out_shape = ((batch, heads_q, seq_q, v_shape[3]) if bhsd
                      else (batch, seq_q, heads_q, v_shape[3]))
-        out = _empty(framework, out_shape, f64)
+        out = _empty_half(framework, out_shape, half) if half else _empty(framework, out_shape,
+                                                                           f64)
     lse = _empty(framework, (batch, heads_q, seq_q), f64) if return_lse else None
     weights = None
     if return_weights:
@@ -213,7 +262,9 @@ def attention(q: Array, k: Array, v: Array, *, layout: str = "bshd", causal: boo
         weights = _empty(framework, (batch, heads_q, seq_q, k_shape[2] if bhsd else k_shape[1]),
                          f64)
     q, k, v, bits, mask, bias, left, right = _shared(q, k, v, mask, bias, sparsity, window)
-    _qkv.attention(q, k, v, _input("out", out)[0], None if lse is None else _input("lse", lse)[0],
+    out_array, out_bits = _input("out", out)
+    bits |= out_bits << 3
+    _qkv.attention(q, k, v, out_array, None if lse is None else _input("lse", lse)[0],
                    None if weights is None else _input("weights", weights)[0], mask, bias,
                    _lengths(key_lengths), sparsity,
                    None if scale is None else float(scale), float(softcap), bool(causal), align,
@@ -300,25 +351,13 @@ def linear_attention(q: Array, k: Array, v: Array, *, layout: str = "bshd",
     return _result(framework, out)
 
 
-_PATH_DTYPES = {"float32": "f32", "f32": "f32", "bfloat16": "bf16", "bf16": "bf16",
-                "float16": "f16", "f16": "f16", "half": "f16"}
-
-
 def product_path(dtype: Any = "float32") -> str:
     """The instructions qkv's flash kernel multiplies q, k and v of this dtype with on this CPU
     (the products the `qkv bench` rows name): "f32-fma"; "bf16-amx" (AMX tiles, a CPU with
     AMX-BF16), "bf16-vdpbf16ps" (AMD CPUs with AVX512-BF16) or "bf16-widened-fma"; "f16-amx-split"
     or "f16-widened-fma". dtype: a name ("float32", "bfloat16", "float16", "f32", "bf16", "f16")
     or a numpy / torch / JAX dtype."""
-    name = str(dtype).replace("torch.", "")
-    if name not in _PATH_DTYPES:
-        try:
-            name = np.dtype(dtype).name
-        except TypeError:
-            pass
-    if name not in _PATH_DTYPES:
-        raise ValueError(f"dtype: expected float32, bfloat16 or float16, got {dtype!r}")
-    return _qkv._product_path(_PATH_DTYPES[name])
+    return _qkv._product_path(_dtype_key("dtype", dtype))
 
 
 def longformer(window: int = 256, dilation: int = 1, global_: Sequence[int] = ()) -> Sparsity:

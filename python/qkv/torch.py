@@ -35,7 +35,8 @@ import qkv
 __all__ = ["scaled_dot_product_attention"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-# The dtypes qkv computes and returns as they are (the others return float32, converted back).
+# The dtypes whose out qkv writes as float32 / float64 (bfloat16 and float16 get out in their
+# own dtype, rounded by the kernel: qkv.attention's out_dtype).
 _NATIVE_OUT = (torch.float32, torch.float64)
 
 
@@ -103,12 +104,14 @@ def _sdpa_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     for float64 inputs)."""
     _check(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     mask, bias = _mask_and_bias(query, key, attn_mask)
+    # bfloat16 / float16 out straight from the kernel (the float32 result rounded to nearest
+    # even, as .to(query.dtype) would give): no float32 buffer to fault in, no copy.
     out, lse = qkv.attention(_as_4d(query), _as_4d(key), _as_4d(value), layout="bhsd",
                              causal=is_causal, align="top_left", mask=mask, bias=bias,
                              scale=scale, num_threads=torch.get_num_threads(),
-                             dropout_p=dropout_p, seed=seed, return_lse=True)
-    out = out.reshape(*query.shape[:-1], value.shape[-1])
-    return (out if query.dtype in _NATIVE_OUT else out.to(query.dtype)), lse
+                             dropout_p=dropout_p, seed=seed, return_lse=True,
+                             out_dtype=None if query.dtype in _NATIVE_OUT else query.dtype)
+    return out.reshape(*query.shape[:-1], value.shape[-1]), lse
 
 
 @_sdpa_forward.register_fake

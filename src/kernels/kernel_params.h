@@ -44,6 +44,10 @@ struct AttentionKernelParams {
   std::int64_t lse_stride[3];
   float* probs;  // nullable; [B, Hq, Lq, Lk]
   std::int64_t probs_stride[4];
+  // out in the inputs' dtype (bf16 or f16 bits, out_stride): when set, out is null and every
+  // kernel rounds its f32 result to nearest even into it (DESIGN.md: outputs f32 or the input
+  // dtype). attention() only; lse and probs stay f32.
+  std::uint16_t* out16 = nullptr;
   double* out_f64 = nullptr;  // dtype f64: out, lse (nullable) and probs (nullable), same strides
   double* lse_f64 = nullptr;
   double* probs_f64 = nullptr;

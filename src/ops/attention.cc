@@ -30,7 +30,8 @@ const char* resolved_kernel_name(const AttentionParams& params, const AttentionO
 const char* resolved_product_path(const TensorView& q, const TensorView& k, const TensorView& v,
                                   const AttentionOutputs& outputs, const AttentionParams& params) {
   ops::PreparedAttention prepared;
-  ops::prepare_attention(q, k, v, outputs, params, nullptr, prepared);
+  ops::prepare_attention(q, k, v, outputs, params, nullptr, prepared,
+                         /*out_in_input_dtype=*/true);
   const DType dtype = prepared.params.dtype;
   if (dtype == DType::kF64) return "reference-f64";
   switch (prepared.kernel) {
@@ -53,7 +54,9 @@ void run_attention(const TensorView& q, const TensorView& k, const TensorView& v
                    const AttentionOutputs& outputs, const AttentionParams& params,
                    const BlockPositions* block) {
   ops::PreparedAttention prepared;
-  ops::prepare_attention(q, k, v, outputs, params, block, prepared);
+  // out in the inputs' dtype for attention() only (a block's out is merged in f32).
+  ops::prepare_attention(q, k, v, outputs, params, block, prepared,
+                         /*out_in_input_dtype=*/block == nullptr);
   const AttentionKernelParams& p = prepared.params;
   switch (prepared.kernel) {
     case Kernel::kReference:

@@ -71,11 +71,12 @@ void validate_block(const BlockPositions& b, std::int64_t seq_q, std::int64_t se
 
 void prepare_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                        const AttentionOutputs& outputs, const AttentionParams& params,
-                       const BlockPositions* block, PreparedAttention& prepared) {
+                       const BlockPositions* block, PreparedAttention& prepared,
+                       bool out_in_input_dtype) {
   // q: [B, Lq, Hq, D]  k: [B, Lk, Hkv, D]  v: [B, Lk, Hkv, Dv]  out: [B, Lq, Hq, Dv]
   const TensorView& out = outputs.out;
-  const AttentionShape shape =
-      validate_operands(q, k, v, out, /*half_inputs=*/true, kDtypeHint);
+  const AttentionShape shape = validate_operands(q, k, v, out, /*half_inputs=*/true, kDtypeHint,
+                                                 out_in_input_dtype && block == nullptr);
   const std::int64_t batch = shape.batch, seq_q = shape.seq_q, num_heads_q = shape.num_heads_q;
   const std::int64_t head_dim = shape.head_dim, seq_kv = shape.seq_kv;
 
@@ -159,6 +160,10 @@ void prepare_attention(const TensorView& q, const TensorView& k, const TensorVie
   if (!probs.empty()) {
     p.probs = static_cast<float*>(probs.data);
     for (int d = 0; d < 4; ++d) p.probs_stride[d] = probs.strides[d];
+  }
+  if (out.dtype == DType::kBF16 || out.dtype == DType::kF16) {  // the inputs' dtype
+    p.out16 = static_cast<std::uint16_t*>(out.data);
+    p.out = nullptr;
   }
   if (f64) {  // the same memory as doubles (kernel_params.h)
     p.out_f64 = static_cast<double*>(out.data);

@@ -27,9 +27,12 @@ struct PreparedAttention {
 };
 
 // `block` (nullable) places q and k in longer sequences (attention_block).
+// `out_in_input_dtype`: out may be bf16/f16 like the inputs (attention() only; the kernels
+// round into params.out16); else it is f32 (f64 for f64 inputs).
 void prepare_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                        const AttentionOutputs& outputs, const AttentionParams& params,
-                       const BlockPositions* block, PreparedAttention& prepared);
+                       const BlockPositions* block, PreparedAttention& prepared,
+                       bool out_in_input_dtype = false);
 
 // kAuto: flash, unless probabilities are requested (then chunked; with dropout the
 // reference, as the chunked kernel has none).

@@ -82,7 +82,7 @@ void require_output_dtype(const char* name, const TensorView& view, DType input)
 
 AttentionShape validate_operands(const TensorView& q, const TensorView& k, const TensorView& v,
                                  const TensorView& out, bool half_inputs,
-                                 const std::string& dtype_hint) {
+                                 const std::string& dtype_hint, bool out_in_input_dtype) {
   const std::pair<const char*, const TensorView*> operands[] = {
       {"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}};
   for (const auto& [name, view] : operands) {
@@ -99,7 +99,16 @@ AttentionShape validate_operands(const TensorView& q, const TensorView& k, const
                   dtype_name(q.dtype) + " (q, k and v must share one dtype)");
     }
   }
-  require_output_dtype("out", out, q.dtype);
+  const bool half_in = q.dtype == DType::kBF16 || q.dtype == DType::kF16;
+  if (out_in_input_dtype && half_in) {
+    if (out.dtype != DType::kF32 && out.dtype != q.dtype) {
+      throw Error(std::string("out: dtype ") + dtype_name(out.dtype) +
+                  " is not supported (expected f32, or " + dtype_name(q.dtype) +
+                  " as q, k and v are)");
+    }
+  } else {
+    require_output_dtype("out", out, q.dtype);
+  }
   require_same("q", q, 0, "k", k, 0, "batch (dim 0)");
   require_same("k", k, 0, "v", v, 0, "batch (dim 0)");
   require_same("k", k, 1, "v", v, 1, "seq_kv (dim 1)");

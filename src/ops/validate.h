@@ -47,11 +47,11 @@ void require_output_dtype(const char* name, const TensorView& view, DType input)
 
 // q: [B, Lq, Hq, D]  k: [B, Lk, Hkv, D]  v: [B, Lk, Hkv, Dv]  out: [B, Lq, Hq, Dv]
 // Each present, sizes >= 1, consistent, Hq a multiple of Hkv, out writable and f32 (f64 for f64
-// inputs). q, k and v share one dtype: f32, or bf16/f16/f64 when `half_inputs` (else the error
-// ends with `dtype_hint`).
+// inputs; or, when `out_in_input_dtype`, bf16/f16 like bf16/f16 inputs). q, k and v share one
+// dtype: f32, or bf16/f16/f64 when `half_inputs` (else the error ends with `dtype_hint`).
 AttentionShape validate_operands(const TensorView& q, const TensorView& k, const TensorView& v,
                                  const TensorView& out, bool half_inputs,
-                                 const std::string& dtype_hint);
+                                 const std::string& dtype_hint, bool out_in_input_dtype = false);
 
 // Copies the sizes, data pointers and strides of validated operands into a kernel's params
 // struct (AttentionKernelParams, LinearKernelParams: the same field names).

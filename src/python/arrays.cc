@@ -124,8 +124,9 @@ Held<InArray> input_view(const char* name, nb::handle object, const Expect& expe
   return view_of<InArray>(name, object, expect, bf16_bits);
 }
 
-Held<OutArray> output_view(const char* name, nb::handle object, const Expect& expect) {
-  return view_of<OutArray>(name, object, expect, false);
+Held<OutArray> output_view(const char* name, nb::handle object, const Expect& expect,
+                           bool bf16_bits) {
+  return view_of<OutArray>(name, object, expect, bf16_bits);
 }
 
 std::uintptr_t data_address(nb::handle object) {

@@ -52,7 +52,8 @@ struct Expect {
 // read-only array).
 Held<InArray> input_view(const char* name, nb::handle object, const Expect& expect,
                          bool bf16_bits = false);
-Held<OutArray> output_view(const char* name, nb::handle object, const Expect& expect);
+Held<OutArray> output_view(const char* name, nb::handle object, const Expect& expect,
+                           bool bf16_bits = false);
 
 // The address of the first element nanobind sees for `object` (tests check zero copy with it).
 std::uintptr_t data_address(nb::handle object);

@@ -37,7 +37,7 @@ namespace {
 using namespace nb::literals;
 
 // Which of q, k, v hold bfloat16 as uint16 words (arrays.h, dtype_of).
-constexpr int kQBits = 1, kKBits = 2, kVBits = 4;
+constexpr int kQBits = 1, kKBits = 2, kVBits = 4, kOutBits = 8;
 
 // q, k, v and out in the caller's layout, as the library's logical BSHD views.
 struct Operands {
@@ -70,12 +70,14 @@ Operands operands(nb::handle q, nb::handle k, nb::handle v, nb::handle out,
                  {4, 4, bhsd ? "4: (B, Hkv, Lk, Dv) for layout 'bhsd'" : "4: (B, Lk, Hkv, Dv)",
                   kInputs, kInputNames},
                  bf16_bits & kVBits),
+      // (bfloat16 / float16 like q, k and v: attention's out only; the library checks.)
       output_view("out", out,
                   {4,
                    4,
                    bhsd ? "4: (B, Hq, Lq, Dv) for layout 'bhsd'" : "4: (B, Lq, Hq, Dv)",
-                   {DType::kF32, DType::kF64},
-                   "float32 (float64 for float64 inputs)"}),
+                   {DType::kF32, DType::kF64, DType::kBF16, DType::kF16},
+                   "float32 (float64 for float64 inputs), or bfloat16 / float16 as q, k and v"},
+                  bf16_bits & kOutBits),
       bhsd};
   if (bhsd) {
     for (TensorView* view : {&o.q.view, &o.k.view, &o.v.view, &o.out.view}) {

@@ -60,6 +60,9 @@ constexpr const char* kBenchUsage =
     "                   fp32_peak_gflops), and the AMX tile peak where bf16 or f16 has it\n"
     "                   (amx_peak_gflops; %peak of bf16-amx and f16-amx-split rows divides\n"
     "                   by it)\n"
+    "  --out-dtype O    f32 (default) or input: out stored as --dtype (bf16/f16: the f32 result\n"
+    "                   rounded by the kernel, as torch's bf16 SDPA returns; json: out_dtype).\n"
+    "                   The forward only (not with --backward or --linear)\n"
     "  --products P     auto (default: the CPU's choice, as above); or the flash kernel's product\n"
     "                   path to pin for --dtype, a comma list of them, or all (every path this\n"
     "                   CPU runs for --dtype, its own choice first), to compare paths on one\n"
@@ -110,6 +113,7 @@ struct BenchOptions {
   int repeats = 5;
   bool repeats_given = false;
   DType dtype = DType::kF32;
+  bool out_in_input_dtype = false;  // --out-dtype input: out stored as --dtype (bf16/f16)
   std::optional<LinearAttentionParams> linear;  // --linear: time linear_attention instead
   SparseCliOptions sparse;                      // --sparse, --sparse-layout, --sparse-block
   bool backward = false;                        // --backward: time attention_backward
@@ -221,6 +225,12 @@ BenchOptions parse_options(std::vector<std::string> argv, bool* help) {
       } else {
         throw UsageError("--dtype: expected f32, bf16 or f16, got '" + dtype + "'");
       }
+    } else if (arg == "--out-dtype") {
+      const std::string out = args.value(arg);
+      if (out != "f32" && out != "input") {
+        throw UsageError("--out-dtype: expected f32 or input, got '" + out + "'");
+      }
+      options.out_in_input_dtype = out == "input";
     } else if (arg == "--products") {
       parse_products(args.value(arg), options);
     } else if (arg == "--threads") {
@@ -246,6 +256,10 @@ BenchOptions parse_options(std::vector<std::string> argv, bool* help) {
   }
   check_sparse_options(options.sparse);
   if (options.backward && options.linear) throw UsageError("--backward: not available with --linear");
+  if (options.out_in_input_dtype && (options.backward || options.linear)) {
+    throw UsageError(std::string("--out-dtype input: attention's forward only (") +
+                     (options.backward ? "--backward" : "--linear") + " writes f32)");
+  }
   if (options.backward) {
     for (Kernel kernel : options.kernels) {
       if (kernel == Kernel::kChunked) {
@@ -356,6 +370,13 @@ std::vector<BenchResult> run_case(const BenchCase& c, Kernel kernel, const Bench
   const TensorView v_view = operand(v, v_bits, kv_sizes);
   AttentionOutputs outputs;
   outputs.out = TensorView::contiguous(out.data(), DType::kF32, q_sizes);
+  // --out-dtype input: out stored as the inputs' bf16/f16 (the kernels round into it).
+  std::vector<std::uint16_t> out16;
+  if (options.out_in_input_dtype && options.dtype != DType::kF32) {
+    std::vector<float>().swap(out);
+    out16.assign(q_bits.size(), 0);  // zero-filled: resident before timing
+    outputs.out = TensorView::contiguous(out16.data(), options.dtype, q_sizes);
+  }
   AttentionParams params;
   params.causal = c.causal;
   params.kernel = kernel;
@@ -520,13 +541,14 @@ struct Probes {
   }
 };
 
-void print_json(const BenchCase& c, const BenchResult& r, int threads, DType dtype,
+void print_json(const BenchCase& c, const BenchResult& r, int threads, DType dtype, DType out_dtype,
                 const Probes& probes) {
   const tools::FmaPeak& peak = probes.peak_for(r);
   const tools::ReadBandwidth& bandwidth = probes.bandwidth;
   const double kv_gbs = kv_gbytes_per_second(c, r, dtype);
   std::printf(
-      "{\"kernel\": \"%s\", \"dtype\": \"%s\", \"B\": %lld, \"Hq\": %lld, \"Hkv\": %lld, "
+      "{\"kernel\": \"%s\", \"dtype\": \"%s\", \"out_dtype\": \"%s\", \"B\": %lld, \"Hq\": %lld, "
+      "\"Hkv\": %lld, "
       "\"Lq\": %lld, \"Lk\": %lld, \"D\": %lld, \"causal\": %s, \"sparse\": \"%s\", "
       "\"pairs\": %.17g, \"threads\": %d, "
       "\"seconds\": %.9g, \"repeats\": %d, \"calls_per_repeat\": %d, \"gflops\": %.6g, "
@@ -538,7 +560,7 @@ void print_json(const BenchCase& c, const BenchResult& r, int threads, DType dty
       "\"kv_fraction_of_read_bandwidth\": %.6g, \"read_gbytes_per_second_between_repeats\": %.6g, "
       "\"kv_fraction_of_read_between_repeats\": %.6g, \"fp32_peak_gflops\": %.6g, "
       "\"amx_peak_gflops\": %.6g}\n",
-      r.kernel.c_str(), dtype_name(dtype), static_cast<long long>(c.batch),
+      r.kernel.c_str(), dtype_name(dtype), dtype_name(out_dtype), static_cast<long long>(c.batch),
       static_cast<long long>(c.num_heads_q), static_cast<long long>(c.num_heads_kv),
       static_cast<long long>(c.seq_q), static_cast<long long>(c.seq_kv),
       static_cast<long long>(c.head_dim), c.causal ? "true" : "false", r.sparse.c_str(),
@@ -546,8 +568,7 @@ void print_json(const BenchCase& c, const BenchResult& r, int threads, DType dty
       finite(r.effective_gflops), finite(peak.gflops), finite(r.gflops / peak.gflops),
       finite(r.effective_gflops / peak.gflops), static_cast<long long>(r.memory.peak_extra_bytes()),
       static_cast<long long>(r.memory.scratch_peak_extra), r.memory.method, peak.hwy_target.c_str(),
-      r.products.c_str(),
-      finite(bandwidth.gbytes_per_second), finite(kv_gbs),
+      r.products.c_str(), finite(bandwidth.gbytes_per_second), finite(kv_gbs),
       finite(kv_gbs / bandwidth.gbytes_per_second), finite(r.read_between_repeats),
       finite(r.read_between_repeats > 0.0 ? kv_gbs / r.read_between_repeats : 0.0),
       finite(probes.fp32_peak.gflops), finite(probes.amx_peak.gflops));
@@ -664,7 +685,8 @@ int run_bench(std::vector<std::string> args) {
                    shape_text(c).c_str(), c.causal ? " causal" : "");
       for (const BenchResult& result : run_case(c, kernel, options, paths, threads)) {
         if (options.json) {
-          print_json(c, result, threads, options.dtype, probes);
+          print_json(c, result, threads, options.dtype,
+                     options.out_in_input_dtype ? options.dtype : DType::kF32, probes);
         } else {
           print_table_row(c, result, threads, options.dtype, probes);
         }

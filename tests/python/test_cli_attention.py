@@ -546,6 +546,30 @@ def test_bench_products_errors(cli, case):
     cli.fails("bench", "--shape", "1,2,1,70,90,16", "--repeats", "1", *args, expect=expect)
 
 
+@pytest.mark.parametrize("dtype,out_dtype", [("bf16", "input"), ("f16", "input"),
+                                             ("bf16", "f32"), ("f32", "input")])
+def test_bench_out_dtype(cli, dtype, out_dtype):
+    import json
+    result = cli.run("bench", "--json", "--shape", "1,2,1,70,90,16", "--repeats", "1",
+                     "--threads", "1", "--dtype", dtype, "--out-dtype", out_dtype)
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record["dtype"] == dtype
+    assert record["out_dtype"] == (dtype if out_dtype == "input" else "f32")
+    assert record["gflops"] > 0
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--out-dtype", "bf16"], ["--out-dtype: expected f32 or input, got 'bf16'"]),
+    (["--out-dtype", "input", "--backward"],
+     ["--out-dtype input: attention's forward only (--backward writes f32)"]),
+    (["--out-dtype", "input", "--linear", "elu"],
+     ["--out-dtype input: attention's forward only (--linear writes f32)"]),
+])
+def test_bench_out_dtype_errors(cli, args, expect):
+    cli.fails("bench", "--shape", "1,2,1,70,90,16", "--repeats", "1", *args, expect=expect)
+
+
 def test_bench_decode_sweeps_read_probe_between_repeats(cli):
     import json
     result = cli.run("bench", "--json", "--shape", "1,4,2,1,3000,32", "--repeats", "3",

@@ -217,8 +217,15 @@ void MergeSplits(const AttentionKernelParams& p, const SplitPartials& partials, 
     }
     const bool has_keys = row_sum > 0.0f;
     const float inv_sum = has_keys ? 1.0f / row_sum : 0.0f;
-    float* out = p.out + b * p.out_stride[0] + query * p.out_stride[1] + head * p.out_stride[2];
-    for (std::int64_t e = 0; e < dv; ++e) out[e * p.out_stride[3]] = acc[e] * inv_sum;
+    const std::int64_t out_row =
+        b * p.out_stride[0] + query * p.out_stride[1] + head * p.out_stride[2];
+    if (p.out16 != nullptr) {
+      for (std::int64_t e = 0; e < dv; ++e) {
+        p.out16[out_row + e * p.out_stride[3]] = f32_to_half_bits(p.dtype, acc[e] * inv_sum);
+      }
+    } else {
+      for (std::int64_t e = 0; e < dv; ++e) p.out[out_row + e * p.out_stride[3]] = acc[e] * inv_sum;
+    }
     if (p.lse != nullptr) {
       p.lse[b * p.lse_stride[0] + head * p.lse_stride[1] + query * p.lse_stride[2]] =
           has_keys ? std::fma(row_max, kLn2, std::log(row_sum)) : kNegInf;

@@ -61,6 +61,50 @@ inline void StartQueryBlock(const AttentionKernelParams& p, std::int64_t b, std:
   if (p.sparse.kind != SparseKernelParams::Kind::kNone) StartSparseBlock(p, qb);
 }
 
+// The block's out rows: ot^T * inv_sum, row by row, transposing squares of ot in registers
+// where out has unit stride along Dv (as PackQuery), the rest of Dv element by element; into
+// p.out, or rounded into p.out16 (kHalf).
+template <bool kHalf>
+inline void WriteOutRows(const AttentionKernelParams& p, const QueryBlock& qb,
+                         const float* inv_sum) {
+  const DF df;
+  const std::int64_t squares = p.out_stride[3] == 1 ? p.head_dim_v / kLanes * kLanes : 0;
+  for (std::int64_t l0 = 0; l0 < qb.num_q; l0 += kLanes) {
+    std::int64_t rows[kLanes];
+    for (std::int64_t r = 0; r < kLanes; ++r) {
+      const std::int64_t l = std::min(l0 + r, qb.num_q - 1);  // (lanes past num_q: not stored)
+      rows[r] = LaneRow(p.out_stride, qb, l);
+    }
+    const std::int64_t lanes = std::min(kLanes, qb.num_q - l0);
+    for (std::int64_t e0 = 0; e0 < squares; e0 += kLanes) {
+      VF v[kLanes];
+      HWY_UNROLL(16)
+      for (std::int64_t c = 0; c < kLanes; ++c)
+        v[c] = hn::Load(df, qb.ot + (e0 + c) * kBlockQ + l0);
+      TransposeSquare(df, v);
+      for (std::int64_t r = 0; r < lanes; ++r) {
+        const VF x = hn::Mul(v[r], hn::Set(df, inv_sum[l0 + r]));
+        if constexpr (kHalf) {
+          StoreHalfLanes(p.dtype, df, x, p.out16 + rows[r] + e0);
+        } else {
+          hn::StoreU(x, df, p.out + rows[r] + e0);
+        }
+      }
+    }
+    for (std::int64_t r = 0; r < lanes; ++r) {
+      for (std::int64_t e = squares; e < p.head_dim_v; ++e) {
+        const float x = qb.ot[e * kBlockQ + l0 + r] * inv_sum[l0 + r];
+        const std::int64_t at = rows[r] + e * p.out_stride[3];
+        if constexpr (kHalf) {
+          p.out16[at] = f32_to_half_bits(p.dtype, x);
+        } else {
+          p.out[at] = x;
+        }
+      }
+    }
+  }
+}
+
 // out = ot^T / row_sum (0 for rows with no allowed key), lse = row_max * ln2 + log(row_sum)
 // (-inf): row_max is the max in base 2 (online_softmax-inl.h).
 inline void FinishQueryBlock(const AttentionKernelParams& p, const QueryBlock& qb) {
@@ -79,31 +123,10 @@ inline void FinishQueryBlock(const AttentionKernelParams& p, const QueryBlock& q
         hn::MulAdd(hn::Load(df, qb.row_max + lane0), hn::Set(df, kLn2), hn::Log(df, safe_sum));
     hn::Store(hn::IfThenElse(has_keys, row_lse, hn::Set(df, kNegInf)), df, lse + lane0);
   }
-  // Row by row, transposing squares of ot in registers where out has unit stride along Dv (as
-  // PackQuery), the rest of Dv element by element.
-  const std::int64_t squares = p.out_stride[3] == 1 ? p.head_dim_v / kLanes * kLanes : 0;
-  for (std::int64_t l0 = 0; l0 < qb.num_q; l0 += kLanes) {
-    float* rows[kLanes];
-    for (std::int64_t r = 0; r < kLanes; ++r) {
-      const std::int64_t l = std::min(l0 + r, qb.num_q - 1);  // (lanes past num_q: not stored)
-      rows[r] = p.out + LaneRow(p.out_stride, qb, l);
-    }
-    const std::int64_t lanes = std::min(kLanes, qb.num_q - l0);
-    for (std::int64_t e0 = 0; e0 < squares; e0 += kLanes) {
-      VF v[kLanes];
-      HWY_UNROLL(16)
-      for (std::int64_t c = 0; c < kLanes; ++c)
-        v[c] = hn::Load(df, qb.ot + (e0 + c) * kBlockQ + l0);
-      TransposeSquare(df, v);
-      for (std::int64_t r = 0; r < lanes; ++r) {
-        hn::StoreU(hn::Mul(v[r], hn::Set(df, inv_sum[l0 + r])), df, rows[r] + e0);
-      }
-    }
-    for (std::int64_t r = 0; r < lanes; ++r) {
-      for (std::int64_t e = squares; e < p.head_dim_v; ++e) {
-        rows[r][e * p.out_stride[3]] = qb.ot[e * kBlockQ + l0 + r] * inv_sum[l0 + r];
-      }
-    }
+  if (p.out16 != nullptr) {
+    WriteOutRows<true>(p, qb, inv_sum);
+  } else {
+    WriteOutRows<false>(p, qb, inv_sum);
   }
   if (p.lse != nullptr) {
     for (std::int64_t l = 0; l < qb.num_q; ++l) {

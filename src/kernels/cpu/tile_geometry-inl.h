@@ -28,6 +28,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "core/float16.h"
 #include "hwy/highway.h"
 #include "kernels/kernel_params.h"
 
@@ -106,6 +107,31 @@ HWY_INLINE float WideElement(T x) {
   } else {
     return f16_bits_to_f32(x.bits);
   }
+}
+
+// dst[0 : kLanes] = x rounded to nearest even as `dtype` (kBF16 or kF16) bits, the bits
+// f32_to_half_bits gives (a NaN stays a NaN). bf16 in integer operations (Highway 1.0.3's
+// DemoteTo truncates), f16 by the hardware conversion (vcvtps2ph, F16C), element by element on
+// HWY_SCALAR (whose DemoteTo truncates too).
+HWY_INLINE void StoreHalfLanes(DType dtype, DF df, VF x, std::uint16_t* HWY_RESTRICT dst) {
+  if (dtype == DType::kBF16) {
+    using DU = hn::RebindToUnsigned<DF>;
+    const DU du;
+    const auto bits = hn::BitCast(du, x);
+    const auto odd = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
+    auto half = hn::ShiftRight<16>(hn::Add(bits, hn::Add(odd, hn::Set(du, 0x7fffu))));
+    half = hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(x)),
+                          hn::Or(hn::ShiftRight<16>(bits), hn::Set(du, 0x40u)), half);
+    const hn::Rebind<std::uint16_t, DU> du16;
+    hn::StoreU(hn::TruncateTo(du16, half), du16, dst);
+    return;
+  }
+#if HWY_TARGET == HWY_SCALAR
+  dst[0] = f32_to_f16_bits(hn::GetLane(x));
+#else
+  const hn::Rebind<hwy::float16_t, DF> df16;
+  hn::StoreU(hn::DemoteTo(df16, x), df16, reinterpret_cast<hwy::float16_t*>(dst));
+#endif
 }
 
 // Per-thread state of one query block. The rows of a block come from the flattened

@@ -6,8 +6,10 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "core/aligned_buffer.h"
+#include "core/float16.h"
 #include "core/parallel.h"
 #include "kernels/dropout_mask.h"
 #include "kernels/kernels.h"
@@ -60,7 +62,7 @@ void reference_one_head(const AttentionKernelParams& p, const Outputs<T>& o, std
         p.dropout_p > 0.0f
             ? dropout_row(p.dropout_seed, p.dropout_offset, b, h, i, p.num_heads_q, p.seq_q)
             : 0;
-    T* out = o.out + b * p.out_stride[0] + i * p.out_stride[1] + h * p.out_stride[2];
+    const std::int64_t out_row = b * p.out_stride[0] + i * p.out_stride[1] + h * p.out_stride[2];
     for (std::int64_t e = 0; e < p.head_dim_v; ++e) {
       double acc = 0.0;
       for (std::int64_t j = 0; j < lk; ++j) {
@@ -73,7 +75,14 @@ void reference_one_head(const AttentionKernelParams& p, const Outputs<T>& o, std
         const std::int64_t v_row = b * p.v_stride[0] + j * p.v_stride[1] + kv_head * p.v_stride[2];
         acc += weight * load_element_f64(p.v, p.dtype, v_row + e * p.v_stride[3]);
       }
-      out[e * p.out_stride[3]] = static_cast<T>(acc * inv_sum);
+      const std::int64_t at = out_row + e * p.out_stride[3];
+      if constexpr (std::is_same_v<T, float>) {
+        if (p.out16 != nullptr) {  // out in the inputs' dtype: the f32 result, rounded
+          p.out16[at] = f32_to_half_bits(p.dtype, static_cast<float>(acc * inv_sum));
+          continue;
+        }
+      }
+      o.out[at] = static_cast<T>(acc * inv_sum);
     }
     if (o.lse != nullptr) {
       o.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] =

@@ -128,6 +128,98 @@ def test_numpy_bf16_views_keep_their_strides(rng):
     np.testing.assert_array_equal(out, expected)
 
 
+# out in the inputs' dtype: the float32 result rounded to nearest even by the kernel
+
+OUT_HALF = {
+    "torch_bf16": (lambda x: torch.from_numpy(x).to(torch.bfloat16), torch.bfloat16,
+                   lambda out: out.to(torch.bfloat16)),
+    "torch_f16": (lambda x: torch.from_numpy(x).to(torch.float16), torch.float16,
+                  lambda out: out.to(torch.float16)),
+    "numpy_bf16": (lambda x: x.astype(ml_dtypes.bfloat16), "bfloat16",
+                   lambda out: out.astype(ml_dtypes.bfloat16)),
+    "numpy_f16": (lambda x: x.astype(np.float16), "f16", lambda out: out.astype(np.float16)),
+    "jax_bf16": (lambda x: jnp.asarray(x, dtype=jnp.bfloat16), jnp.bfloat16,
+                 lambda out: out.astype(jnp.bfloat16)),
+}
+
+
+def as_bits(x):
+    """The 16-bit words of a bf16 / f16 array of any framework, as numpy uint16."""
+    if isinstance(x, torch.Tensor):
+        return x.contiguous().view(torch.int16).numpy().view(np.uint16)
+    return np.asarray(x).view(np.uint16)
+
+
+@pytest.mark.parametrize("kernel", ["reference", "chunked", "flash"])
+@pytest.mark.parametrize("half", sorted(OUT_HALF))
+@pytest.mark.parametrize("case", ["plain", "gqa", "mask_empty_rows", "dv_ne_d"])
+def test_out_dtype_is_the_float32_out_rounded(rng, case, half, kernel):
+    convert, dtype, round_out = OUT_HALF[half]
+    problem = CASES[case](rng)
+    q, k, v = (convert(problem[name]) for name in ("q", "k", "v"))
+    options = options_of(problem)
+    out32, lse32 = qkv.attention(q, k, v, kernel=kernel, return_lse=True, **options)
+    out16, lse16 = qkv.attention(q, k, v, kernel=kernel, return_lse=True, out_dtype=dtype,
+                                 **options)
+    assert str(out16.dtype) == str(q.dtype)
+    assert type(out16) is type(out32)
+    np.testing.assert_array_equal(as_bits(out16), as_bits(round_out(out32)))
+    np.testing.assert_array_equal(np.asarray(lse16), np.asarray(lse32))
+
+
+def test_out_dtype_float32_and_half_out_arrays(rng):
+    p = make_problem(rng)
+    q, k, v = (torch.from_numpy(p[name]).to(torch.bfloat16) for name in ("q", "k", "v"))
+    expected = qkv.attention(q, k, v)
+    assert expected.dtype == torch.float32
+    np.testing.assert_array_equal(qkv.attention(q, k, v, out_dtype="float32").numpy(),
+                                  expected.numpy())
+    out = torch.full((2, 5, 4, 8), 7.0, dtype=torch.bfloat16)
+    assert qkv.attention(q, k, v, out=out) is out
+    np.testing.assert_array_equal(as_bits(out), as_bits(expected.to(torch.bfloat16)))
+    # numpy bf16 (ml_dtypes) and a strided half out.
+    n = [p[name].astype(ml_dtypes.bfloat16) for name in ("q", "k", "v")]
+    big = np.full((2, 10, 4, 8), 7.0, ml_dtypes.bfloat16)
+    qkv.attention(*n, out=big[:, ::2])
+    np.testing.assert_array_equal(as_bits(big[:, ::2]), as_bits(out))
+    assert (big[:, 1::2].astype(np.float32) == 7.0).all()
+
+
+@pytest.mark.parametrize("inputs,kwargs,error,fragment", [
+    ("f32", {"out_dtype": "bfloat16"}, ValueError,
+     "out_dtype: 'bfloat16' is neither float32 nor q's dtype"),
+    ("bf16", {"out_dtype": torch.float16}, ValueError,
+     "out_dtype: torch.float16 is neither float32 nor q's dtype"),
+    ("bf16", {"out_dtype": "int8"}, ValueError, "out_dtype: expected float32, bfloat16 or float16"),
+    ("bf16", {"out_dtype": "bf16", "out": torch.zeros(2, 5, 4, 8, dtype=torch.bfloat16)},
+     ValueError, "out_dtype: give out= or out_dtype, not both"),
+    ("f32", {"out": torch.zeros(2, 5, 4, 8, dtype=torch.bfloat16)}, ValueError,
+     "out: dtype bf16 is not supported (expected f32)"),
+    ("bf16", {"out": torch.zeros(2, 5, 4, 8, dtype=torch.float16)}, ValueError,
+     "out: dtype f16 is not supported (expected f32, or bf16 as q, k and v are)"),
+])
+def test_bad_out_dtype_raises_and_writes_nothing(rng, inputs, kwargs, error, fragment):
+    p = make_problem(rng)
+    q, k, v = (torch.from_numpy(p[name]) for name in ("q", "k", "v"))
+    if inputs == "bf16":
+        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    if "out" in kwargs:
+        kwargs["out"].fill_(7)
+    with pytest.raises(error) as info:
+        qkv.attention(q, k, v, **kwargs)
+    assert fragment in str(info.value)
+    if "out" in kwargs:
+        assert (kwargs["out"] == 7).all()
+
+
+def test_backward_refuses_a_half_out(rng):
+    p = make_problem(rng)
+    q, k, v = (torch.from_numpy(p[name]).bfloat16() for name in ("q", "k", "v"))
+    out, lse = qkv.attention(q, k, v, return_lse=True, out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"out: dtype bf16 is not supported \(expected f32\)"):
+        qkv.attention_backward(q, k, v, out, lse, torch.ones(2, 5, 4, 8))
+
+
 # ---------------------------------------------------------------------------------------------
 # Views without copies
 

@@ -100,6 +100,18 @@ def test_half_dtypes_match_torch(dtype, is_causal):
     check(q, k, v, atol=2e-2 if dtype == torch.bfloat16 else 2e-3, is_causal=is_causal)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_out_is_the_float32_result_rounded_once(dtype):
+    # The kernel writes out in the inputs' dtype (qkv.attention's out_dtype): the same bits as
+    # rounding its float32 out, with no float32 tensor in between.
+    q, k, v = tensors(13, dtype=dtype)
+    out = qt.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == dtype
+    out32 = qkv.attention(q, k, v, layout="bhsd", causal=True, align="top_left")
+    assert out32.dtype == torch.float32
+    assert torch.equal(out.view(torch.int16), out32.to(dtype).view(torch.int16))
+
+
 def test_bf16_float_mask():
     q, k, v = tensors(8, dtype=torch.bfloat16)
     bias = torch.randn(37, 53, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
