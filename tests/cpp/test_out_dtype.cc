@@ -50,58 +50,26 @@ std::vector<OutCase> out_cases() {
       cases.push_back(c);
     };
     // Wide blocks with a partial last one, Dv a multiple of the lanes.
-    add({.batch = 2,
-         .seq_q = 70,
-         .seq_kv = 47,
-         .num_heads_q = 4,
-         .num_heads_kv = 2,
-         .head_dim = 64});
+    add({.batch = 2, .seq_q = 70, .seq_kv = 47, .num_heads_q = 4, .num_heads_kv = 2});
+    cases.back().head_dim = 64;
     // Dv not a multiple of the lanes (element-by-element tail), D != Dv.
-    add({.batch = 1,
-         .seq_q = 33,
-         .seq_kv = 90,
-         .num_heads_q = 2,
-         .num_heads_kv = 1,
-         .head_dim = 40,
-         .head_dim_v = 24,
-         .causal = true});
+    add({.seq_q = 33, .seq_kv = 90, .num_heads_q = 2, .head_dim = 40, .head_dim_v = 24});
+    cases.back().causal = true;
     // Key lengths (an entry with none: rows of zeros), NaN past them, a window.
-    add({.batch = 3,
-         .seq_q = 20,
-         .seq_kv = 150,
-         .num_heads_q = 3,
-         .num_heads_kv = 3,
-         .head_dim = 32,
-         .window_left = 40,
-         .window_right = 5,
-         .key_lengths = true,
-         .nan_padding = true});
+    add({.batch = 3, .seq_q = 20, .seq_kv = 150, .num_heads_q = 3, .num_heads_kv = 3});
+    cases.back().window_left = 40;
+    cases.back().window_right = 5;
+    cases.back().key_lengths = cases.back().nan_padding = true;
     // BHSD strides, a random mask, large logits.
-    add({.batch = 2,
-         .seq_q = 65,
-         .seq_kv = 65,
-         .num_heads_q = 2,
-         .num_heads_kv = 2,
-         .head_dim = 48,
-         .mask = MaskKind::kRandom,
-         .input_scale = 8.0f,
-         .bhsd = true});
+    add({.batch = 2, .seq_q = 65, .seq_kv = 65, .num_heads_q = 2, .num_heads_kv = 2});
+    cases.back().mask = MaskKind::kRandom;
+    cases.back().input_scale = 8.0f;
+    cases.back().bhsd = true;
     // Decode: narrow blocks, GQA, the keys split (Lk >= 2048) and merged.
-    add({.batch = 2,
-         .seq_q = 1,
-         .seq_kv = 4099,
-         .num_heads_q = 32,
-         .num_heads_kv = 8,
-         .head_dim = 64,
-         .key_lengths = true});
-    add({.batch = 1,
-         .seq_q = 3,
-         .seq_kv = 2500,
-         .num_heads_q = 8,
-         .num_heads_kv = 1,
-         .head_dim = 128,
-         .causal = true,
-         .bhsd = true});
+    add({.batch = 2, .seq_q = 1, .seq_kv = 4099, .num_heads_q = 32, .num_heads_kv = 8});
+    cases.back().key_lengths = true;
+    add({.seq_q = 3, .seq_kv = 2500, .num_heads_q = 8, .head_dim = 128, .causal = true});
+    cases.back().bhsd = true;
   }
   std::vector<OutCase> out;
   for (const Case& c : cases) {
@@ -113,6 +81,24 @@ std::vector<OutCase> out_cases() {
 }
 
 class OutDtype : public ::testing::TestWithParam<OutCase> {};
+
+// q, k and v of a problem as attention() takes them: its bf16/f16 bits where the case has them.
+struct Inputs {
+  TensorView q, k, v;
+};
+Inputs stored_inputs(const Problem& pr) {
+  auto& self = const_cast<Problem&>(pr);
+  const Case& c = pr.spec();
+  Inputs in{pr.view(self.q, c.seq_q, c.num_heads_q, c.head_dim),
+            pr.view(self.k, c.seq_kv, c.num_heads_kv, c.head_dim),
+            pr.view(self.v, c.seq_kv, c.num_heads_kv, pr.head_dim_v())};
+  if (c.dtype == DType::kF32) return in;
+  for (auto [view, bits] : {std::pair{&in.q, &self.q16}, {&in.k, &self.k16}, {&in.v, &self.v16}}) {
+    view->data = bits->data();
+    view->dtype = c.dtype;
+  }
+  return in;
+}
 
 // The f32 out and lse of one call, and the bf16/f16 out (bits) and lse of another.
 struct TwoCalls {
@@ -128,25 +114,17 @@ TwoCalls run_both(const Problem& pr, Kernel kernel) {
   r.out = f32.out;
   r.lse = f32.lse;
   // The same call with out in the inputs' dtype: the f32 view's strides over 16-bit elements.
-  auto& self = const_cast<Problem&>(pr);
   const Case& c = pr.spec();
-  const std::int64_t dv = pr.head_dim_v();
   std::vector<float> scratch(r.out.size());
-  TensorView out = pr.view(scratch, c.seq_q, c.num_heads_q, dv);
+  TensorView out = pr.view(scratch, c.seq_q, c.num_heads_q, pr.head_dim_v());
   r.out16.assign(r.out.size(), 0x7777);
   out.data = r.out16.data();
   out.dtype = c.dtype;
   r.lse16.assign(r.lse.size(), 7.0f);
-  TensorView q = pr.view(self.q, c.seq_q, c.num_heads_q, c.head_dim);
-  TensorView k = pr.view(self.k, c.seq_kv, c.num_heads_kv, c.head_dim);
-  TensorView v = pr.view(self.v, c.seq_kv, c.num_heads_kv, dv);
-  for (auto [view, bits] : {std::pair{&q, &self.q16}, {&k, &self.k16}, {&v, &self.v16}}) {
-    view->data = bits->data();
-    view->dtype = c.dtype;
-  }
   const TensorView lse =
       TensorView::contiguous(r.lse16.data(), DType::kF32, {c.batch, c.num_heads_q, c.seq_q, 1});
-  attention(q, k, v, {.out = out, .lse = lse}, params);
+  const Inputs in = stored_inputs(pr);
+  attention(in.q, in.k, in.v, {.out = out, .lse = lse}, params);
   return r;
 }
 
@@ -198,6 +176,11 @@ INSTANTIATE_TEST_SUITE_P(Cases, OutDtype, ::testing::ValuesIn(out_cases()),
                            return info.param.c.name() + "_" + kernel_name(info.param.kernel);
                          });
 
+// B = 1, Lq = 4, Lk = 6, Hq = 2, Hkv = 1, D = 16 stored as `dtype`.
+Case small_case(DType dtype) {
+  return {.seq_q = 4, .seq_kv = 6, .num_heads_q = 2, .head_dim = 16, .dtype = dtype};
+}
+
 // f32 q, k, v and bf16 inputs with an f16 out (or the reverse): rejected, nothing written.
 TEST(OutDtypeBoundary, OtherDtypesThrowBeforeWriting) {
   for (auto [in, out_dtype, message] :
@@ -206,66 +189,38 @@ TEST(OutDtypeBoundary, OtherDtypesThrowBeforeWriting) {
          "out: dtype f16 is not supported (expected f32, or bf16 as q, k and v are)"},
         {DType::kF16, DType::kBF16,
          "out: dtype bf16 is not supported (expected f32, or f16 as q, k and v are)"}}) {
-    Case c{.batch = 1,
-           .seq_q = 4,
-           .seq_kv = 6,
-           .num_heads_q = 2,
-           .num_heads_kv = 1,
-           .head_dim = 16,
-           .dtype = in};
-    const Problem pr(c);
-    auto& self = const_cast<Problem&>(pr);
-    TensorView q = pr.view(self.q, 4, 2, 16), k = pr.view(self.k, 6, 1, 16),
-               v = pr.view(self.v, 6, 1, 16);
-    if (in != DType::kF32) {
-      for (auto [view, bits] : {std::pair{&q, &self.q16}, {&k, &self.k16}, {&v, &self.v16}}) {
-        view->data = bits->data();
-        view->dtype = in;
-      }
-    }
+    const Problem pr(small_case(in));
+    const Inputs x = stored_inputs(pr);
     std::vector<std::uint16_t> out16(4 * 2 * 16, 0x7777);
     const TensorView out = TensorView::contiguous(out16.data(), out_dtype, {1, 4, 2, 16});
-    expect_error([&] { attention(q, k, v, {.out = out}, pr.params()); }, message);
-    for (std::uint16_t x : out16) ASSERT_EQ(x, 0x7777);
+    expect_error([&] { attention(x.q, x.k, x.v, {.out = out}, pr.params()); }, message);
+    for (std::uint16_t word : out16) ASSERT_EQ(word, 0x7777);
   }
 }
 
 // attention_block (whose outs are merged in f32) and attention_backward (which reads the
 // forward's out) keep out f32.
 TEST(OutDtypeBoundary, BlockAndBackwardKeepOutF32) {
-  Case c{.batch = 1,
-         .seq_q = 4,
-         .seq_kv = 6,
-         .num_heads_q = 2,
-         .num_heads_kv = 1,
-         .head_dim = 16,
-         .dtype = DType::kBF16};
-  const Problem pr(c);
-  auto& self = const_cast<Problem&>(pr);
-  TensorView q = pr.view(self.q, 4, 2, 16), k = pr.view(self.k, 6, 1, 16),
-             v = pr.view(self.v, 6, 1, 16);
-  for (auto [view, bits] : {std::pair{&q, &self.q16}, {&k, &self.k16}, {&v, &self.v16}}) {
-    view->data = bits->data();
-    view->dtype = DType::kBF16;
-  }
-  std::vector<std::uint16_t> out16(4 * 2 * 16, 0x7777), dout16(4 * 2 * 16, 0);
+  const Problem pr(small_case(DType::kBF16));
+  const Inputs x = stored_inputs(pr);
+  std::vector<std::uint16_t> out16(4 * 2 * 16, 0x7777);
   const TensorView out = TensorView::contiguous(out16.data(), DType::kBF16, {1, 4, 2, 16});
   std::vector<float> lse(8, 0.0f);
   const TensorView lse_view = TensorView::contiguous(lse.data(), DType::kF32, {1, 2, 4, 1});
   expect_error(
       [&] {
-        attention_block(q, k, v, {.out = out, .lse = lse_view}, AttentionParams{},
+        attention_block(x.q, x.k, x.v, {.out = out, .lse = lse_view}, AttentionParams{},
                         BlockPositions{.seq_q = 4, .seq_kv = 6});
       },
       "out: dtype bf16 is not supported (expected f32)");
-  for (std::uint16_t x : out16) ASSERT_EQ(x, 0x7777);
+  for (std::uint16_t word : out16) ASSERT_EQ(word, 0x7777);
   std::vector<float> dout(4 * 2 * 16, 0.0f), dq(4 * 2 * 16), dk(6 * 16), dv(6 * 16);
   const AttentionGrads grads{.dq = TensorView::contiguous(dq.data(), DType::kF32, {1, 4, 2, 16}),
                              .dk = TensorView::contiguous(dk.data(), DType::kF32, {1, 6, 1, 16}),
                              .dv = TensorView::contiguous(dv.data(), DType::kF32, {1, 6, 1, 16})};
   expect_error(
       [&] {
-        attention_backward(q, k, v, out, lse_view,
+        attention_backward(x.q, x.k, x.v, out, lse_view,
                            TensorView::contiguous(dout.data(), DType::kF32, {1, 4, 2, 16}), grads,
                            AttentionParams{});
       },
