@@ -68,6 +68,7 @@ void Chunked(const AttentionKernelParams& p) {
   AlignedBuffer float_scratch(sizeof(float) * floats * num_threads);
   AlignedBuffer int_scratch(sizeof(std::int64_t) * kScratchInts * num_threads);
 
+  const bool prefetch_out = PrefetchesOut(p);
   parallel_for(num_tasks, num_threads, [&](std::int64_t task, int thread) {
     float* mine = float_scratch.as<float>() + thread * floats;
     QueryBlock qb;
@@ -89,6 +90,7 @@ void Chunked(const AttentionKernelParams& p) {
         Products::Scores(p, qb, j0, num_k, st, staging, nullptr);
         MaskScoreTile(p, qb, j0, num_k, st, p.sparse.kind != SparseKernelParams::Kind::kNone);
       }
+      if (prefetch_out) PrefetchOutRows(p, qb);  // written by FinishQueryBlock after the values
       PanelSoftmax(qb, num_keys, panel);
       if (p.probs != nullptr) WriteProbs(p, qb, panel);
       for (std::int64_t j0 = qb.key_begin; j0 < qb.key_end; j0 += kBlockK) {

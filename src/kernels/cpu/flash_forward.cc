@@ -299,6 +299,7 @@ void Flash(const AttentionKernelParams& p) {
   }
 
   const bool sparse = p.sparse.kind != SparseKernelParams::Kind::kNone;
+  const bool prefetch_out = Products::kPrefetchOut && plan.splits == 1 && PrefetchesOut(p);
 
   parallel_for(num_tasks, num_threads, [&](std::int64_t task, int thread) {
     [[maybe_unused]] const typename Products::TaskScope scope{};
@@ -381,6 +382,8 @@ void Flash(const AttentionKernelParams& p) {
         const std::int64_t lo = next + n * share, hi = std::min(next + next_keys, lo + share);
         PrefetchRows(qb.k, p.k_stride, p.head_dim, bytes, lo, hi);
         PrefetchRows(qb.v, p.v_stride, p.head_dim_v, bytes, lo, hi);
+        // The task's last tile: the block's out rows are asked for now, written at the finish.
+        if (prefetch_out && next >= key_end) PrefetchOutRows(p, qb);
         const TilePart t = tile_part(qb, j0);
         if (t.hi <= t.lo) continue;
         // The keys each query vector needs (the causal diagonal skips some; see VecKeys).

@@ -79,6 +79,16 @@ constexpr std::int64_t kAnyKey = std::numeric_limits<std::int64_t>::min();
 // Asks for the cache line holding p toward L2 (prefetcht1 on x86; a no-op where the target has
 // no prefetch).
 HWY_INLINE void PrefetchL2(const void* p) { __builtin_prefetch(p, 0, 2); }
+// The same toward L1 (prefetcht0), as a volatile asm statement on x86: GCC 12 took a helper made
+// of nothing but __builtin_prefetch calls (PrefetchOutRows) for a const call and deleted it
+// (as it once did bf16dot's, bf16_narrow_avx512.cc, prefetch_line; tests/codegen).
+HWY_INLINE void PrefetchL1(const void* p) {
+#if HWY_ARCH_X86
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
 
 template <typename T>
 HWY_INLINE float WideElement(T x);
