@@ -144,17 +144,23 @@ WorkPlan PlanWork(const AttentionKernelParams& p) {
 // leaves 2 threads 6% of the time unbalanced. The order changes no result, only which thread
 // computes what.
 std::vector<std::int64_t> GroupOrder(const AttentionKernelParams& p, const WorkPlan& w) {
+  std::vector<std::int64_t> order(w.groups);
+  std::iota(order.begin(), order.end(), std::int64_t{0});
+  // Every row attends all keys (no causal or window side, no key lengths): index order, without
+  // the count (one serial pass over all rows: 9% of a call's time at B = 32, H = 12, L = 128).
+  if (p.window_left < 0 && p.window_right < 0 && p.key_lengths == nullptr) return order;
   const std::int64_t group_rows = RowsPerKvHead(p);
-  std::vector<std::int64_t> cost(w.groups, 0), order(w.groups);
+  std::vector<std::int64_t> cost(w.groups, 0);
   for (std::int64_t item = 0; item < w.items; ++item) {
     const std::int64_t b = item / (p.num_heads_kv * w.blocks_per_kv_head);
     const std::int64_t row0 = item % w.blocks_per_kv_head * kBlockQ;
+    std::int64_t query = row0 % p.seq_q;  // row = (query head in the group) * Lq + query
     for (std::int64_t row = row0; row < std::min(row0 + kBlockQ, group_rows); ++row) {
-      const KeyRange keys = LaneKeys(p, b, row % p.seq_q);
+      const KeyRange keys = LaneKeys(p, b, query);
       cost[item / w.per_task] += keys.hi - keys.lo;
+      if (++query == p.seq_q) query = 0;
     }
   }
-  std::iota(order.begin(), order.end(), std::int64_t{0});
   std::stable_sort(order.begin(), order.end(),
                    [&](std::int64_t x, std::int64_t y) { return cost[x] > cost[y]; });
   return order;
