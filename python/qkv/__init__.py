@@ -83,13 +83,20 @@ def _input(name: str, x: Any) -> Tuple[Any, bool]:
     return x, False
 
 
-def _empty(framework: str, shape: Tuple[int, ...], f64: bool = False) -> Any:
-    """A float32 array for an output (float64 with f64): torch for torch inputs, else numpy (jax
-    converts after)."""
+def _empty(framework: str, shape: Tuple[int, ...], f64: bool = False,
+           half: Optional[str] = None) -> Any:
+    """An output array: float32 (float64 with f64; bfloat16 or float16 with half = "bf16" or
+    "f16", numpy's bfloat16 being ml_dtypes'), torch for torch inputs, else numpy (jax converts
+    after)."""
     if framework == "torch":
         import torch
-        return torch.empty(shape, dtype=torch.float64 if f64 else torch.float32)
-    return np.empty(shape, np.float64 if f64 else np.float32)
+        return torch.empty(shape, dtype={"bf16": torch.bfloat16, "f16": torch.float16}.get(
+            half, torch.float64 if f64 else torch.float32))
+    if half == "bf16" and _NUMPY_BF16 is None:  # pragma: no cover - comes with bf16 inputs
+        raise ValueError("out_dtype: bfloat16 numpy outputs need ml_dtypes (pip install "
+                         "ml_dtypes)")
+    return np.empty(shape, {"bf16": _NUMPY_BF16, "f16": np.float16}.get(
+        half, np.float64 if f64 else np.float32))
 
 
 _DTYPE_KEYS = {"float32": "f32", "f32": "f32", "bfloat16": "bf16", "bf16": "bf16",
@@ -108,20 +115,6 @@ def _dtype_key(name: str, dtype: Any) -> str:
     if text not in _DTYPE_KEYS:
         raise ValueError(f"{name}: expected float32, bfloat16 or float16, got {dtype!r}")
     return _DTYPE_KEYS[text]
-
-
-def _empty_half(framework: str, shape: Tuple[int, ...], key: str) -> Any:
-    """A bfloat16 ("bf16") or float16 ("f16") array for out: torch for torch inputs, else numpy
-    (ml_dtypes' bfloat16; jax converts after)."""
-    if framework == "torch":
-        import torch
-        return torch.empty(shape, dtype=torch.bfloat16 if key == "bf16" else torch.float16)
-    if key == "f16":
-        return np.empty(shape, np.float16)
-    if _NUMPY_BF16 is None:  # pragma: no cover - numpy bf16 inputs come with ml_dtypes
-        raise ValueError("out_dtype: bfloat16 numpy outputs need ml_dtypes (pip install "
-                         "ml_dtypes)")
-    return np.empty(shape, _NUMPY_BF16)
 
 
 def _is_f64(x: Any) -> bool:
@@ -253,8 +246,7 @@ def attention(q: Array, k: Array, v: Array, *, layout: str = "bshd", causal: boo
     if out is None:
         out_shape = ((batch, heads_q, seq_q, v_shape[3]) if bhsd
                      else (batch, seq_q, heads_q, v_shape[3]))
-        out = _empty_half(framework, out_shape, half) if half else _empty(framework, out_shape,
-                                                                           f64)
+        out = _empty(framework, out_shape, f64, half)
     lse = _empty(framework, (batch, heads_q, seq_q), f64) if return_lse else None
     weights = None
     if return_weights:

@@ -75,8 +75,8 @@ void prepare_attention(const TensorView& q, const TensorView& k, const TensorVie
                        bool out_in_input_dtype) {
   // q: [B, Lq, Hq, D]  k: [B, Lk, Hkv, D]  v: [B, Lk, Hkv, Dv]  out: [B, Lq, Hq, Dv]
   const TensorView& out = outputs.out;
-  const AttentionShape shape = validate_operands(q, k, v, out, /*half_inputs=*/true, kDtypeHint,
-                                                 out_in_input_dtype && block == nullptr);
+  const AttentionShape shape =
+      validate_operands(q, k, v, out, /*half_inputs=*/true, kDtypeHint, out_in_input_dtype);
   const std::int64_t batch = shape.batch, seq_q = shape.seq_q, num_heads_q = shape.num_heads_q;
   const std::int64_t head_dim = shape.head_dim, seq_kv = shape.seq_kv;
 

@@ -119,21 +119,26 @@ HWY_INLINE float WideElement(T x) {
   }
 }
 
+// The bf16 bits of x's lanes (in the low 16 bits of each u32 lane), rounded to nearest even as
+// f32_to_bf16_bits does (NaN: its top half with the quiet bit set); Highway 1.0.3's DemoteTo
+// truncates.
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> Bf16BitsNearestEven(DF, VF x) {
+  const hn::RebindToUnsigned<DF> du;
+  const auto bits = hn::BitCast(du, x);
+  const auto odd = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
+  const auto rounded = hn::ShiftRight<16>(hn::Add(bits, hn::Add(odd, hn::Set(du, 0x7fffu))));
+  return hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(x)),
+                        hn::Or(hn::ShiftRight<16>(bits), hn::Set(du, 0x40u)), rounded);
+}
+
 // dst[0 : kLanes] = x rounded to nearest even as `dtype` (kBF16 or kF16) bits, the bits
-// f32_to_half_bits gives (a NaN stays a NaN). bf16 in integer operations (Highway 1.0.3's
-// DemoteTo truncates), f16 by the hardware conversion (vcvtps2ph, F16C), element by element on
+// f32_to_half_bits gives (a NaN stays a NaN). bf16 in integer operations (Bf16BitsNearestEven),
+// f16 by the hardware conversion (vcvtps2ph, F16C), element by element on
 // HWY_SCALAR (whose DemoteTo truncates too).
 HWY_INLINE void StoreHalfLanes(DType dtype, DF df, VF x, std::uint16_t* HWY_RESTRICT dst) {
   if (dtype == DType::kBF16) {
-    using DU = hn::RebindToUnsigned<DF>;
-    const DU du;
-    const auto bits = hn::BitCast(du, x);
-    const auto odd = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
-    auto half = hn::ShiftRight<16>(hn::Add(bits, hn::Add(odd, hn::Set(du, 0x7fffu))));
-    half = hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(x)),
-                          hn::Or(hn::ShiftRight<16>(bits), hn::Set(du, 0x40u)), half);
-    const hn::Rebind<std::uint16_t, DU> du16;
-    hn::StoreU(hn::TruncateTo(du16, half), du16, dst);
+    const hn::Rebind<std::uint16_t, hn::RebindToUnsigned<DF>> du16;
+    hn::StoreU(hn::TruncateTo(du16, Bf16BitsNearestEven(df, x)), du16, dst);
     return;
   }
 #if HWY_TARGET == HWY_SCALAR

@@ -453,12 +453,7 @@ HWY_INLINE void SplitF16Lanes(const hwy::float16_t* src, std::uint16_t* hi, std:
   const DU du;
   const hn::Rebind<std::uint16_t, DU> du16;
   const VF x = LoadWide(df, src);  // exact
-  const auto bits = hn::BitCast(du, x);
-  // To nearest even as f32_to_bf16_bits does (NaN: its top half with the quiet bit set).
-  const auto odd = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
-  auto hi_bits = hn::ShiftRight<16>(hn::Add(bits, hn::Add(odd, hn::Set(du, 0x7fffu))));
-  hi_bits = hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(x)),
-                           hn::Or(hn::ShiftRight<16>(bits), hn::Set(du, 0x40u)), hi_bits);
+  const auto hi_bits = Bf16BitsNearestEven(df, x);
   const VF rest = hn::Sub(x, hn::BitCast(df, hn::ShiftLeft<16>(hi_bits)));  // exact
   const auto lo_bits =
       hn::ShiftRight<16>(hn::BitCast(du, hn::IfThenElseZero(hn::IsFinite(x), rest)));
