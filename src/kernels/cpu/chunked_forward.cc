@@ -23,12 +23,13 @@ namespace {
 
 using namespace tiles;
 
-// Two-pass softmax down the panel's keys for every query lane: panel becomes exp(s - max),
-// row_max / row_sum hold the max (in base 2, as the online softmax keeps it) and the sum.
+// Two-pass softmax down the panel's keys for the query vectors that hold rows: panel becomes
+// exp(s - max), row_max / row_sum hold the max (in base 2, as the online softmax keeps it) and
+// the sum.
 void PanelSoftmax(QueryBlock& qb, std::int64_t num_keys, float* HWY_RESTRICT panel) {
   const DF df;
   const VF log2e = hn::Set(df, fastexp::kLog2e);
-  for (int x = 0; x < kQueryVecs; ++x) {
+  for (int x = 0; x < UsedQueryVecs(qb); ++x) {
     const std::int64_t lane0 = x * kLanes;
     const VF max = hn::Mul(ColumnMax(df, panel, num_keys, lane0), log2e);
     const VF sum = ExpInPlaceAndSum(df, panel, num_keys, lane0, SafeMax(df, max), log2e);

@@ -320,7 +320,7 @@ void NarrowTile(const AttentionKernelParams& p, NarrowBlock* narrow, std::int64_
     const std::int64_t num_k = nb.part.hi - nb.part.lo;
     if (num_k <= 0) continue;
     QueryBlock& qb = *nb.qb;
-    const int vecs = static_cast<int>((qb.num_q + kLanes - 1) / kLanes);
+    const int vecs = UsedQueryVecs(qb);
     MaskScoreTile(p, qb, nb.part.lo, num_k, nb.st, nb.part.predicate);
     OnlineSoftmaxTile(qb, num_k, nb.st, vecs);
     for (std::int64_t r = 0; r < qb.num_q; ++r) {

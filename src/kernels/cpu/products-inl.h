@@ -63,9 +63,11 @@ struct WideProducts {
   // causal GQA shapes); the widened bf16/f16 tiles run the same products.
   static constexpr bool kPrefetchOut = true;
   struct TaskScope {};
+  // The products and the softmax run on the query vectors that hold rows (UsedQueryVecs): a
+  // block of 27 queries (a batch of short texts) takes 2 of the 4.
   static void Softmax(const AttentionKernelParams&, QueryBlock& qb, std::int64_t num_k,
                       float* HWY_RESTRICT st, Staging&, const std::int64_t* vec_end) {
-    OnlineSoftmaxTile<rounds_probabilities(kPath)>(qb, num_k, st, kQueryVecs, vec_end);
+    OnlineSoftmaxTile<rounds_probabilities(kPath)>(qb, num_k, st, UsedQueryVecs(qb), vec_end);
   }
 
   static void StartBlock(const AttentionKernelParams& p, QueryBlock& qb) {
@@ -76,15 +78,15 @@ struct WideProducts {
                      std::int64_t num_k, float* HWY_RESTRICT st, Staging& staging,
                      const std::int64_t* vec_end) {
     const TileRows k = StageRows<T>(qb.k, p.k_stride, p.head_dim, j0, num_k, staging.k);
-    OuterProduct(qb.qt, k.data, num_k, k.row_stride, k.elem_stride, p.head_dim, st, nullptr,
-                 false, vec_end);
+    OuterProduct<true>(qb.qt, k.data, num_k, k.row_stride, k.elem_stride, p.head_dim, st, nullptr,
+                       false, vec_end, nullptr, UsedQueryVecs(qb));
   }
   static void Values(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
                      std::int64_t num_k, const float* st, const float* alpha, Staging& staging,
                      const std::int64_t* vec_end) {
     const TileRows v = StageColumns<T>(qb.v, p.v_stride, p.head_dim_v, j0, num_k, staging.v);
-    OuterProduct(st, v.data, p.head_dim_v, v.elem_stride, v.row_stride, num_k, qb.ot, alpha, true,
-                 nullptr, vec_end);
+    OuterProduct<true>(st, v.data, p.head_dim_v, v.elem_stride, v.row_stride, num_k, qb.ot, alpha,
+                       true, nullptr, vec_end, UsedQueryVecs(qb));
   }
 
   static void NarrowQuery(const AttentionKernelParams& p, NarrowBlock& nb) {

@@ -183,6 +183,11 @@ struct QueryBlock {
   const void* v;  // v[b, 0, kv_head, 0]
 };
 
+// The query vectors that hold a block's rows (the lanes of the later ones are all past num_q).
+inline int UsedQueryVecs(const QueryBlock& qb) {
+  return static_cast<int>((qb.num_q + kLanes - 1) / kLanes);
+}
+
 // The keys of a tile [j0, j0 + num_k) each query vector of a block needs: vector x computes the
 // tile's keys [0, end[x]) and skips the rest, which lie past every allowed key of its lanes (they
 // could only give -inf scores and zero probabilities). end[x] is the running max over vectors
