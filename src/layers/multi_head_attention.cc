@@ -7,7 +7,9 @@
 // BSHD views with no copy:
 //   qkv:  [B, L, F] (F = E + 2 Hkv hd)   q = qkv[..., 0:E] viewed [B, L, H, hd], strides
 //         (L F, F, hd, 1);  k = qkv[..., E:E + Hkv hd] and v after it, viewed [B, L, Hkv, hd].
-// Cross-attention uses separate q / k / v Linears built on first use.
+// Cross-attention uses separate q / k / v Linears built on first use. With bf16 projections the
+// rows are bf16 (Linear::forward_to_bf16), the core takes them so and writes its output in bf16,
+// which the output projection reads as it is (forward_from_bf16).
 #include "qkv/layers/multi_head_attention.h"
 
 #include <algorithm>
@@ -198,15 +200,13 @@ void MultiHeadAttention::forward(const float* x, std::int64_t batch, std::int64_
   m.check_self("forward");
   m.check_call("forward", x, out, batch, seq);
   if (batch * seq == 0) return;
-  const std::int64_t F = m.embed_dim + 2 * m.kv_width;
   const layers::ScratchPool::Lease scratch(*m.scratch);
-  float* qkv = layers::scratch_floats(scratch->qkv, batch * seq * F);
-  m.qkv_proj->forward(x, batch * seq, qkv);
-  const TensorView q = layers::bshd_view(qkv, batch, seq, m.num_heads, m.head_dim, F);
-  const TensorView k = layers::bshd_view(qkv + m.embed_dim, batch, seq, m.num_kv_heads, m.head_dim, F);
-  const TensorView v =
-      layers::bshd_view(qkv + m.embed_dim + m.kv_width, batch, seq, m.num_kv_heads, m.head_dim, F);
-  m.attend_and_project(q, k, v, batch, seq, seq, out, options);
+  const layers::ProjectedRows qkv =
+      Impl::project(*m.qkv_proj, x, batch, seq, scratch->qkv, m.core_dtype());
+  m.attend_and_project(qkv.heads(0, m.num_heads, m.head_dim),
+                       qkv.heads(m.embed_dim, m.num_kv_heads, m.head_dim),
+                       qkv.heads(m.embed_dim + m.kv_width, m.num_kv_heads, m.head_dim), batch, seq,
+                       seq, out, options);
 }
 
 void MultiHeadAttention::forward_cross(const float* query, std::int64_t batch, std::int64_t seq_q,
@@ -231,16 +231,16 @@ void MultiHeadAttention::forward_cross(const float* query, std::int64_t batch, s
   if (batch * seq_q == 0) return;
   m.ensure_cross();
   const layers::ScratchPool::Lease scratch(*m.scratch);
-  float* qp = layers::scratch_floats(scratch->qkv, batch * seq_q * m.embed_dim);
-  float* kp = layers::scratch_floats(scratch->k, batch * seq_kv * m.kv_width);
-  float* vp = layers::scratch_floats(scratch->v, batch * seq_kv * m.kv_width);
-  m.q_proj->forward(query, batch * seq_q, qp);
-  m.k_proj->forward(key_memory, batch * seq_kv, kp);
-  m.v_proj->forward(value_memory, batch * seq_kv, vp);
-  m.attend_and_project(layers::bshd_view(qp, batch, seq_q, m.num_heads, m.head_dim, m.embed_dim),
-                       layers::bshd_view(kp, batch, seq_kv, m.num_kv_heads, m.head_dim, m.kv_width),
-                       layers::bshd_view(vp, batch, seq_kv, m.num_kv_heads, m.head_dim, m.kv_width), batch,
-                       seq_q, seq_kv, out, options);
+  const DType core = m.core_dtype();
+  const layers::ProjectedRows qp =
+      Impl::project(*m.q_proj, query, batch, seq_q, scratch->qkv, core);
+  const layers::ProjectedRows kp =
+      Impl::project(*m.k_proj, key_memory, batch, seq_kv, scratch->k, core);
+  const layers::ProjectedRows vp =
+      Impl::project(*m.v_proj, value_memory, batch, seq_kv, scratch->v, core);
+  m.attend_and_project(qp.heads(0, m.num_heads, m.head_dim),
+                       kp.heads(0, m.num_kv_heads, m.head_dim),
+                       vp.heads(0, m.num_kv_heads, m.head_dim), batch, seq_q, seq_kv, out, options);
 }
 
 void MultiHeadAttention::forward_cached(const float* x, std::int64_t batch, std::int64_t seq_new,
@@ -259,16 +259,17 @@ void MultiHeadAttention::forward_cached(const float* x, std::int64_t batch, std:
                 ", head_dim = " + n2s(m.head_dim) + "]");
   }
   if (seq_new == 0) return;
-  const std::int64_t F = m.embed_dim + 2 * m.kv_width;
   const layers::ScratchPool::Lease scratch(*m.scratch);
-  float* qkv = layers::scratch_floats(scratch->qkv, batch * seq_new * F);
-  m.qkv_proj->forward(x, batch * seq_new, qkv);
+  // A bf16 cache with bf16 projections takes their bf16 rows as they are (the bits append would
+  // round f32 rows to); any other cache f32 rows, which append rounds to its dtype (q too).
+  const DType core = cache.dtype() == DType::kBF16 ? m.core_dtype() : DType::kF32;
+  const layers::ProjectedRows qkv =
+      Impl::project(*m.qkv_proj, x, batch, seq_new, scratch->qkv, core);
   const std::int64_t old_size = cache.size();
-  cache.append(
-      layers::bshd_view(qkv + m.embed_dim, batch, seq_new, m.num_kv_heads, m.head_dim, F),
-      layers::bshd_view(qkv + m.embed_dim + m.kv_width, batch, seq_new, m.num_kv_heads, m.head_dim, F));
-  TensorView q = layers::bshd_view(qkv, batch, seq_new, m.num_heads, m.head_dim, F);
-  if (cache.dtype() != DType::kF32) q = layers::half_copy(q, cache.dtype(), scratch->q_half);
+  cache.append(qkv.heads(m.embed_dim, m.num_kv_heads, m.head_dim),
+               qkv.heads(m.embed_dim + m.kv_width, m.num_kv_heads, m.head_dim));
+  TensorView q = qkv.heads(0, m.num_heads, m.head_dim);
+  if (q.dtype != cache.dtype()) q = layers::half_copy(q, cache.dtype(), scratch->q_half);
   try {
     m.attend_and_project(q, cache.keys(), cache.values(), batch, seq_new, cache.size(), out,
                          options);

@@ -18,16 +18,23 @@
 namespace qkv {
 namespace layers {
 
-// A BSHD f32 view of `data` laid out [B, L, row_stride] with heads of head_dim floats.
-inline TensorView bshd_view(const float* data, std::int64_t batch, std::int64_t seq, std::int64_t heads,
-                     std::int64_t head_dim, std::int64_t row_stride) {
-  TensorView view;
-  view.data = const_cast<float*>(data);
-  view.dtype = DType::kF32;
-  view.sizes = {batch, seq, heads, head_dim};
-  view.strides = {seq * row_stride, row_stride, head_dim, 1};
-  return view;
-}
+// A projection's output rows [B * L, row_stride], stored as dtype (f32, or bf16 bits where the
+// projections hand the core bf16), and BSHD views of its column ranges.
+struct ProjectedRows {
+  const void* data = nullptr;
+  DType dtype = DType::kF32;
+  std::int64_t batch = 0, seq = 0, row_stride = 0;
+
+  // Columns [col, col + heads * head_dim) viewed [B, L, heads, head_dim].
+  TensorView heads(std::int64_t col, std::int64_t heads, std::int64_t head_dim) const {
+    TensorView view;
+    view.data = const_cast<char*>(static_cast<const char*>(data) + col * dtype_size(dtype));
+    view.dtype = dtype;
+    view.sizes = {batch, seq, heads, head_dim};
+    view.strides = {seq * row_stride, row_stride, head_dim, 1};
+    return view;
+  }
+};
 
 // A contiguous copy of the f32 view `src` in `dtype` (bf16 or f16; nearest, ties to even), in
 // `buffer`: the q of a cached step whose cache holds that dtype.
@@ -116,9 +123,15 @@ struct MultiHeadAttention::Impl {
     const layers::ScratchPool::Lease scratch(*this->scratch);
     const AttentionParams params = layers::core_params(options, options.key_lengths);
 
-    float* ctx = layers::scratch_floats(scratch->ctx, batch * seq_q * embed_dim);
+    // A bf16 core hands the output projection bf16 (the kernel's rounding of its f32 result,
+    // the bits a bf16 Linear would round it to itself).
+    const bool half_ctx = q.dtype == DType::kBF16 && matmul_dtype == DType::kBF16;
+    const std::int64_t rows = batch * seq_q;
+    void* ctx = layers::scratch_floats(scratch->ctx,
+                                       half_ctx ? (rows * embed_dim + 1) / 2 : rows * embed_dim);
     AttentionOutputs outputs;
-    outputs.out = TensorView::contiguous(ctx, DType::kF32, {batch, seq_q, num_heads, head_dim});
+    outputs.out = TensorView::contiguous(ctx, half_ctx ? DType::kBF16 : DType::kF32,
+                                         {batch, seq_q, num_heads, head_dim});
     const std::array<std::int64_t, 4> probs_shape = {batch, num_heads, seq_q, seq_kv};
     if (options.attn_weights != nullptr) {
       // Per head: written straight into the caller's array. Averaged: staged, then reduced.
@@ -143,7 +156,35 @@ struct MultiHeadAttention::Impl {
         for (std::int64_t i = 0; i < plane; ++i) dst[i] *= inv_heads;
       }
     }
-    out_proj->forward(ctx, batch * seq_q, out);
+    if (half_ctx) {
+      out_proj->forward_from_bf16(static_cast<const std::uint16_t*>(ctx), rows, out);
+    } else {
+      out_proj->forward(static_cast<const float*>(ctx), rows, out);
+    }
+  }
+
+  // The dtype the projections hand the attention core q, k and v in: bf16 where they run in
+  // bf16 (the core's products then run in bf16 too: AMX tiles or vdpbf16ps where the CPU has
+  // them; softmax and accumulation f32), else f32.
+  DType core_dtype() const { return matmul_dtype == DType::kBF16 ? DType::kBF16 : DType::kF32; }
+
+  // proj(x) for B * L rows into `buffer`, stored as dtype (kF32, or kBF16 for a bf16 Linear:
+  // the f32 result rounded to nearest even).
+  static layers::ProjectedRows project(const Linear& proj, const float* x, std::int64_t batch,
+                                       std::int64_t seq, AlignedBuffer& buffer, DType dtype) {
+    const std::int64_t rows = batch * seq, width = proj.out_features();
+    layers::ProjectedRows out{.dtype = dtype, .batch = batch, .seq = seq, .row_stride = width};
+    if (dtype == DType::kBF16) {
+      auto* bits =
+          reinterpret_cast<std::uint16_t*>(layers::scratch_floats(buffer, (rows * width + 1) / 2));
+      proj.forward_to_bf16(x, rows, bits);
+      out.data = bits;
+    } else {
+      float* values = layers::scratch_floats(buffer, rows * width);
+      proj.forward(x, rows, values);
+      out.data = values;
+    }
+    return out;
   }
 
   void check_call(const char* where, const void* a, const void* b, std::int64_t batch,

@@ -141,17 +141,16 @@ void MultiHeadAttention::forward_train(const float* x, std::int64_t batch, std::
   tape.lse.resize(static_cast<std::size_t>(batch * m.num_heads * seq));
   if (rows == 0) return;
   m.qkv_proj->forward(x, rows, tape.qkv.data());
-  const float* qkv = tape.qkv.data();
+  const layers::ProjectedRows qkv{
+      .data = tape.qkv.data(), .batch = batch, .seq = seq, .row_stride = F};
   const AttentionParams params = layers::core_params(options, tape.key_lengths);
-  attention(layers::bshd_view(qkv, batch, seq, m.num_heads, m.head_dim, F),
-            layers::bshd_view(qkv + m.embed_dim, batch, seq, m.num_kv_heads, m.head_dim, F),
-            layers::bshd_view(qkv + m.embed_dim + m.kv_width, batch, seq, m.num_kv_heads,
-                              m.head_dim, F),
-            {.out = TensorView::contiguous(tape.ctx.data(), DType::kF32,
-                                           {batch, seq, m.num_heads, m.head_dim}),
-             .lse = TensorView::contiguous(tape.lse.data(), DType::kF32,
-                                           {batch, m.num_heads, seq, 1})},
-            params);
+  attention(
+      qkv.heads(0, m.num_heads, m.head_dim), qkv.heads(m.embed_dim, m.num_kv_heads, m.head_dim),
+      qkv.heads(m.embed_dim + m.kv_width, m.num_kv_heads, m.head_dim),
+      {.out = TensorView::contiguous(tape.ctx.data(), DType::kF32,
+                                     {batch, seq, m.num_heads, m.head_dim}),
+       .lse = TensorView::contiguous(tape.lse.data(), DType::kF32, {batch, m.num_heads, seq, 1})},
+      params);
   m.out_proj->forward(tape.ctx.data(), rows, out);
 }
 
@@ -180,11 +179,11 @@ void MultiHeadAttention::backward(const MhaTape& tape, const float* x, const flo
   std::vector<float> dq(static_cast<std::size_t>(rows * E)), dk(static_cast<std::size_t>(rows * kvw)),
       dv(dk.size());
   const AttentionParams params = layers::core_params(tape.options, tape.key_lengths);
-  const float* qkv = tape.qkv.data();
+  const layers::ProjectedRows qkv{
+      .data = tape.qkv.data(), .batch = batch, .seq = seq, .row_stride = F};
   attention_backward(
-      layers::bshd_view(qkv, batch, seq, m.num_heads, hd, F),
-      layers::bshd_view(qkv + E, batch, seq, m.num_kv_heads, hd, F),
-      layers::bshd_view(qkv + E + kvw, batch, seq, m.num_kv_heads, hd, F),
+      qkv.heads(0, m.num_heads, hd), qkv.heads(E, m.num_kv_heads, hd),
+      qkv.heads(E + kvw, m.num_kv_heads, hd),
       TensorView::contiguous(const_cast<float*>(tape.ctx.data()), DType::kF32,
                              {batch, seq, m.num_heads, hd}),
       TensorView::contiguous(const_cast<float*>(tape.lse.data()), DType::kF32,

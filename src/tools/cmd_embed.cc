@@ -48,10 +48,10 @@ the real tokens) -> L2 normalisation when modules.json lists a Normalize module.
                      so that a batch pads only to its own longest text
   --normalize        L2-normalise the embeddings (default: as modules.json says)
   --no-normalize     do not normalise
-  --dtype T          f32 (default) or bf16: the type of the encoder's matrix products (weights
-                     rounded to bf16 once, activations before each product; oneDNN runs them
-                     on AMX where the CPU has it). Embeddings, LayerNorm, softmax, GELU,
-                     pooling and every accumulation stay f32
+  --dtype T          f32 (default) or bf16: the type of the encoder's matrix products, the
+                     attention's included (weights rounded to bf16 once, activations before
+                     each product; AMX where the CPU has it). Embeddings, LayerNorm, softmax,
+                     GELU, pooling and every accumulation stay f32
   --threads N        worker threads; 0 = all cores (default)
   --quiet            no progress output on stderr
   --help             this text

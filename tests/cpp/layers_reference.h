@@ -146,6 +146,9 @@ struct MhaRefProblem {
   // Applied to every element of the projected q, k and v (null: none): a bf16/f16 KV cache's
   // rounding.
   double (*round_qkv)(double) = nullptr;
+  // Applied to the attention's output before the output projection (null: none): a bf16
+  // projection's rounding of its input.
+  double (*round_ctx)(double) = nullptr;
 };
 struct MhaRefResult {
   Vec out;    // [B, Lq, E]
@@ -201,6 +204,9 @@ inline MhaRefResult mha_ref(const MhaRefProblem& p, const MhaRefWeights& w, cons
         }
       }
     }
+  }
+  if (p.round_ctx != nullptr) {
+    for (double& e : ctx) e = p.round_ctx(e);
   }
   r.out = linear_ref(ctx, p.batch * p.seq_q, E, w.o_w, w.o_b, E);
   return r;

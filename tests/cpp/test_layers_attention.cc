@@ -370,6 +370,78 @@ TEST(LayersMha, HalfKvCacheMatchesRoundedReference) {
   }
 }
 
+// bf16 projections (matmul_dtype kBF16) hand the core q, k and v as bf16 and take its output as
+// bf16: self-attention (fused and separate weights, GQA, causal, key lengths, attention
+// weights), cross-attention and cached steps on a bf16 cache follow the float64 attention of the
+// rounded q, k, v with the context rounded before the output projection. Weights and inputs on
+// a grid make every projection exact, so those roundings are the only ones besides the core's:
+// the tolerance is 2^-8 (the probabilities rounded to bf16 where the product path does; a
+// context rounded the other way is one bf16 step). The unrounded attention is farther.
+TEST(LayersMha, Bf16ProjectionsHandTheCoreBf16) {
+  const double rtol = 0x1p-8;
+  for (std::int64_t Hkv : {4, 1}) {
+    Weights w(64, 4, Hkv, 64, 64, 95 + Hkv);
+    for (auto* part : {&w.q_w, &w.q_b, &w.k_w, &w.k_b, &w.v_w, &w.v_b, &w.o_w, &w.o_b, &w.blocks_w,
+                       &w.blocks_b}) {
+      *part = on_grid(*part, 64);
+    }
+    MultiHeadAttentionConfig config = w.config();
+    config.matmul_dtype = DType::kBF16;
+    const std::int64_t batch = 2, seq = 70, E = 64;
+    const std::vector<float> x = on_grid(random_floats(batch * seq * E, 96), 8);
+    const std::vector<float> mem = on_grid(random_floats(batch * 33 * E, 97), 8);
+    // err against the rounded reference, which must be within rtol and below the error against
+    // the unrounded one.
+    const auto check = [&](const std::vector<float>& got, MhaRefProblem p, const Vec& query,
+                           const Vec& memory, const std::string& what) {
+      p.round_qkv = round_bf16;
+      p.round_ctx = round_bf16;
+      const Vec ref = mha_ref(p, w.ref(), query, memory, memory).out;
+      expect_close(got, ref, rtol, what);
+      p.round_qkv = p.round_ctx = nullptr;
+      const Vec exact = mha_ref(p, w.ref(), query, memory, memory).out;
+      const double err = scaled_error(got, ref), err_unrounded = scaled_error(got, exact);
+      std::printf("%s: error / tolerance %.3f (against the unrounded attention %.3f)\n",
+                  what.c_str(), err / rtol, err_unrounded / rtol);
+      EXPECT_LT(err, err_unrounded) << what;
+    };
+    const std::string heads = "Hkv=" + std::to_string(Hkv);
+    for (QkvPacking packing : {QkvPacking::kSeparate, QkvPacking::kFusedBlocks}) {
+      const MultiHeadAttention mha(config, w.packed(packing));
+      for (bool causal : {false, true}) {
+        auto p = w.problem(batch, seq, seq);
+        p.causal = causal;
+        p.key_lengths = {70, 41};
+        std::vector<float> out(x.size(), 42.0f);
+        mha.forward(x.data(), batch, seq, out.data(),
+                    {.causal = causal, .key_lengths = p.key_lengths});
+        check(out, p, to_f64(x), to_f64(x),
+              heads + " " + packing_name(packing) + " causal=" + std::to_string(causal));
+      }
+    }
+    const MultiHeadAttention mha(config, w.packed(QkvPacking::kSeparate));
+    // Attention weights (the chunked kernel, on the same bf16 q, k, v).
+    auto p = w.problem(batch, seq, seq);
+    p.round_qkv = round_bf16;
+    std::vector<float> out(x.size()), weights(batch * 4 * seq * seq);
+    mha.forward(x.data(), batch, seq, out.data(), {.attn_weights = weights.data()});
+    check(out, w.problem(batch, seq, seq), to_f64(x), to_f64(x), heads + " with weights");
+    expect_close(weights, mha_ref(p, w.ref(), to_f64(x), to_f64(x), to_f64(x)).probs, 1e-5,
+                 heads + " weights");
+    // Cross-attention, Lq != Lk.
+    std::vector<float> cross(x.size());
+    mha.forward_cross(x.data(), batch, seq, mem.data(), 33, cross.data());
+    check(cross, w.problem(batch, seq, 33), to_f64(x), to_f64(mem), heads + " cross");
+    // Cached steps on a bf16 cache: the cache holds the projection's bf16 rows.
+    KvCache cache = mha.make_cache(batch, 0, DType::kBF16);
+    const std::int64_t pieces[] = {1, 3, 1, 5, 1, 1, 5, 7, 46};
+    const std::vector<float> got = decode_in_pieces(mha, x, batch, seq, E, cache, pieces);
+    auto causal = w.problem(batch, seq, seq);
+    causal.causal = true;
+    check(got, causal, to_f64(x), to_f64(x), heads + " bf16 cache");
+  }
+}
+
 TEST(LayersMha, FailedCachedCallLeavesCacheUnchanged) {
   const Weights w(16, 2, 2, 16, 16, 71);
   MultiHeadAttention mha(w.config(), w.packed(QkvPacking::kSeparate));

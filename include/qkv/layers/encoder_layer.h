@@ -32,8 +32,9 @@ struct EncoderLayerConfig {
   bool norm_first = false;  // false = Post-LN (the seed's and BERT's); true = Pre-LN
   float eps = 1e-5f;
   float dropout = 0.1f;  // used only when training; in [0, 1)
-  // The products of the attention's projections and the FFN (LinearParams::dtype): kF32, or
-  // kBF16 for inference (LayerNorm, softmax, GELU and accumulation stay f32).
+  // The products of the attention (its projections and its core: MultiHeadAttentionConfig's
+  // matmul_dtype) and of the FFN: kF32, or kBF16 for inference (LayerNorm, softmax, GELU and
+  // accumulation stay f32).
   DType matmul_dtype = DType::kF32;
 };
 
