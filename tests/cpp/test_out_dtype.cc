@@ -55,6 +55,8 @@ std::vector<OutCase> out_cases() {
     // Dv not a multiple of the lanes (element-by-element tail), D != Dv.
     add({.seq_q = 33, .seq_kv = 90, .num_heads_q = 2, .head_dim = 40, .head_dim_v = 24});
     cases.back().causal = true;
+    // Dv = 56: squares of the lanes, then (AVX-512) an element-by-element tail of 8.
+    add({.seq_q = 70, .seq_kv = 47, .num_heads_q = 2, .head_dim = 32, .head_dim_v = 56});
     // Key lengths (an entry with none: rows of zeros), NaN past them, a window.
     add({.batch = 3, .seq_q = 20, .seq_kv = 150, .num_heads_q = 3, .num_heads_kv = 3});
     cases.back().window_left = 40;
