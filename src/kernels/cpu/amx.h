@@ -81,7 +81,8 @@ unsigned softmax_pack_lazy(const float* st, std::int64_t num_k, const std::int64
                            float* alpha, std::uint32_t* pp);
 
 // ot[e][l] = alpha[l] * ot[e][l] + sum_{j < num_k} vt[e][j] * p[j][l] for e < round_up(dv, 16),
-// l < kLanes (alpha null: no rescale), p from pack_probs (the same num_k and key_end). vt: rows
+// l < kLanes (alpha null: no rescale; where alpha is 0 for 32 lanes, their ot is not read: it
+// must be finite), p from pack_probs (the same num_k and key_end). vt: rows
 // vt_stride elements apart (a multiple of 32), zero past num_k up to round_up(num_k, 32). ot,
 // vt and pp are 64-byte aligned.
 void values(const std::uint16_t* vt, std::int64_t vt_stride, const std::uint32_t* pp,

@@ -251,8 +251,21 @@ void values(const std::uint16_t* vt, std::int64_t vt_stride, const std::uint32_t
             float* ot) {
   const std::int64_t rows = round_up(dv, kTileRows);
   // The rescale, for the vectors whose factor is not exactly 1 (once the running max settles,
-  // most tiles leave it unchanged; x * 1 = x, so skipping changes no bit).
+  // most tiles leave it unchanged; x * 1 = x, so skipping changes no bit) nor exactly 0 (every
+  // lane; a block's first tile, whose running max was -inf): their accumulators start from zero
+  // below instead of being loaded (0 * ot = 0 for the finite ot the kernel keeps): no rescale
+  // pass and no tile loads of ot on a block's first tile (docs/kernels.md, "AMX tiles").
+  unsigned zero = 0;  // bit x / 16: the factors of lanes [x, x + 16) are all 0
   for (std::int64_t x = 0; alpha != nullptr && x < kLanes; x += kVecLanes) {
+    const __m512 a = _mm512_load_ps(alpha + x);
+    if (_mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_UQ) == 0) zero |= 1u << (x / kVecLanes);
+  }
+  // Pairs of vectors (the 32 lanes of a block product) whose factors are all 0.
+  for (unsigned x = 0; x < kLanes / kVecLanes; x += 2) {
+    if ((zero >> x & 3u) != 3u) zero &= ~(3u << x);
+  }
+  for (std::int64_t x = 0; alpha != nullptr && x < kLanes; x += kVecLanes) {
+    if (zero >> (x / kVecLanes) & 1u) continue;
     const __m512 a = _mm512_load_ps(alpha + x);
     if (_mm512_cmp_ps_mask(a, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) == 0) continue;
     for (std::int64_t e = 0; e < rows; ++e) {
@@ -267,9 +280,14 @@ void values(const std::uint16_t* vt, std::int64_t vt_stride, const std::uint32_t
       // Keys these 32 lanes need (key_end does not decrease along the lanes).
       const std::int64_t keys = key_end != nullptr ? key_end[l / kVecLanes + 1] : num_k;
       const std::int64_t steps = (keys + kDepthStep - 1) / kDepthStep;
+      const bool two = e + kTileRows < rows;
+      if (zero >> (l / kVecLanes) & 1u) {  // (with no step: the zeros are stored)
+        BlockProduct<false>(two, vt + e * vt_stride, vt_stride, pp + l, steps,
+                            ot + e * kLanes + l);
+        continue;
+      }
       if (steps == 0) continue;
-      BlockProduct<true>(e + kTileRows < rows, vt + e * vt_stride, vt_stride, pp + l, steps,
-                         ot + e * kLanes + l);
+      BlockProduct<true>(two, vt + e * vt_stride, vt_stride, pp + l, steps, ot + e * kLanes + l);
     }
   }
 }
