@@ -40,7 +40,7 @@ struct ProjectedRows {
 // `buffer`: the q of a cached step whose cache holds that dtype.
 inline TensorView half_copy(const TensorView& src, DType dtype, AlignedBuffer& buffer) {
   const std::int64_t count = src.sizes[0] * src.sizes[1] * src.sizes[2] * src.sizes[3];
-  void* dst = scratch_floats(buffer, (count + 1) / 2);
+  void* dst = scratch_halves(buffer, count);
   const TensorView copy = TensorView::contiguous(dst, dtype, src.sizes);
   copy_view(src, dtype, dst, copy.strides);
   return copy;
@@ -127,8 +127,9 @@ struct MultiHeadAttention::Impl {
     // the bits a bf16 Linear would round it to itself).
     const bool half_ctx = q.dtype == DType::kBF16 && matmul_dtype == DType::kBF16;
     const std::int64_t rows = batch * seq_q;
-    void* ctx = layers::scratch_floats(scratch->ctx,
-                                       half_ctx ? (rows * embed_dim + 1) / 2 : rows * embed_dim);
+    void* ctx = half_ctx
+                    ? static_cast<void*>(layers::scratch_halves(scratch->ctx, rows * embed_dim))
+                    : static_cast<void*>(layers::scratch_floats(scratch->ctx, rows * embed_dim));
     AttentionOutputs outputs;
     outputs.out = TensorView::contiguous(ctx, half_ctx ? DType::kBF16 : DType::kF32,
                                          {batch, seq_q, num_heads, head_dim});
@@ -175,8 +176,7 @@ struct MultiHeadAttention::Impl {
     const std::int64_t rows = batch * seq, width = proj.out_features();
     layers::ProjectedRows out{.dtype = dtype, .batch = batch, .seq = seq, .row_stride = width};
     if (dtype == DType::kBF16) {
-      auto* bits =
-          reinterpret_cast<std::uint16_t*>(layers::scratch_floats(buffer, (rows * width + 1) / 2));
+      std::uint16_t* bits = layers::scratch_halves(buffer, rows * width);
       proj.forward_to_bf16(x, rows, bits);
       out.data = bits;
     } else {

@@ -26,6 +26,11 @@ inline float* scratch_floats(AlignedBuffer& buffer, std::int64_t floats) {
   return buffer.as<float>();
 }
 
+// At least `count` 16-bit elements (bf16 or f16 bits) of `buffer`, as scratch_floats.
+inline std::uint16_t* scratch_halves(AlignedBuffer& buffer, std::int64_t count) {
+  return reinterpret_cast<std::uint16_t*>(scratch_floats(buffer, (count + 1) / 2));
+}
+
 // The buffers of one call, by role. Roles never overlap within one call: EncoderLayer uses a, h,
 // n; MultiHeadAttention the rest.
 struct Scratch {
