@@ -12,12 +12,13 @@
 namespace qkv::tools {
 
 struct FmaPeak {
-  double gflops;  // fp32 GFLOP/s over all threads (one FMA = 2 FLOPs), best of repeats
-  double single_thread_gflops;  // the same on one thread (from the calibration run)
-  int num_threads;              // threads that ran the probe at once
-  std::string hwy_target;       // Highway target the dispatcher chose, e.g. "AVX3", "AVX2"
-  int lanes;                    // fp32 lanes per vector on that target
-  double checksum;  // sum of every accumulator: returned so no loop can be optimised away
+  // Zero (and hwy_target "none") until a probe fills it in: a probe that did not run reads 0.
+  double gflops = 0.0;  // fp32 GFLOP/s over all threads (one FMA = 2 FLOPs), best of repeats
+  double single_thread_gflops = 0.0;  // the same on one thread (from the calibration run)
+  int num_threads = 0;                // threads that ran the probe at once
+  std::string hwy_target = "none";    // Highway target the dispatcher chose, e.g. "AVX3", "AVX2"
+  int lanes = 0;                      // fp32 lanes per vector on that target
+  double checksum = 0.0;  // sum of every accumulator: returned so no loop can be optimised away
 };
 
 // Runs 12 independent vector FMA chains per thread for about `seconds_per_repeat` on
@@ -39,10 +40,10 @@ FmaPeak measure_bf16_peak(int num_threads, double seconds_per_repeat = 0.1, int 
 FmaPeak measure_amx_peak(int num_threads, double seconds_per_repeat = 0.1, int repeats = 3);
 
 struct ReadBandwidth {
-  double gbytes_per_second;  // 1e9 bytes/s read, over all threads, best of repeats
-  int num_threads;
-  double buffer_mib;  // size of the buffer swept (much larger than the last-level cache)
-  double checksum;    // sum of the buffer: returned so the reads cannot be optimised away
+  double gbytes_per_second = 0.0;  // 1e9 bytes/s read, over all threads, best of repeats
+  int num_threads = 0;
+  double buffer_mib = 0.0;  // size of the buffer swept (much larger than the last-level cache)
+  double checksum = 0.0;    // sum of the buffer: returned so the reads cannot be optimised away
 };
 
 // A streaming read: a `buffer_mib` MiB float buffer split into one slice per thread (each thread
