@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -214,6 +215,82 @@ TEST(Amx, ValuesMatchFloat64WithRescaleAndKeyEnds) {
         }
       }
     }
+  }
+}
+
+// A block of at most 32 rows runs the products on half the lanes (lanes = 32) and the softmax on
+// two query vectors (vecs = 0b0011): those lanes get the bits of a full run, and the other half
+// of st, ot, pp, row_sum and alpha is neither written (its sentinels stay: NaN, 7, 0xdeadbeef)
+// nor read (the NaNs of st, row_max, row_sum and alpha would spread).
+TEST(Amx, HalfTheLanesLeaveTheOtherHalfAlone) {
+  QKV_SKIP_WITHOUT_AMX();
+  SplitMix64 rng(19);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::int64_t depth = 64, num_k = 45, dv = 40, rows = 48, dv_rows = 48, half = kLanes / 2;
+  const std::int64_t key_end[4] = {20, 45, 45, 45};
+  auto k = zeros<std::uint16_t>(rows * depth);
+  auto qp = zeros<std::uint32_t>(depth / 2 * kLanes);
+  auto vt = zeros<std::uint16_t>(dv_rows * 64);
+  for (std::int64_t i = 0; i < num_k * depth; ++i) k[i] = random_bf16(rng);
+  for (std::int64_t i = 0; i < depth / 2 * kLanes; ++i) {
+    qp[i] = random_bf16(rng) | static_cast<std::uint32_t>(random_bf16(rng)) << 16;
+  }
+  for (std::int64_t e = 0; e < dv; ++e)
+    for (std::int64_t j = 0; j < num_k; ++j) vt[e * 64 + j] = random_bf16(rng);
+  std::vector<float> ot0(dv_rows * kLanes);
+  for (float& x : ot0) x = rng.uniform24() - 0.5f;
+  struct Run {
+    hwy::AlignedFreeUniquePtr<float[]> st, ot, row_max, row_sum, alpha;
+    hwy::AlignedFreeUniquePtr<std::uint32_t[]> pp;
+    unsigned redo = 0;
+  };
+  const auto run = [&](std::int64_t lanes) {
+    Run r{zeros<float>(rows * kLanes), zeros<float>(dv_rows * kLanes),
+          zeros<float>(kLanes),        zeros<float>(kLanes),
+          zeros<float>(kLanes),        zeros<std::uint32_t>(32 * kLanes)};
+    for (std::int64_t i = 0; i < rows * kLanes; ++i) r.st[i] = i % kLanes < lanes ? 0.0f : nan;
+    for (std::int64_t i = 0; i < dv_rows * kLanes; ++i) {
+      r.ot[i] = i % kLanes < lanes ? ot0[i] : 7.0f;
+    }
+    for (std::int64_t i = 0; i < 32 * kLanes; ++i) r.pp[i] = 0xdeadbeefu;
+    for (std::int64_t l = 0; l < kLanes; ++l) {
+      r.row_max[l] = l < lanes ? 2.0f : nan;
+      r.row_sum[l] = l < lanes ? 1.0f : nan;
+      r.alpha[l] = l < lanes ? 0.5f : nan;
+    }
+    const unsigned vecs = lanes == kLanes ? 0xFu : 0x3u;
+    const amx::TileScope scope;
+    amx::scores(k.get(), depth, qp.get(), depth, num_k, 0.125f, r.st.get(), lanes);
+    r.redo = amx::softmax_pack_lazy(r.st.get(), num_k, key_end, 0.18f, 40.0f, r.row_max.get(),
+                                    r.row_sum.get(), r.alpha.get(), r.pp.get(), vecs);
+    amx::values(vt.get(), 64, r.pp.get(), num_k, dv, r.alpha.get(), key_end, r.ot.get(), lanes);
+    return r;
+  };
+  const Run full = run(kLanes), part = run(half);
+  EXPECT_EQ(full.redo, 0u);
+  EXPECT_EQ(part.redo, 0u);
+  const auto same = [](float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; };
+  for (std::int64_t j = 0; j < rows; ++j) {
+    for (std::int64_t l = 0; l < kLanes; ++l) {
+      const float want = l < half ? full.st[j * kLanes + l] : nan;
+      ASSERT_TRUE(same(part.st[j * kLanes + l], want)) << "st key " << j << " lane " << l;
+    }
+  }
+  for (std::int64_t e = 0; e < dv_rows; ++e) {
+    for (std::int64_t l = 0; l < kLanes; ++l) {
+      const float want = l < half ? full.ot[e * kLanes + l] : 7.0f;
+      ASSERT_TRUE(same(part.ot[e * kLanes + l], want)) << "ot dim " << e << " lane " << l;
+    }
+  }
+  for (std::int64_t t = 0; t < 32; ++t) {
+    for (std::int64_t l = 0; l < kLanes; ++l) {
+      const std::uint32_t want = l < half ? full.pp[t * kLanes + l] : 0xdeadbeefu;
+      ASSERT_EQ(part.pp[t * kLanes + l], want) << "pp pair " << t << " lane " << l;
+    }
+  }
+  for (std::int64_t l = 0; l < kLanes; ++l) {
+    ASSERT_TRUE(same(part.row_sum[l], l < half ? full.row_sum[l] : nan)) << l;
+    ASSERT_TRUE(same(part.alpha[l], l < half ? full.alpha[l] : nan)) << l;
   }
 }
 

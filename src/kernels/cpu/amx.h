@@ -51,11 +51,14 @@ class TileScope {
   TileScope& operator=(const TileScope&) = delete;
 };
 
-// st[j][l] = scale * sum_{d < depth} k[j][d] * q[l][d] for j < round_up(num_k, 16), l < kLanes
-// (scale 1: no pass over st after the tile stores).
+// st[j][l] = scale * sum_{d < depth} k[j][d] * q[l][d] for j < round_up(num_k, 16), l < lanes
+// (scale 1: no pass over st after the tile stores); st's lanes past `lanes` are left as they are.
+// lanes: a multiple of 32 (a block product's lanes) up to kLanes: a block of at most 32 rows
+// computes half (AmxProducts in products-inl.h).
 // k: 64-byte rows at any alignment (k_stride * 2 bytes apart); qp and st 64-byte aligned.
 void scores(const std::uint16_t* k, std::int64_t k_stride, const std::uint32_t* qp,
-            std::int64_t depth, std::int64_t num_k, float scale, float* st);
+            std::int64_t depth, std::int64_t num_k, float scale, float* st,
+            std::int64_t lanes = kLanes);
 
 // pp[t][l] = (bf16(p[2t][l]), bf16(p[2t + 1][l])) for t < round_up(num_k, 32) / 2, rounded to
 // nearest even, with p[j][l] = st[j][l] for keys j < end(l) and +0 past it, where end(l) =
@@ -75,19 +78,21 @@ void pack_probs(const float* st, std::int64_t num_k, const std::int64_t* key_end
 // lane, the vector is done as OnlineSoftmaxTile would have done it: row_sum += the p's (in key
 // order), alpha = 1, row_max unchanged. Else (or when m2 is not finite) its bit is set in the
 // result and nothing of it is written but pp: the caller runs the two passes on it. st is only
-// read; row_max, row_sum, alpha 64-byte aligned.
+// read; row_max, row_sum, alpha 64-byte aligned. Only the query vectors x whose bit x is set in
+// `vecs` (as pack_probs); the others are neither touched nor flagged.
 unsigned softmax_pack_lazy(const float* st, std::int64_t num_k, const std::int64_t* key_end,
-                           float c, float slack, const float* row_max, float* row_sum,
-                           float* alpha, std::uint32_t* pp);
+                           float c, float slack, const float* row_max, float* row_sum, float* alpha,
+                           std::uint32_t* pp, unsigned vecs = 0xF);
 
 // ot[e][l] = alpha[l] * ot[e][l] + sum_{j < num_k} vt[e][j] * p[j][l] for e < round_up(dv, 16),
-// l < kLanes (alpha null: no rescale; where alpha is 0 for 32 lanes, their ot is not read: it
-// must be finite), p from pack_probs (the same num_k and key_end). vt: rows
+// l < lanes (alpha null: no rescale; where alpha is 0 for 32 lanes, their ot is not read: it
+// must be finite), p from pack_probs (the same num_k and key_end). lanes as for scores: ot's
+// lanes past it (and alpha's, pp's) are neither read nor written. vt: rows
 // vt_stride elements apart (a multiple of 32), zero past num_k up to round_up(num_k, 32). ot,
 // vt and pp are 64-byte aligned.
 void values(const std::uint16_t* vt, std::int64_t vt_stride, const std::uint32_t* pp,
             std::int64_t num_k, std::int64_t dv, const float* alpha, const std::int64_t* key_end,
-            float* ot);
+            float* ot, std::int64_t lanes = kLanes);
 
 // Peak probe: `iterations` rounds of 4 independent tdpbf16ps (16 x 16 x 32) on the calling
 // thread (which it configures and releases itself); returns a checksum of the accumulators.

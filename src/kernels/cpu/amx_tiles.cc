@@ -106,18 +106,20 @@ void BlockProduct(bool two, const std::uint16_t* a, std::int64_t a_stride,
 }  // namespace
 
 void scores(const std::uint16_t* k, std::int64_t k_stride, const std::uint32_t* qp,
-            std::int64_t depth, std::int64_t num_k, float scale, float* st) {
+            std::int64_t depth, std::int64_t num_k, float scale, float* st, std::int64_t lanes) {
   const std::int64_t groups = (num_k + kTileRows - 1) / kTileRows;
   for (std::int64_t g = 0; g < groups; g += 2) {  // 32 keys (the last 16) x 32 queries
-    for (std::int64_t l = 0; l < kLanes; l += 2 * kVecLanes) {
+    for (std::int64_t l = 0; l < lanes; l += 2 * kVecLanes) {
       BlockProduct<false>(g + 1 < groups, k + g * kTileRows * k_stride, k_stride, qp + l,
                           depth / kDepthStep, st + g * kTileRows * kLanes + l);
     }
   }
   if (scale == 1.0f) return;
   const __m512 s = _mm512_set1_ps(scale);
-  for (float* x = st; x < st + groups * kTileRows * kLanes; x += kVecLanes) {
-    _mm512_store_ps(x, _mm512_mul_ps(_mm512_load_ps(x), s));
+  for (float* row = st; row < st + groups * kTileRows * kLanes; row += kLanes) {
+    for (float* x = row; x < row + lanes; x += kVecLanes) {
+      _mm512_store_ps(x, _mm512_mul_ps(_mm512_load_ps(x), s));
+    }
   }
 }
 
@@ -178,13 +180,14 @@ inline __m512 Max(__m512 a, __m512 b) { return _mm512_mask_max_ps(a, 0xFFFF, a, 
 }  // namespace
 
 unsigned softmax_pack_lazy(const float* st, std::int64_t num_k, const std::int64_t* key_end,
-                           float c, float slack, const float* row_max, float* row_sum,
-                           float* alpha, std::uint32_t* pp) {
+                           float c, float slack, const float* row_max, float* row_sum, float* alpha,
+                           std::uint32_t* pp, unsigned vecs) {
   const __m512 cv = _mm512_set1_ps(c);
   const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
   const std::int64_t pairs = round_up(num_k, kDepthStep) / 2;
   unsigned redo = 0;
   for (int x = 0; x < kLanes / kVecLanes; ++x) {
+    if ((vecs >> x & 1u) == 0) continue;
     const std::int64_t end = key_end != nullptr ? key_end[x] : num_k;
     const __m512 old_max = _mm512_load_ps(row_max + x * kVecLanes);
     if (_mm512_cmp_ps_mask(old_max, neg_inf, _CMP_GT_OQ) != 0xFFFF) {
@@ -248,7 +251,7 @@ unsigned softmax_pack_lazy(const float* st, std::int64_t num_k, const std::int64
 
 void values(const std::uint16_t* vt, std::int64_t vt_stride, const std::uint32_t* pp,
             std::int64_t num_k, std::int64_t dv, const float* alpha, const std::int64_t* key_end,
-            float* ot) {
+            float* ot, std::int64_t lanes) {
   const std::int64_t rows = round_up(dv, kTileRows);
   // The rescale, for the vectors whose factor is not exactly 1 (once the running max settles,
   // most tiles leave it unchanged; x * 1 = x, so skipping changes no bit) nor exactly 0 (every
@@ -256,7 +259,7 @@ void values(const std::uint16_t* vt, std::int64_t vt_stride, const std::uint32_t
   // below instead of being loaded (0 * ot = 0 for the finite ot the kernel keeps): no rescale
   // pass and no tile loads of ot on a block's first tile (docs/kernels.md, "AMX tiles").
   unsigned zero = 0;  // bit x / 16: the factors of lanes [x, x + 16) are all 0
-  for (std::int64_t x = 0; alpha != nullptr && x < kLanes; x += kVecLanes) {
+  for (std::int64_t x = 0; alpha != nullptr && x < lanes; x += kVecLanes) {
     const __m512 a = _mm512_load_ps(alpha + x);
     if (_mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_UQ) == 0) zero |= 1u << (x / kVecLanes);
   }
@@ -264,7 +267,7 @@ void values(const std::uint16_t* vt, std::int64_t vt_stride, const std::uint32_t
   for (unsigned x = 0; x < kLanes / kVecLanes; x += 2) {
     if ((zero >> x & 3u) != 3u) zero &= ~(3u << x);
   }
-  for (std::int64_t x = 0; alpha != nullptr && x < kLanes; x += kVecLanes) {
+  for (std::int64_t x = 0; alpha != nullptr && x < lanes; x += kVecLanes) {
     if (zero >> (x / kVecLanes) & 1u) continue;
     const __m512 a = _mm512_load_ps(alpha + x);
     if (_mm512_cmp_ps_mask(a, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) == 0) continue;
@@ -276,7 +279,7 @@ void values(const std::uint16_t* vt, std::int64_t vt_stride, const std::uint32_t
   // Value dims outermost: a block's two A tiles (V columns) then serve both lane pairs from L1
   // (Xeon with AMX, one tile product in isolation: 1.12x at Dv = 128 over lanes outermost).
   for (std::int64_t e = 0; e < rows; e += 2 * kTileRows) {  // 32 value dims (the last 16)
-    for (std::int64_t l = 0; l < kLanes; l += 2 * kVecLanes) {  // x 32 queries
+    for (std::int64_t l = 0; l < lanes; l += 2 * kVecLanes) {  // x 32 queries
       // Keys these 32 lanes need (key_end does not decrease along the lanes).
       const std::int64_t keys = key_end != nullptr ? key_end[l / kVecLanes + 1] : num_k;
       const std::int64_t steps = (keys + kDepthStep - 1) / kDepthStep;

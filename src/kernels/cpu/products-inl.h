@@ -195,18 +195,26 @@ struct AmxProducts {
   // The softmax writes the probabilities' pair words itself (amx::softmax_pack_lazy) unless
   // dropout has to change them in st first.
   static bool FusedPack(const AttentionKernelParams& p) { return p.dropout_p <= 0.0f; }
+  // The tiles compute the lanes of the block products that hold rows: a block of at most 32
+  // rows (short sequences; the last block of an Lq just past a multiple of 64) computes one of
+  // the two 32-lane halves, and the softmax runs on its two query vectors.
+  static std::int64_t Lanes(const QueryBlock& qb) {
+    return qb.num_q <= amx::kLanes / 2 ? amx::kLanes / 2 : amx::kLanes;
+  }
+  static int Vecs(const QueryBlock& qb) { return static_cast<int>(Lanes(qb) / kLanes); }
   static void Softmax(const AttentionKernelParams& p, QueryBlock& qb, std::int64_t num_k,
                       float* HWY_RESTRICT st, Staging& staging, const std::int64_t* vec_end) {
     const float scale = SoftmaxScale(p);
+    const int vecs = Vecs(qb);
     if (!FusedPack(p)) {
-      OnlineSoftmaxTile<true>(qb, num_k, st, kQueryVecs, vec_end, scale);
+      OnlineSoftmaxTile<true>(qb, num_k, st, vecs, vec_end, scale);
       return;
     }
-    const unsigned redo =
-        amx::softmax_pack_lazy(st, num_k, vec_end, scale * fastexp::kLog2e, kLazyMaxSlack,
-                               qb.row_max, qb.row_sum, qb.alpha, staging.prob_pairs);
+    const unsigned redo = amx::softmax_pack_lazy(st, num_k, vec_end, scale * fastexp::kLog2e,
+                                                 kLazyMaxSlack, qb.row_max, qb.row_sum, qb.alpha,
+                                                 staging.prob_pairs, (1u << vecs) - 1);
     if (redo == 0) return;
-    OnlineSoftmaxTile<true>(qb, num_k, st, kQueryVecs, vec_end, scale, redo);
+    OnlineSoftmaxTile<true>(qb, num_k, st, vecs, vec_end, scale, redo);
     amx::pack_probs(st, num_k, vec_end, staging.prob_pairs, redo);
   }
   static void StartBlock(const AttentionKernelParams& p, QueryBlock& qb) {
@@ -226,18 +234,21 @@ struct AmxProducts {
     const std::uint16_t* k = kSplit ? StageKeySplit(p, qb, j0, num_k, staging.k)
                                     : StageKeyTile(p, qb, j0, num_k, depth, staging.k);
     amx::scores(k, depth, reinterpret_cast<const std::uint32_t*>(qb.qt), depth, num_k,
-                DeferScale(p) ? 1.0f : p.scale, st);
+                DeferScale(p) ? 1.0f : p.scale, st, Lanes(qb));
   }
   static void Values(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
                      std::int64_t num_k, const float* st, const float* alpha, Staging& staging,
                      const std::int64_t* vec_end) {
     const std::uint16_t* vt = kSplit ? StageValueSplit(p, qb, j0, num_k, staging.v)
                                      : StageValueTile(p, qb, j0, num_k, staging.v);
-    if (!FusedPack(p)) amx::pack_probs(st, num_k, vec_end, staging.prob_pairs);
-    amx::values(vt, kBlockK, staging.prob_pairs, num_k, p.head_dim_v, alpha, vec_end, qb.ot);
+    const std::int64_t lanes = Lanes(qb);
+    if (!FusedPack(p)) {
+      amx::pack_probs(st, num_k, vec_end, staging.prob_pairs, (1u << Vecs(qb)) - 1);
+    }
+    amx::values(vt, kBlockK, staging.prob_pairs, num_k, p.head_dim_v, alpha, vec_end, qb.ot, lanes);
     if constexpr (kSplit) {  // + P . Vl, the lo parts' columns OtRows(p) rows further
       amx::values(vt + OtRows(p) * kBlockK, kBlockK, staging.prob_pairs, num_k, p.head_dim_v,
-                  nullptr, vec_end, qb.ot);
+                  nullptr, vec_end, qb.ot, lanes);
     }
   }
 
