@@ -38,7 +38,11 @@ and a GQA decoder's prefill; model_cases below), no decode.
 Method: each implementation is warmed up, then timed once per round; rounds interleave the
 implementations (rotating their order) so that they share the machine's noise, and the median
 over rounds is reported. A call under 20 ms is repeated to fill 20 ms and divided. Cases where
-one call takes over 2 s get 3 rounds instead of --rounds.
+one call takes over 2 s get 3 rounds instead of --rounds. The peers in this process read one
+shared (B, H, L, D) copy of the inputs per dtype (ORT's decode cache included; ORT's MHA its
+BSH packing): on a VM, memory reads at speeds that depend on when the host backed it, which
+made decode ratios between private copies move by up to 1.6x. qkv bench (its own process)
+allocates its own.
 
 Columns: median ms; GFLOP/s = 4 * B * Hq * Lq * Lk * D / time, counting only the pairs the causal
 mask allows (bottom-right aligned; "effective" GFLOP/s, DESIGN.md section 6); %peak = GFLOP/s /
@@ -49,7 +53,8 @@ read bandwidth. After each shape: qkv / best peer speed ratio per dtype (> 1: qk
 after a causal shape also qkv's causal / non-causal effective GFLOP/s, with the non-causal
 twin timed in the same rounds (the median of the per-round ratios); after a non-causal shape
 whose L is in --scaling, qkv's thread scaling against a one-thread twin timed the same way;
-after decode, qkv's K/V rate against the read probe of its own process (median of rounds).
+after decode, qkv's K/V rate against the read probe of its own process and against a plain read
+of its own K/V arrays (medians of rounds; qkv bench's JSON).
 
 Needs nothing installed: it re-runs itself in .cache/venv-peers (scripts/peers_venv.sh).
 """
@@ -142,11 +147,28 @@ def make_inputs(case):
 # ---- peers in this process: each prepare() returns a no-argument callable --------------------
 
 
-def to_torch_bhsd(x, dtype):
-    """[B, L, H, D] float32 numpy -> contiguous [B, H, L, D] torch tensor in dtype."""
+# The (B, H, L, D) copies of the current case's inputs, one per array and dtype, shared by every
+# implementation in this process (bench_case clears it per case). On the VM of these sessions,
+# memory read at different speeds depending on when the host first backed it: with 6 GiB that
+# another process had just touched held, the read probe fell from 27 to 15 GB/s, and decode
+# ratios between peers that each read their own copy moved by up to 1.6x from one run to the
+# next (docs/benchmarks.md, 2026-12-05). Reading the same bytes, they compare the kernels.
+_SHARED_BHSD = {}
+
+
+def to_torch_bhsd(x, dtype, shared=True):
+    """[B, L, H, D] float32 numpy -> contiguous [B, H, L, D] torch tensor in dtype; with shared,
+    the case's one copy (callers must not write to it; ORT's decode rewrites the values it
+    holds)."""
     import torch
+    key = (id(x), dtype)
+    if shared and key in _SHARED_BHSD:
+        return _SHARED_BHSD[key]
     dt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    return torch.from_numpy(x).transpose(1, 2).contiguous().to(dt)
+    out = torch.from_numpy(x).transpose(1, 2).contiguous().to(dt)
+    if shared:
+        _SHARED_BHSD[key] = out
+    return out
 
 
 class TorchSdpa:
@@ -278,9 +300,11 @@ class OrtGqaDecode:
         binding.bind_cpu_input("seqlens_k", np.full((B,), Lk - 1, np.int32))
         binding.bind_cpu_input("total_sequence_length", np.array(Lk, np.int32))
         # past and present share one buffer, so a step appends one token in place instead of
-        # copying the whole cache (the way ORT's generate loop runs it).
-        self.caches = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(
-            x.transpose(0, 2, 1, 3))) for x in (k, v)]
+        # copying the whole cache (the way ORT's generate loop runs it). The buffer is the
+        # case's shared (B, H, L, D) copy (to_torch_bhsd): the step writes key Lk - 1's values
+        # where they already are.
+        self.caches = [ort.OrtValue.ortvalue_from_numpy(to_torch_bhsd(x, "f32").numpy())
+                       for x in (k, v)]
         binding.bind_ortvalue_input("past_key", self.caches[0])
         binding.bind_ortvalue_input("past_value", self.caches[1])
         binding.bind_ortvalue_output("present_key", self.caches[0])
@@ -346,7 +370,8 @@ class Training:
                 raise Skip(f"cannot import qkv from {self.module_dir}: {error}")
             sdpa = qt.scaled_dot_product_attention
         torch.set_num_threads(threads)
-        q, k, v = (to_torch_bhsd(x, self.dtype).requires_grad_() for x in data)
+        # Own copies: they require grad (the forward-only peers share theirs).
+        q, k, v = (to_torch_bhsd(x, self.dtype, shared=False).requires_grad_() for x in data)
         dout = torch.randn(q.shape[:-1] + (v.shape[-1],),
                            generator=torch.Generator().manual_seed(7)).to(q.dtype)
         gqa = {"enable_gqa": True} if case.Hq != case.Hkv else {}
@@ -428,6 +453,7 @@ def time_call(call, calls):
 def bench_case(case, impls, args, log):
     """Times every implementation on one case; returns {label: result dict}."""
     results, runners, outputs = {}, {}, {}
+    _SHARED_BHSD.clear()
     data = make_inputs(case)
     twins = {}  # qkv label -> its twins (QkvTwin), timed in the same rounds
     for impl in impls:
@@ -489,7 +515,7 @@ def bench_case(case, impls, args, log):
             # The product path each round ran (it may depend on the shape: qkv bench --help).
             result["products"] = "/".join(sorted({r.get("products", "?") for r in rows}))
             for key in ("read_gbytes_per_second", "kv_fraction_of_read_bandwidth",
-                        "kv_fraction_of_read_between_repeats"):
+                        "kv_fraction_of_read_between_repeats", "kv_fraction_of_kv_arrays_read"):
                 if key in rows[0]:  # per process (same-process probes), median over rounds
                     result[key] = statistics.median(r[key] for r in rows)
         for twin in twins.get(label, []):
@@ -603,7 +629,8 @@ def report(all_results, agreements, threads):
         if case.is_decode():
             same_process = ", ".join(
                 f"{label[4:]} {r['kv_fraction_of_read_bandwidth']:.2f} (between repeats "
-                f"{r.get('kv_fraction_of_read_between_repeats', 0):.2f})"
+                f"{r.get('kv_fraction_of_read_between_repeats', 0):.2f}, its own K/V arrays "
+                f"{r.get('kv_fraction_of_kv_arrays_read', 0):.2f})"
                 for label, r in results.items() if "kv_fraction_of_read_bandwidth" in r)
             if same_process:
                 lines.append(f"{'':<32} qkv K/V read / read probe of its own process "

@@ -3,6 +3,7 @@
 // quote GFLOP/s as a fraction of the peak measured in the same run).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -65,6 +66,19 @@ class ReadProbe {
   hwy::AlignedFreeUniquePtr<float[]> data_;
   std::vector<double> sums_;  // per thread
 };
+
+// One streaming read of existing buffers (a decode benchmark's K and V arrays), each split into
+// one slice per thread of `num_threads` (0 = OpenMP's default), as 32-bit words with integer
+// adds; returns their bytes / seconds in 1e9 bytes/s and adds the words' sum to *checksum, so
+// the reads cannot be optimised away. What a kernel could read from those very pages: on the VM
+// of these sessions, buffers allocated while another process held 6 GiB it had just touched read
+// at 15 GB/s against 27 otherwise (docs/cli-bench-demo.md), so a probe of its own buffer can
+// miss what the K/V pages allow.
+struct ByteRange {
+  const void* data;  // 4-byte aligned
+  std::size_t bytes;
+};
+double read_buffers(const std::vector<ByteRange>& ranges, int num_threads, std::uint64_t* checksum);
 
 // The best of `repeats` sweeps of a fresh ReadProbe (freed before returning).
 ReadBandwidth measure_read_bandwidth(int num_threads, double buffer_mib = 256.0, int repeats = 5);

@@ -457,6 +457,8 @@ def test_bench_dtype(cli, dtype):
     # Not a decode shape: no read sweeps between the repeats.
     assert record["read_gbytes_per_second_between_repeats"] == 0
     assert record["kv_fraction_of_read_between_repeats"] == 0
+    assert record["kv_arrays_read_gbytes_per_second"] == 0
+    assert record["kv_fraction_of_kv_arrays_read"] == 0
 
 
 PRODUCT_PATHS = ["f32-fma", "bf16-widened-fma", "bf16-vdpbf16ps", "bf16-amx", "f16-widened-fma",
@@ -584,3 +586,8 @@ def test_bench_decode_sweeps_read_probe_between_repeats(cli):
         record["kv_gbytes_per_second"] / between, rel=1e-4)
     assert record["kv_fraction_of_read_bandwidth"] == pytest.approx(
         record["kv_gbytes_per_second"] / record["read_gbytes_per_second"], rel=1e-4)
+    # And a plain read of the K and V arrays themselves after each repeat.
+    arrays = record["kv_arrays_read_gbytes_per_second"]
+    assert arrays > 0
+    assert record["kv_fraction_of_kv_arrays_read"] == pytest.approx(
+        record["kv_gbytes_per_second"] / arrays, rel=1e-4)
