@@ -40,9 +40,9 @@ implementations (rotating their order) so that they share the machine's noise, a
 over rounds is reported. A call under 20 ms is repeated to fill 20 ms and divided. Cases where
 one call takes over 2 s get 3 rounds instead of --rounds. The peers in this process read one
 shared (B, H, L, D) copy of the inputs per dtype (ORT's decode cache included; ORT's MHA its
-BSH packing): on a VM, memory reads at speeds that depend on when the host backed it, which
-made decode ratios between private copies move by up to 1.6x. qkv bench (its own process)
-allocates its own.
+BSH packing): on the VM of these sessions, decode ratios between private copies moved by up to
+1.6x between runs. qkv bench (its own process) allocates its own; its JSON quotes its K/V rate
+against a plain read of its own arrays too.
 
 Columns: median ms; GFLOP/s = 4 * B * Hq * Lq * Lk * D / time, counting only the pairs the causal
 mask allows (bottom-right aligned; "effective" GFLOP/s, DESIGN.md section 6); %peak = GFLOP/s /
@@ -148,11 +148,12 @@ def make_inputs(case):
 
 
 # The (B, H, L, D) copies of the current case's inputs, one per array and dtype, shared by every
-# implementation in this process (bench_case clears it per case). On the VM of these sessions,
-# memory read at different speeds depending on when the host first backed it: with 6 GiB that
-# another process had just touched held, the read probe fell from 27 to 15 GB/s, and decode
-# ratios between peers that each read their own copy moved by up to 1.6x from one run to the
-# next (docs/benchmarks.md, 2026-12-05). Reading the same bytes, they compare the kernels.
+# implementation in this process (bench_case clears it per case). On the VM of these sessions
+# the memory bandwidth a process got moved with what had just been done to memory elsewhere
+# (with 6 GiB that another process had just filled held, the read probe fell from 27 to 11-16
+# GB/s), and decode ratios between peers that each read their own copy, made at different
+# moments, moved by up to 1.6x from one run to the next (docs/cli-bench-demo.md, "The kernel's
+# own pages"). Reading the same bytes, they compare the kernels.
 _SHARED_BHSD = {}
 
 

@@ -70,10 +70,9 @@ class ReadProbe {
 // One streaming read of existing buffers (a decode benchmark's K and V arrays), each split into
 // one slice per thread of `num_threads` (0 = OpenMP's default), as 32-bit words with integer
 // adds; returns their bytes / seconds in 1e9 bytes/s and adds the words' sum to *checksum, so
-// the reads cannot be optimised away. What a kernel could read from those very pages: on the VM
-// of these sessions, buffers allocated while another process held 6 GiB it had just touched read
-// at 15 GB/s against 27 otherwise (docs/cli-bench-demo.md), so a probe of its own buffer can
-// miss what the K/V pages allow.
+// the reads cannot be optimised away. What a plain read gets from a kernel's own pages, beside
+// the probe's own buffer (on the VM of these sessions the bandwidth moved with what other
+// processes had just done to memory: docs/cli-bench-demo.md, "The kernel's own pages").
 struct ByteRange {
   const void* data;  // 4-byte aligned
   std::size_t bytes;
