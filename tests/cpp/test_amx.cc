@@ -172,6 +172,54 @@ TEST(Amx, SoftmaxPackLazyMatchesTheTwoPasses) {
   }
 }
 
+// exp_pack, the second pass where the running max moves (a block's first tile), bit for bit
+// against the two passes (p = fastexp::Pow2CoarseHalf(fma(s, c, -(shift - 1/2))) through
+// pow2_coarse_half_cpu, summed in key order, rounded to bf16 as pack_probs does), on vector 1
+// of 4 with a key end that is odd, masked (-inf) scores inside and NaN past it; a shift of 0
+// (no running max yet) on some lanes. The other vectors' pair words stay as they were.
+TEST(Amx, ExpPackMatchesTheTwoPasses) {
+  QKV_SKIP_WITHOUT_AMX();
+  SplitMix64 rng(23);
+  const std::int64_t num_k = 45;
+  const std::int64_t key_end[4] = {6, 17, 32, 45};
+  const int x = 1;
+  const float c = 0.125f * 1.44269504f;
+  const float inf = std::numeric_limits<float>::infinity();
+  auto st = zeros<float>(64 * kLanes);
+  auto shift = zeros<float>(16), sum = zeros<float>(16);
+  for (std::int64_t l = 0; l < 16; ++l) shift[l] = l % 5 == 0 ? 0.0f : 8.0f * rng.uniform24();
+  for (std::int64_t j = 0; j < 64; ++j) {
+    for (std::int64_t l = 0; l < kLanes; ++l) {
+      const float s = (j + l) % 7 == 0 ? -inf : (16.0f * rng.uniform24() - 8.0f) / c;
+      st[j * kLanes + l] = j < key_end[l / 16] ? s : std::numeric_limits<float>::quiet_NaN();
+    }
+  }
+  auto pp = zeros<std::uint32_t>(32 * kLanes);
+  for (std::int64_t i = 0; i < 32 * kLanes; ++i) pp[i] = 0xdeadbeefu;
+  amx::exp_pack(st.get(), num_k, key_end, x, c, shift.get(), sum.get(), pp.get());
+  for (std::int64_t l = 0; l < kLanes; ++l) {
+    if (l / 16 != x) {
+      for (std::int64_t t = 0; t < 32; ++t) ASSERT_EQ(pp[t * kLanes + l], 0xdeadbeefu) << l;
+      continue;
+    }
+    const std::int64_t end = key_end[x];
+    std::vector<float> arg(end), p(end);
+    for (std::int64_t j = 0; j < end; ++j) {
+      arg[j] = std::fma(st[j * kLanes + l], c, -(shift[l % 16] - 0.5f));
+    }
+    pow2_coarse_half_cpu(arg.data(), p.data(), end);
+    float total = 0.0f;
+    for (float v : p) total += v;
+    EXPECT_EQ(sum[l % 16], total) << l;
+    for (std::int64_t t = 0; t < 32; ++t) {  // round_up(45, 32) / 2 pair rows
+      const auto half = [&](std::int64_t j) -> std::uint32_t {
+        return j < end ? f32_to_bf16_bits(p[j]) : 0u;
+      };
+      ASSERT_EQ(pp[t * kLanes + l], half(2 * t) | half(2 * t + 1) << 16) << t << " " << l;
+    }
+  }
+}
+
 TEST(Amx, ValuesMatchFloat64WithRescaleAndKeyEnds) {
   QKV_SKIP_WITHOUT_AMX();
   SplitMix64 rng(13);

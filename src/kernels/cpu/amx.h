@@ -84,6 +84,15 @@ unsigned softmax_pack_lazy(const float* st, std::int64_t num_k, const std::int64
                            float c, float slack, const float* row_max, float* row_sum, float* alpha,
                            std::uint32_t* pp, unsigned vecs = 0xF);
 
+// The second pass of the online softmax step where the running max moves (a block's first tile;
+// the vectors softmax_pack_lazy leaves to the caller, who took the tile's max): for query
+// vector x, p = 2^(s * c - shift) (fastexp::Pow2CoarseHalf of s * c - (shift - 1/2), the bits of
+// ExpInPlaceAndSum<true>) for st's keys [0, end(x)), written as pack_probs writes them (+0 past
+// end(x)); sum[l] = the lane's p's added in key order. shift: 16 floats (the new running max,
+// base 2, or 0 where it is -inf); st is only read; shift, sum and pp 64-byte aligned.
+void exp_pack(const float* st, std::int64_t num_k, const std::int64_t* key_end, int x, float c,
+              const float* shift, float* sum, std::uint32_t* pp);
+
 // ot[e][l] = alpha[l] * ot[e][l] + sum_{j < num_k} vt[e][j] * p[j][l] for e < round_up(dv, 16),
 // l < lanes (alpha null: no rescale; where alpha is 0 for 32 lanes, their ot is not read: it
 // must be finite), p from pack_probs (the same num_k and key_end). lanes as for scores: ot's

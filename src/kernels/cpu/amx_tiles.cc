@@ -177,6 +177,57 @@ inline __m512 Pow2CoarseHalf(__m512 xh) {
 // undefined pass-through operand.
 inline __m512 Max(__m512 a, __m512 b) { return _mm512_mask_max_ps(a, 0xFFFF, a, b); }
 
+// One query vector's probabilities against a shift: p = Pow2CoarseHalf(s * c - (shift - 1/2))
+// for its keys [0, end) of st (s: its first lane, rows kLanes floats apart), written as pair
+// words from out on (pairs rows, +0 past end), with their sum in key order; kMax: also their
+// max in ColumnMax's four chains (so a NaN takes the same course), into *max.
+template <bool kMax>
+inline __m512 ExpPackVec(const float* s, std::int64_t end, std::int64_t pairs, __m512 cv,
+                         __m512 shift, std::uint32_t* out, __m512* max) {
+  const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
+  // The argument of Pow2CoarseHalf: s * c - (m2 - 1/2) (online_softmax-inl.h's
+  // ExpInPlaceAndSum, the same bits).
+  shift = _mm512_sub_ps(shift, _mm512_set1_ps(fastexp::kHalfShift));
+  __m512 m0 = neg_inf, m1 = neg_inf, m2 = neg_inf, m3 = neg_inf, sum = _mm512_setzero_ps();
+  std::int64_t j = 0;
+  for (; j + 4 <= end; j += 4, s += 4 * kLanes, out += 2 * kLanes) {
+    const __m512 s0 = _mm512_load_ps(s), s1 = _mm512_load_ps(s + kLanes);
+    const __m512 s2 = _mm512_load_ps(s + 2 * kLanes), s3 = _mm512_load_ps(s + 3 * kLanes);
+    if constexpr (kMax) {
+      m0 = Max(m0, s0);
+      m1 = Max(m1, s1);
+      m2 = Max(m2, s2);
+      m3 = Max(m3, s3);
+    }
+    const __m512 p0 = Pow2CoarseHalf(_mm512_fmsub_ps(s0, cv, shift));
+    const __m512 p1 = Pow2CoarseHalf(_mm512_fmsub_ps(s1, cv, shift));
+    const __m512 p2 = Pow2CoarseHalf(_mm512_fmsub_ps(s2, cv, shift));
+    const __m512 p3 = Pow2CoarseHalf(_mm512_fmsub_ps(s3, cv, shift));
+    sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_add_ps(sum, p0), p1), p2), p3);
+    _mm512_store_si512(out, PairWords(p0, p1));
+    _mm512_store_si512(out + kLanes, PairWords(p2, p3));
+  }
+  for (; j < end; j += 2, s += 2 * kLanes, out += kLanes) {
+    const __m512 s0 = _mm512_load_ps(s);
+    if constexpr (kMax) m0 = Max(m0, s0);
+    const __m512 p0 = Pow2CoarseHalf(_mm512_fmsub_ps(s0, cv, shift));
+    sum = _mm512_add_ps(sum, p0);
+    __m512 p1 = _mm512_setzero_ps();
+    if (j + 1 < end) {
+      const __m512 s1 = _mm512_load_ps(s + kLanes);
+      if constexpr (kMax) m0 = Max(m0, s1);
+      p1 = Pow2CoarseHalf(_mm512_fmsub_ps(s1, cv, shift));
+      sum = _mm512_add_ps(sum, p1);
+    }
+    _mm512_store_si512(out, PairWords(p0, p1));
+  }
+  for (std::int64_t t = (end + 1) / 2; t < pairs; ++t, out += kLanes) {
+    _mm512_store_si512(out, _mm512_setzero_si512());
+  }
+  if constexpr (kMax) *max = Max(Max(m0, m1), Max(m2, m3));
+  return sum;
+}
+
 }  // namespace
 
 unsigned softmax_pack_lazy(const float* st, std::int64_t num_k, const std::int64_t* key_end,
@@ -194,49 +245,10 @@ unsigned softmax_pack_lazy(const float* st, std::int64_t num_k, const std::int64
       redo |= 1u << x;
       continue;
     }
-    // The argument of Pow2CoarseHalf: s * c - (m2 - 1/2) (online_softmax-inl.h's
-    // ExpInPlaceAndSum, the same bits).
-    const __m512 shift = _mm512_sub_ps(old_max, _mm512_set1_ps(fastexp::kHalfShift));
-    __m512 m0 = neg_inf, m1 = neg_inf, m2 = neg_inf, m3 = neg_inf, sum = _mm512_setzero_ps();
-    const float* s = st + x * kVecLanes;
-    std::uint32_t* out = pp + x * kVecLanes;
-    // The max in ColumnMax's four chains (so a NaN takes the same course), the probabilities
-    // and their sum in key order.
-    std::int64_t j = 0;
-    for (; j + 4 <= end; j += 4, s += 4 * kLanes, out += 2 * kLanes) {
-      const __m512 s0 = _mm512_load_ps(s), s1 = _mm512_load_ps(s + kLanes);
-      const __m512 s2 = _mm512_load_ps(s + 2 * kLanes), s3 = _mm512_load_ps(s + 3 * kLanes);
-      m0 = Max(m0, s0);
-      m1 = Max(m1, s1);
-      m2 = Max(m2, s2);
-      m3 = Max(m3, s3);
-      const __m512 p0 = Pow2CoarseHalf(_mm512_fmsub_ps(s0, cv, shift));
-      const __m512 p1 = Pow2CoarseHalf(_mm512_fmsub_ps(s1, cv, shift));
-      const __m512 p2 = Pow2CoarseHalf(_mm512_fmsub_ps(s2, cv, shift));
-      const __m512 p3 = Pow2CoarseHalf(_mm512_fmsub_ps(s3, cv, shift));
-      sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(_mm512_add_ps(sum, p0), p1), p2), p3);
-      _mm512_store_si512(out, PairWords(p0, p1));
-      _mm512_store_si512(out + kLanes, PairWords(p2, p3));
-    }
-    for (; j < end; j += 2, s += 2 * kLanes, out += kLanes) {
-      const __m512 s0 = _mm512_load_ps(s);
-      m0 = Max(m0, s0);
-      const __m512 p0 = Pow2CoarseHalf(_mm512_fmsub_ps(s0, cv, shift));
-      sum = _mm512_add_ps(sum, p0);
-      __m512 p1 = _mm512_setzero_ps();
-      if (j + 1 < end) {
-        const __m512 s1 = _mm512_load_ps(s + kLanes);
-        m0 = Max(m0, s1);
-        p1 = Pow2CoarseHalf(_mm512_fmsub_ps(s1, cv, shift));
-        sum = _mm512_add_ps(sum, p1);
-      }
-      _mm512_store_si512(out, PairWords(p0, p1));
-    }
-    for (std::int64_t t = (end + 1) / 2; t < pairs; ++t, out += kLanes) {
-      _mm512_store_si512(out, _mm512_setzero_si512());
-    }
-    const __m512 tile_max =
-        _mm512_mul_ps(Max(Max(m0, m1), Max(m2, m3)), cv);
+    __m512 max;
+    const __m512 sum =
+        ExpPackVec<true>(st + x * kVecLanes, end, pairs, cv, old_max, pp + x * kVecLanes, &max);
+    const __m512 tile_max = _mm512_mul_ps(max, cv);
     const __m512 bound = _mm512_add_ps(old_max, _mm512_set1_ps(slack));
     if (_mm512_cmp_ps_mask(tile_max, bound, _CMP_LE_OQ) != 0xFFFF) {
       redo |= 1u << x;
@@ -247,6 +259,15 @@ unsigned softmax_pack_lazy(const float* st, std::int64_t num_k, const std::int64
     _mm512_store_ps(alpha + x * kVecLanes, _mm512_set1_ps(1.0f));
   }
   return redo;
+}
+
+void exp_pack(const float* st, std::int64_t num_k, const std::int64_t* key_end, int x, float c,
+              const float* shift, float* sum, std::uint32_t* pp) {
+  const std::int64_t end = key_end != nullptr ? key_end[x] : num_k;
+  const __m512 total =
+      ExpPackVec<false>(st + x * kVecLanes, end, round_up(num_k, kDepthStep) / 2, _mm512_set1_ps(c),
+                        _mm512_load_ps(shift), pp + x * kVecLanes, nullptr);
+  _mm512_store_ps(sum, total);
 }
 
 void values(const std::uint16_t* vt, std::int64_t vt_stride, const std::uint32_t* pp,

@@ -86,9 +86,12 @@ constexpr float kLazyMaxSlack = 12.0f;
 // meaning (the splits' merge takes any shift).
 // score_scale > 0: st holds the scores divided by it (the AMX path defers the scale to here,
 // Products::SoftmaxScale).
-template <bool kCoarse = false>
-HWY_INLINE void OnlineSoftmaxVec(QueryBlock& qb, int x, std::int64_t keys, float* HWY_RESTRICT st,
-                                 VF c) {
+// exp_sum(shift) is the second pass: p against the shift (the new running max, 0 where it is
+// -inf), returning their sum down the keys; ExpInPlaceAndSum writes them into st, the AMX path
+// straight into its pair words (AmxProducts::Softmax).
+template <bool kCoarse, class ExpSum>
+HWY_INLINE void OnlineSoftmaxVec(QueryBlock& qb, int x, std::int64_t keys,
+                                 const float* HWY_RESTRICT st, VF c, const ExpSum& exp_sum) {
   const DF df;
   const std::int64_t lane0 = x * kLanes;
   const VF old_max = hn::Load(df, qb.row_max + lane0);
@@ -102,10 +105,19 @@ HWY_INLINE void OnlineSoftmaxVec(QueryBlock& qb, int x, std::int64_t keys, float
   // 2^(-inf) = 0: the first tile rescales an all-zero accumulator.
   const VF shift = SafeMax(df, new_max);
   const VF alpha = fastexp::Pow2(df, hn::Sub(old_max, shift));
-  const VF sum = ExpInPlaceAndSum<kCoarse>(df, st, keys, lane0, shift, c);
+  const VF sum = exp_sum(shift);
   hn::Store(new_max, df, qb.row_max + lane0);
   hn::Store(hn::MulAdd(hn::Load(df, qb.row_sum + lane0), alpha, sum), df, qb.row_sum + lane0);
   hn::Store(alpha, df, qb.alpha + lane0);
+}
+
+// The step with the probabilities written into st.
+template <bool kCoarse = false>
+HWY_INLINE void OnlineSoftmaxVec(QueryBlock& qb, int x, std::int64_t keys, float* HWY_RESTRICT st,
+                                 VF c) {
+  OnlineSoftmaxVec<kCoarse>(qb, x, keys, st, c, [&](VF shift) {
+    return ExpInPlaceAndSum<kCoarse>(DF(), st, keys, x * kLanes, shift, c);
+  });
 }
 
 // The step on every query vector x whose bit is set in `vecs` (all of them by default).

@@ -214,8 +214,19 @@ struct AmxProducts {
                                                  kLazyMaxSlack, qb.row_max, qb.row_sum, qb.alpha,
                                                  staging.prob_pairs, (1u << vecs) - 1);
     if (redo == 0) return;
-    OnlineSoftmaxTile<true>(qb, num_k, st, vecs, vec_end, scale, redo);
-    amx::pack_probs(st, num_k, vec_end, staging.prob_pairs, redo);
+    // The vectors whose running max moves (every vector on a block's first tile): the online
+    // step's max pass, then the probabilities straight into their pair words (st unchanged).
+    const float c = scale * fastexp::kLog2e;
+    for (int x = 0; x < vecs; ++x) {
+      if ((redo >> x & 1u) == 0) continue;
+      const std::int64_t keys = vec_end != nullptr ? vec_end[x] : num_k;
+      OnlineSoftmaxVec<true>(qb, x, keys, st, hn::Set(DF(), c), [&](VF shift) {
+        alignas(64) float shift_lanes[kLanes], sum[kLanes];
+        hn::Store(shift, DF(), shift_lanes);
+        amx::exp_pack(st, num_k, vec_end, x, c, shift_lanes, sum, staging.prob_pairs);
+        return hn::Load(DF(), sum);
+      });
+    }
   }
   static void StartBlock(const AttentionKernelParams& p, QueryBlock& qb) {
     if constexpr (kSplit) {
