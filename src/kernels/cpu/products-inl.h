@@ -230,9 +230,9 @@ struct AmxProducts {
   }
   static void StartBlock(const AttentionKernelParams& p, QueryBlock& qb) {
     if constexpr (kSplit) {
-      PackQuerySplit(p, qb);
+      PackQuerySplit(p, qb, Lanes(qb));
     } else {
-      PackQueryPairs(p, qb);
+      PackQueryPairs(p, qb, Lanes(qb));
       std::uint32_t* qt = reinterpret_cast<std::uint32_t*>(qb.qt);
       std::fill(qt + (p.head_dim + 1) / 2 * kBlockQ, qt + AmxDepth(p) / 2 * kBlockQ, 0u);
     }

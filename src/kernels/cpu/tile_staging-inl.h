@@ -244,8 +244,10 @@ inline void QueryPairs(const AttentionKernelParams& p, const QueryBlock& qb, std
 // qt[t][l] = (q[l][2t], q[l][2t + 1]) of the block's rows, unscaled, zero past num_q and D
 // (PairProducts::StartBlock). With unit stride along an even D a row already is its
 // pair words: squares of them are transposed in registers as in PackQuery, the rest of the words
-// lane by lane.
-inline void PackQueryPairs(const AttentionKernelParams& p, QueryBlock& qb) {
+// lane by lane. Only lanes [0, lanes) (a multiple of kLanes): the AMX path's blocks of at most 32
+// rows leave the other half alone (AmxProducts::Lanes).
+inline void PackQueryPairs(const AttentionKernelParams& p, QueryBlock& qb,
+                           std::int64_t lanes = kBlockQ) {
   std::uint32_t* qt = reinterpret_cast<std::uint32_t*>(qb.qt);
   const std::int64_t words = (p.head_dim + 1) / 2;
 #if HWY_TARGET == HWY_SCALAR  // (one lane: no squares; vdpbf16ps never runs on it anyway)
@@ -257,7 +259,7 @@ inline void PackQueryPairs(const AttentionKernelParams& p, QueryBlock& qb) {
   const bool rows_are_pairs = p.q_stride[3] == 1 && p.head_dim % 2 == 0;
   const std::int64_t squares = rows_are_pairs ? words / kLanes * kLanes : 0;
 #endif
-  for (std::int64_t l0 = 0; l0 < kBlockQ; l0 += kLanes) {
+  for (std::int64_t l0 = 0; l0 < lanes; l0 += kLanes) {
     const std::uint16_t* rows[kLanes];
     for (std::int64_t r = 0; r < kLanes; ++r) {
       const std::int64_t l = l0 + r;
@@ -485,12 +487,13 @@ HWY_INLINE SplitBf16 SplitAt(const void* base, std::int64_t row, std::int64_t d,
 
 // qt as three segments of pair rows, each D rounded up to 32 (AmxDepth / 2 rows in all):
 // (qh[2t], qh[2t + 1]), the same again, then (ql[2t], ql[2t + 1]); unscaled, zero past num_q
-// and D. The K rows (StageKeySplit) hold kh, kl, kh, so one tile product over the three segments
-// sums qh . kh + qh . kl + ql . kh.
-inline void PackQuerySplit(const AttentionKernelParams& p, QueryBlock& qb) {
+// and D, lanes [0, lanes) only (as PackQueryPairs). The K rows (StageKeySplit) hold kh, kl, kh, so
+// one tile product over the three segments sums qh . kh + qh . kl + ql . kh.
+inline void PackQuerySplit(const AttentionKernelParams& p, QueryBlock& qb,
+                           std::int64_t lanes = kBlockQ) {
   std::uint32_t* qt = reinterpret_cast<std::uint32_t*>(qb.qt);
   const std::int64_t segment = AmxDepth(p) / 6;  // pair rows
-  for (std::int64_t l = 0; l < kBlockQ; ++l) {
+  for (std::int64_t l = 0; l < lanes; ++l) {
     const bool real = l < qb.num_q;
     const std::int64_t row = real ? LaneRow(p.q_stride, qb, l) : 0;
     for (std::int64_t t = 0; t < segment; ++t) {
