@@ -86,7 +86,12 @@ std::uint32_t SumWords(const std::uint32_t* HWY_RESTRICT data, std::int64_t coun
     s2 = hn::Add(s2, hn::LoadU(d, data + i + 2 * lanes));
     s3 = hn::Add(s3, hn::LoadU(d, data + i + 3 * lanes));
   }
-  std::uint32_t total = hn::GetLane(hn::SumOfLanes(d, hn::Add(hn::Add(s0, s1), hn::Add(s2, s3))));
+  // The lanes added as unsigned scalars: SumOfLanes on AVX3 is _mm512_reduce_add_epi32, whose
+  // signed adds overflow (undefined behaviour: UBSan stops there).
+  HWY_ALIGN std::uint32_t lanes_out[hn::MaxLanes(d)];
+  hn::Store(hn::Add(hn::Add(s0, s1), hn::Add(s2, s3)), d, lanes_out);
+  std::uint32_t total = 0;
+  for (std::int64_t l = 0; l < lanes; ++l) total += lanes_out[l];
   for (; i < count; ++i) total += data[i];
   return total;
 }
