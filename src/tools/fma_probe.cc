@@ -2,6 +2,7 @@
 // (foreach_target; the set is limited by HWY_DISABLED_TARGETS in CMakeLists.txt) and the best
 // target this CPU supports is picked at run time, as the kernels do.
 #include <cstdint>
+#include <cstring>
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "tools/fma_probe.cc"
@@ -55,26 +56,9 @@ float FmaChains(std::int64_t iterations, float start, float mul_value, float add
   return hn::GetLane(hn::SumOfLanes(d, sum));
 }
 
-// Sum of data[0, count) with four vector accumulators (enough loads in flight to be limited by
-// memory, not by the add latency).
-float SumFloats(const float* HWY_RESTRICT data, std::int64_t count) {
-  const hn::ScalableTag<float> d;
-  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
-  auto s0 = hn::Zero(d), s1 = hn::Zero(d), s2 = hn::Zero(d), s3 = hn::Zero(d);
-  std::int64_t i = 0;
-  for (; i + 4 * lanes <= count; i += 4 * lanes) {
-    s0 = hn::Add(s0, hn::LoadU(d, data + i));
-    s1 = hn::Add(s1, hn::LoadU(d, data + i + lanes));
-    s2 = hn::Add(s2, hn::LoadU(d, data + i + 2 * lanes));
-    s3 = hn::Add(s3, hn::LoadU(d, data + i + 3 * lanes));
-  }
-  float total = hn::GetLane(hn::SumOfLanes(d, hn::Add(hn::Add(s0, s1), hn::Add(s2, s3))));
-  for (; i < count; ++i) total += data[i];
-  return total;
-}
-
-// Wrapping sum of the 32-bit words of data[0, count): integer adds, so any bit pattern (bf16
-// pairs, f16) reads at the same speed (no denormal assists).
+// Wrapping sum of the 32-bit words of data[0, count) with four vector accumulators (enough loads
+// in flight to be limited by memory, not by the add latency): integer adds, so any bit pattern
+// (floats, bf16 pairs, f16) reads at the same speed (no denormal assists).
 std::uint32_t SumWords(const std::uint32_t* HWY_RESTRICT data, std::int64_t count) {
   const hn::ScalableTag<std::uint32_t> d;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(d));
@@ -92,7 +76,11 @@ std::uint32_t SumWords(const std::uint32_t* HWY_RESTRICT data, std::int64_t coun
   hn::Store(hn::Add(hn::Add(s0, s1), hn::Add(s2, s3)), d, lanes_out);
   std::uint32_t total = 0;
   for (std::int64_t l = 0; l < lanes; ++l) total += lanes_out[l];
-  for (; i < count; ++i) total += data[i];
+  for (; i < count; ++i) {
+    std::uint32_t word;  // (the buffers hold floats or 16-bit values: no aliasing read)
+    std::memcpy(&word, data + i, sizeof(word));
+    total += word;
+  }
   return total;
 }
 
@@ -119,7 +107,6 @@ namespace qkv::tools {
 HWY_EXPORT(CompiledTarget);
 HWY_EXPORT(FloatLanes);
 HWY_EXPORT(FmaChains);
-HWY_EXPORT(SumFloats);
 HWY_EXPORT(SumWords);
 
 namespace {
@@ -242,36 +229,25 @@ ReadProbe::ReadProbe(int num_threads, double buffer_mib)
     : threads_(resolve_num_threads(num_threads)),
       buffer_mib_(buffer_mib),
       count_(static_cast<std::int64_t>(buffer_mib * 1024.0 * 1024.0 / 4.0)),
-      // Slice boundaries rounded to 16 floats (64 bytes) so threads never share a cache line.
+      // Slice boundaries rounded to 16 words (64 bytes) so threads never share a cache line:
+      // the slices read_buffers gives each thread.
       slice_((count_ / threads_ + 15) / 16 * 16),
-      data_(hwy::AllocateAligned<float>(static_cast<std::size_t>(count_))),
-      sums_(threads_, 0.0) {
-  float* data = data_.get();
-  // First touch by the thread that will read the slice (NUMA placement), with small values.
+      data_(hwy::AllocateAligned<std::uint32_t>(static_cast<std::size_t>(count_))) {
+  std::uint32_t* data = data_.get();
+  // First touch by the thread that will read the slice (NUMA placement).
   parallel_for(threads_, threads_, [&](std::int64_t task, int /*thread*/) {
     const std::int64_t end = std::min(count_, (task + 1) * slice_);
     for (std::int64_t i = std::min(count_, task * slice_); i < end; ++i) {
-      data[i] = static_cast<float>(i & 1023) * (1.0f / 1024.0f);
+      data[i] = static_cast<std::uint32_t>(i & 1023);
     }
   });
 }
 
 double ReadProbe::sweep() {
-  const float* data = data_.get();
-  const auto start = std::chrono::steady_clock::now();
-  parallel_for(threads_, threads_, [&](std::int64_t task, int /*thread*/) {
-    const std::int64_t begin = std::min(count_, task * slice_);
-    const std::int64_t end = std::min(count_, (task + 1) * slice_);
-    sums_[task] += HWY_DYNAMIC_DISPATCH(SumFloats)(data + begin, end - begin);
-  });
-  return static_cast<double>(count_) * 4.0 / seconds_since(start) / 1e9;
+  return read_buffers({{data_.get(), static_cast<std::size_t>(count_) * 4}}, threads_, &sum_);
 }
 
-double ReadProbe::checksum() const {
-  double total = 0.0;
-  for (double sum : sums_) total += sum;
-  return total;
-}
+double ReadProbe::checksum() const { return static_cast<double>(sum_); }
 
 double read_buffers(const std::vector<ByteRange>& ranges, int num_threads,
                     std::uint64_t* checksum) {

@@ -47,10 +47,11 @@ struct ReadBandwidth {
   double checksum = 0.0;    // sum of the buffer: returned so the reads cannot be optimised away
 };
 
-// A streaming read: a `buffer_mib` MiB float buffer split into one slice per thread (each thread
-// first-touches its own slice, with small values); sweep() sums it once on all threads and
-// returns the GB/s. The buffer lives as long as the probe, so a benchmark can sweep between its
-// timed repeats and compare medians taken under the same conditions (cmd_bench.cc).
+// A streaming read: a `buffer_mib` MiB buffer of 32-bit words split into one slice per thread
+// (each thread first-touches its own slice); sweep() reads it once on all threads
+// (read_buffers) and returns the GB/s. The buffer lives as long as the probe, so a benchmark can
+// sweep between its timed repeats and compare medians taken under the same conditions
+// (cmd_bench.cc).
 class ReadProbe {
  public:
   explicit ReadProbe(int num_threads, double buffer_mib = 256.0);
@@ -63,8 +64,8 @@ class ReadProbe {
   int threads_;
   double buffer_mib_;
   std::int64_t count_, slice_;
-  hwy::AlignedFreeUniquePtr<float[]> data_;
-  std::vector<double> sums_;  // per thread
+  hwy::AlignedFreeUniquePtr<std::uint32_t[]> data_;
+  std::uint64_t sum_ = 0;  // of every sweep's words
 };
 
 // One streaming read of existing buffers (a decode benchmark's K and V arrays), each split into
