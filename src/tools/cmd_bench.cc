@@ -480,9 +480,11 @@ std::vector<BenchResult> run_case(const BenchCase& c, Kernel kernel, const Bench
   std::vector<std::vector<double>> times(rows), reads(rows), kv_reads(rows);
   std::optional<tools::ReadProbe> read_probe;
   if (c.seq_q <= kDecodeMaxSeqQ) read_probe.emplace(threads);
-  const std::size_t kv_bytes = static_cast<std::size_t>(k_view.numel()) * dtype_size(options.dtype);
-  const std::vector<tools::ByteRange> kv_ranges = {{k_view.data, kv_bytes},
-                                                   {v_view.data, kv_bytes}};
+  const auto bytes_of = [&](const TensorView& view) {
+    return static_cast<std::size_t>(view.numel()) * dtype_size(options.dtype);
+  };
+  const std::vector<tools::ByteRange> kv_ranges = {{k_view.data, bytes_of(k_view)},
+                                                   {v_view.data, bytes_of(v_view)}};
   std::uint64_t kv_checksum = 0;
   for (int r = 0; r < repeats; ++r) {
     for (std::size_t row = 0; row < rows; ++row) {

@@ -279,22 +279,22 @@ void values(const std::uint16_t* vt, std::int64_t vt_stride, const std::uint32_t
   // lane; a block's first tile, whose running max was -inf): their accumulators start from zero
   // below instead of being loaded (0 * ot = 0 for the finite ot the kernel keeps): no rescale
   // pass and no tile loads of ot on a block's first tile (docs/kernels.md, "AMX tiles").
-  unsigned zero = 0;  // bit x / 16: the factors of lanes [x, x + 16) are all 0
-  for (std::int64_t x = 0; alpha != nullptr && x < lanes; x += kVecLanes) {
-    const __m512 a = _mm512_load_ps(alpha + x);
-    if (_mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_UQ) == 0) zero |= 1u << (x / kVecLanes);
-  }
-  // Pairs of vectors (the 32 lanes of a block product) whose factors are all 0.
-  for (unsigned x = 0; x < kLanes / kVecLanes; x += 2) {
-    if ((zero >> x & 3u) != 3u) zero &= ~(3u << x);
-  }
-  for (std::int64_t x = 0; alpha != nullptr && x < lanes; x += kVecLanes) {
-    if (zero >> (x / kVecLanes) & 1u) continue;
-    const __m512 a = _mm512_load_ps(alpha + x);
-    if (_mm512_cmp_ps_mask(a, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) == 0) continue;
-    for (std::int64_t e = 0; e < rows; ++e) {
-      float* o = ot + e * kLanes + x;
-      _mm512_store_ps(o, _mm512_mul_ps(_mm512_load_ps(o), a));
+  unsigned zero = 0;  // bits x / 16 and x / 16 + 1: the factors of lanes [x, x + 32) are all 0
+  for (std::int64_t x = 0; alpha != nullptr && x < lanes; x += 2 * kVecLanes) {  // a lane pair
+    const __m512 a[2] = {_mm512_load_ps(alpha + x), _mm512_load_ps(alpha + x + kVecLanes)};
+    const auto differs = [](__m512 v, float f) {
+      return _mm512_cmp_ps_mask(v, _mm512_set1_ps(f), _CMP_NEQ_UQ) != 0;
+    };
+    if (!differs(a[0], 0.0f) && !differs(a[1], 0.0f)) {
+      zero |= 3u << (x / kVecLanes);
+      continue;
+    }
+    for (std::int64_t h = 0; h < 2; ++h) {
+      if (!differs(a[h], 1.0f)) continue;
+      for (std::int64_t e = 0; e < rows; ++e) {
+        float* o = ot + e * kLanes + x + h * kVecLanes;
+        _mm512_store_ps(o, _mm512_mul_ps(_mm512_load_ps(o), a[h]));
+      }
     }
   }
   // Value dims outermost: a block's two A tiles (V columns) then serve both lane pairs from L1

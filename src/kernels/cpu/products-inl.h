@@ -198,10 +198,9 @@ struct AmxProducts {
   // The tiles compute the lanes of the block products that hold rows: a block of at most 32
   // rows (short sequences; the last block of an Lq just past a multiple of 64) computes one of
   // the two 32-lane halves, and the softmax runs on its two query vectors.
-  static std::int64_t Lanes(const QueryBlock& qb) {
-    return qb.num_q <= amx::kLanes / 2 ? amx::kLanes / 2 : amx::kLanes;
-  }
-  static int Vecs(const QueryBlock& qb) { return static_cast<int>(Lanes(qb) / kLanes); }
+  static int Vecs(const QueryBlock& qb) { return (UsedQueryVecs(qb) + 1) / 2 * 2; }
+  static std::int64_t Lanes(const QueryBlock& qb) { return Vecs(qb) * kLanes; }
+  static unsigned VecMask(const QueryBlock& qb) { return (1u << Vecs(qb)) - 1; }
   static void Softmax(const AttentionKernelParams& p, QueryBlock& qb, std::int64_t num_k,
                       float* HWY_RESTRICT st, Staging& staging, const std::int64_t* vec_end) {
     const float scale = SoftmaxScale(p);
@@ -212,7 +211,7 @@ struct AmxProducts {
     }
     const unsigned redo = amx::softmax_pack_lazy(st, num_k, vec_end, scale * fastexp::kLog2e,
                                                  kLazyMaxSlack, qb.row_max, qb.row_sum, qb.alpha,
-                                                 staging.prob_pairs, (1u << vecs) - 1);
+                                                 staging.prob_pairs, VecMask(qb));
     if (redo == 0) return;
     // The vectors whose running max moves (every vector on a block's first tile): the online
     // step's max pass, then the probabilities straight into their pair words (st unchanged).
@@ -254,7 +253,7 @@ struct AmxProducts {
                                      : StageValueTile(p, qb, j0, num_k, staging.v);
     const std::int64_t lanes = Lanes(qb);
     if (!FusedPack(p)) {
-      amx::pack_probs(st, num_k, vec_end, staging.prob_pairs, (1u << Vecs(qb)) - 1);
+      amx::pack_probs(st, num_k, vec_end, staging.prob_pairs, VecMask(qb));
     }
     amx::values(vt, kBlockK, staging.prob_pairs, num_k, p.head_dim_v, alpha, vec_end, qb.ot, lanes);
     if constexpr (kSplit) {  // + P . Vl, the lo parts' columns OtRows(p) rows further
