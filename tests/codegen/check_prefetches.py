@@ -23,7 +23,7 @@ from collections import Counter
 REQUIRED = [
     (r"^qkv::bf16dot::narrow_scores\(", 3, 1),  # K ahead and V rows (prefetch_line)
     (r"^qkv::bf16dot::narrow_values\(", 2, 1),  # the next tile's K (PrefetchSpan, 4 and 1 rows)
-    # The f32 / widened decode walk on each x86 target: K kScoreAhead and V kValueAhead keys on.
+    # The f32 / widened decode walk on each x86 target: K and V rows WalkAhead keys on.
     (r"^qkv::N_AVX(2|3)::tiles::NarrowScoresWide<float>\(.*lambda", 1, 2),
     (r"NarrowValueKeys<float>\(", 1, 2),
     # A flash task (one of Flash's lambdas): the next tile's K and V rows (PrefetchRows), on each

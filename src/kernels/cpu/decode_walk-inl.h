@@ -256,16 +256,17 @@ void NarrowScoresWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
   const std::int64_t ks = p.k_stride[1], d = p.head_dim;
   const bool heads_inner = HeadsInner(p);
   // With heads inner, kDotKeys keys of every block in turn (the keys stay outermost across the
-  // blocks); either way the rows kScoreAhead keys later are prefetched as they are read (BHSD
-  // too: 1.45-1.6x there, docs/kernels.md, "Software prefetch").
+  // blocks); either way the rows some keys later are prefetched as they are read (BHSD too:
+  // 1.45-1.6x there, docs/kernels.md, "Software prefetch"; WalkAhead for the distances).
   const std::int64_t score_chunk = heads_inner ? kDotKeys : kBlockK;
+  const std::int64_t distance = (heads_inner ? kAheadAcrossHeads : kAheadHeadRuns).scores;
   ForEachChunk(p, narrow, count, score_chunk,
                [&](const NarrowBlock& nb, std::int64_t a, std::int64_t b) {
     const T* k = static_cast<const T*>(nb.qb->k) + a * ks;
     float* st = nb.st + (a - nb.part.lo) * kBlockQ;
     const auto ahead = [&](std::int64_t x, std::int64_t keys) -> const T* {
-      const bool inside = a + x + kScoreAhead + keys <= nb.qb->key_end;
-      return inside ? k + (x + kScoreAhead) * ks : nullptr;
+      const bool inside = a + x + distance + keys <= nb.qb->key_end;
+      return inside ? k + (x + distance) * ks : nullptr;
     };
     std::int64_t x = 0;
     for (; x + kDotKeys <= b - a; x += kDotKeys) {
@@ -284,10 +285,12 @@ void NarrowValuesWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
                       std::int64_t count) {
   const std::int64_t vs = p.v_stride[1];
   const bool heads_inner = HeadsInner(p);
+  const std::int64_t distance = (heads_inner ? kAheadAcrossHeads : kAheadHeadRuns).values;
   ForEachChunk(p, narrow, count, heads_inner ? kValueKeys : kBlockK,
                [&](const NarrowBlock& nb, std::int64_t a, std::int64_t b) {
-    NarrowValueKeys(p, nb.qb->num_q, static_cast<const T*>(nb.qb->v) + a * vs, b - a,
-                    nb.st + (a - nb.part.lo) * kBlockQ, nb.o, nb.qb->key_end - a);
+    const T* v = static_cast<const T*>(nb.qb->v) + a * vs;
+    float* st = nb.st + (a - nb.part.lo) * kBlockQ;
+    NarrowValueKeys(p, nb.qb->num_q, v, b - a, st, nb.o, nb.qb->key_end - a, distance);
   });
 }
 
@@ -296,20 +299,20 @@ void NarrowValuesWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
 // a time for all blocks (K is then read as one ascending stream, which the hardware prefetchers
 // follow; a 4-key dot product block by block over a whole tile read 512-byte runs on 4 pages at
 // once and was ~15% slower at Lk = 32768; 4 keys per block per step, with the prefetch 8 keys
-// ahead, beat one key per step: kScoreAhead), the values kValueKeys keys at a time (o does not fit in registers: it
-// is loaded and stored once per chunk). In BHSD each head's rows are already one ascending run,
-// read a whole tile at a time per block (key-outermost was slower there). Each block's
-// arithmetic is the same either way; only the order of blocks interleaves. The walk also
-// prefetches toward L2 (prefetcht1) the K rows kScoreAhead keys ahead of the scores and the
-// V rows kValueAhead keys ahead of the values: the hardware prefetchers alone left the core with
-// too few misses in flight (the multiply-adds waiting on one K line fill the scheduler). Measured
-// at Lk = 32768, Hq:Hkv = 32:8, 2 threads, 8 interleaved rounds: f32 1.13-1.16x, f16 1.51x
-// (BSHD; BHSD, which had none until 2026-12-03: f32 1.55-1.6x);
-// toward L1 (prefetcht0) K was slower and V gained less; distances 1-4 (K) and 4-32 (V) within
-// noise of these; 4 heads of one key per step (16 independent sums) was 1.4x slower. bf16 on
-// vdpbf16ps goes through bf16dot's narrow products, a run of blocks per call: the scores keys
-// outermost across the run, the values a whole part per block, from L2, where the score walk
-// prefetched them (NarrowScoresBf16, NarrowValuesBf16 above).
+// ahead, beat one key per step: kAheadAcrossHeads), the values kValueKeys keys at a time (o
+// does not fit in registers: it is loaded and stored once per chunk). In BHSD each head's rows
+// are already one ascending run, read a whole tile at a time per block (key-outermost was slower
+// there). Each block's arithmetic is the same either way; only the order of blocks interleaves.
+// The walk also prefetches toward L2 (prefetcht1) the K rows ahead of the scores and the V rows
+// ahead of the values (WalkAhead: 8 and 16 keys with heads inner, 32 and 64 in runs of one
+// head's rows): the hardware prefetchers alone left the core with too few misses in flight (the
+// multiply-adds waiting on one K line fill the scheduler). Measured at Lk = 32768, Hq:Hkv = 32:8, 2
+// threads, 8 interleaved rounds: f32 1.13-1.16x, f16 1.51x (BSHD; BHSD, which had none until
+// 2026-12-03: f32 1.55-1.6x); toward L1 (prefetcht0) K was slower and V gained less; distances 1-4
+// (K) and 4-32 (V) within noise of these; 4 heads of one key per step (16 independent sums)
+// was 1.4x slower. bf16 on vdpbf16ps goes through bf16dot's narrow products, a run of blocks per
+// call: the scores keys outermost across the run, the values a whole part per block, from L2, where
+// the score walk prefetched them (NarrowScoresBf16, NarrowValuesBf16 above).
 template <class Products>
 void NarrowTile(const AttentionKernelParams& p, NarrowBlock* narrow, std::int64_t count) {
   Products::NarrowScores(p, narrow, count);

@@ -28,13 +28,23 @@ constexpr int kDotRows = kNarrowRows < 4 ? static_cast<int>(kNarrowRows) : 4;
 constexpr int kDotKeys = kLanes >= 16 ? 4 : 2;
 // Keys per value chunk in BSHD (see NarrowTile; 8 measured best of 1, 2, 4, 8, 16, 32).
 constexpr std::int64_t kValueKeys = 8;
-// Software prefetch distances of the widening walk (f32, bf16, f16) in BSHD, in keys (see
-// NarrowTile). The scores take kDotKeys keys per block per step and prefetch 8 keys ahead:
-// against one key per step 2 ahead, 1.10-1.19x faster in bf16 and 1.07-1.08x in f32 (Lq = 1,
-// Lk = 32768, Hq = 32, Hkv = 8, D = 128, 2 threads, Intel Xeon model 207, two runs of 5-6
-// interleaved rounds; 4 and 12-16 ahead measured in between).
-constexpr std::int64_t kScoreAhead = 8;
-constexpr std::int64_t kValueAhead = 16;
+// Software prefetch distances of the widening walk (f32, bf16, f16), in keys (see NarrowTile):
+// K rows `scores` keys ahead of the score walk, V rows `values` keys ahead of the value walk.
+struct WalkAhead {
+  std::int64_t scores = 0, values = 0;
+};
+// Heads inner (BSHD, several kv heads): the walk goes keys outermost across the heads, kDotKeys
+// keys per block per step. 8 keys ahead against one key per step 2 ahead: 1.10-1.19x faster in
+// bf16 and 1.07-1.08x in f32 (Lq = 1, Lk = 32768, Hq = 32, Hkv = 8, D = 128, 2 threads, Intel
+// Xeon model 207, two runs of 5-6 interleaved rounds; 4 and 12-16 ahead measured in between);
+// longer ones lose there (multi-head BSHD, K 16-64 ahead: 0.77-0.90x).
+constexpr WalkAhead kAheadAcrossHeads{8, 16};
+// Runs of one head's rows (BHSD, or a single kv head): each block walks its own head's tile, and
+// the longer distances pay (Intel AMX Xeon model 167, 2026-12-05, qkv.torch in one process with
+// the distances switched per call, 2 threads, Lq = 1, D = 128, 9-11 rounds: BHSD multi-head
+// Lk = 16384 1.02-1.05x, GQA 32:8 Lk = 32768 1.01-1.06x, MQA 8:1 Lk = 262144 1.01-1.09x in
+// BHSD and BSHD, f32 and bf16 widened; docs/kernels.md "Software prefetch").
+constexpr WalkAhead kAheadHeadRuns{32, 64};
 
 #if HWY_TARGET != HWY_SCALAR  // (one lane: no blocks to add)
 // out[0 : 4] = the sums of the 128-bit blocks of v (a vector of 4 floats per block).
@@ -137,11 +147,12 @@ HWY_INLINE void NarrowDotKeys(const float* q_rows, std::int64_t num_q, const T* 
 
 // o[r][0 : E * kLanes] += sum_j p[j][r] * v[j][0 : E * kLanes], r < R.
 //   p: st[j * kBlockQ + r]   v: [num_k][...] (row stride v_row_stride)   o: row stride o_stride
-//   ahead: rows j < ahead of v are prefetched toward L2 kValueAhead keys before they are read
+//   ahead: rows j < ahead of v are prefetched toward L2 `distance` keys before they are read
 template <int R, int E, typename T>
 HWY_INLINE void NarrowValueRows(const float* HWY_RESTRICT st, const T* HWY_RESTRICT v,
                                 std::int64_t v_row_stride, std::int64_t num_k,
-                                float* HWY_RESTRICT o, std::int64_t o_stride, std::int64_t ahead) {
+                                float* HWY_RESTRICT o, std::int64_t o_stride, std::int64_t ahead,
+                                std::int64_t distance) {
   const DF df;
   VF acc[R][E];
   HWY_UNROLL(4)
@@ -150,9 +161,9 @@ HWY_INLINE void NarrowValueRows(const float* HWY_RESTRICT st, const T* HWY_RESTR
     for (int e = 0; e < E; ++e) acc[r][e] = hn::LoadU(df, o + r * o_stride + e * kLanes);
   }
   for (std::int64_t j = 0; j < num_k; ++j) {
-    if (j + kValueAhead < ahead) {
+    if (j + distance < ahead) {
       HWY_UNROLL(4)
-      for (int e = 0; e < E; ++e) PrefetchL2(v + (j + kValueAhead) * v_row_stride + e * kLanes);
+      for (int e = 0; e < E; ++e) PrefetchL2(v + (j + distance) * v_row_stride + e * kLanes);
     }
     VF value[E];
     HWY_UNROLL(4)
@@ -176,32 +187,33 @@ HWY_INLINE void NarrowValueRows(const float* HWY_RESTRICT st, const T* HWY_RESTR
 template <int E, typename T>
 HWY_INLINE void NarrowValueColumns(std::int64_t num_q, const float* st, const T* v,
                                    std::int64_t v_row_stride, std::int64_t num_k, float* o,
-                                   std::int64_t o_stride, std::int64_t ahead) {
+                                   std::int64_t o_stride, std::int64_t ahead,
+                                   std::int64_t distance) {
   std::int64_t r = 0;
   for (; r + kDotRows <= num_q; r += kDotRows) {
     NarrowValueRows<kDotRows, E>(st + r, v, v_row_stride, num_k, o + r * o_stride, o_stride,
-                                 r == 0 ? ahead : 0);
+                                 r == 0 ? ahead : 0, distance);
   }
   for (; r < num_q; ++r) {
     NarrowValueRows<1, E>(st + r, v, v_row_stride, num_k, o + r * o_stride, o_stride,
-                          r == 0 ? ahead : 0);
+                          r == 0 ? ahead : 0, distance);
   }
 }
 
-// o += v[0 : num_k]^T p for rows [0, num_q)   (o: [num_q][Dv], p: st[j * kBlockQ + r]; ahead:
-// see NarrowValueRows).
+// o += v[0 : num_k]^T p for rows [0, num_q)   (o: [num_q][Dv], p: st[j * kBlockQ + r]; ahead
+// and distance: see NarrowValueRows).
 template <typename T>
 inline void NarrowValueKeys(const AttentionKernelParams& p, std::int64_t num_q, const T* v,
-                            std::int64_t num_k, const float* HWY_RESTRICT st,
-                            float* HWY_RESTRICT o, std::int64_t ahead) {
+                            std::int64_t num_k, const float* HWY_RESTRICT st, float* HWY_RESTRICT o,
+                            std::int64_t ahead, std::int64_t distance) {
   const std::int64_t vs = p.v_stride[1], dv = p.head_dim_v;
   constexpr std::int64_t kWide = kQueryVecs * kLanes;
   std::int64_t e = 0;
   for (; e + kWide <= dv; e += kWide) {
-    NarrowValueColumns<kQueryVecs>(num_q, st, v + e, vs, num_k, o + e, dv, ahead);
+    NarrowValueColumns<kQueryVecs>(num_q, st, v + e, vs, num_k, o + e, dv, ahead, distance);
   }
   for (; e + kLanes <= dv; e += kLanes) {
-    NarrowValueColumns<1>(num_q, st, v + e, vs, num_k, o + e, dv, ahead);
+    NarrowValueColumns<1>(num_q, st, v + e, vs, num_k, o + e, dv, ahead, distance);
   }
   for (; e < dv; ++e) {  // a head_dim_v that is not a multiple of the lanes
     for (std::int64_t r = 0; r < num_q; ++r) {
