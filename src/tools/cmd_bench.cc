@@ -494,11 +494,11 @@ std::vector<BenchResult> run_case(const BenchCase& c, Kernel kernel, const Bench
       times[row].push_back(seconds_since(start) / results[row].calls_per_repeat);
       if (read_probe) {
         // The probe's sweep (which evicts K and V: the caches hold less than it reads), K and V
-        // read plainly from memory, and the sweep again, so the next repeat finds them evicted
-        // too.
+        // read plainly from memory, and the sweep again, so that the next call finds them
+        // evicted too (none after the last).
         reads[row].push_back(read_probe->sweep());
         kv_reads[row].push_back(tools::read_buffers(kv_ranges, threads, &kv_checksum));
-        read_probe->sweep();
+        if (r + 1 < repeats || row + 1 < rows) read_probe->sweep();
       }
     }
   }

@@ -225,19 +225,31 @@ FmaPeak measure_amx_peak(int num_threads, double seconds_per_repeat, int repeats
                                  repeats, 4.0 * 16 * 16 * 32 * 2, amx::peak_probe);
 }
 
+namespace {
+
+// The words [begin, end) that thread `task` of `threads` reads of `count`: slices rounded to 16
+// words (64 bytes), so threads never share a cache line.
+struct WordSlice {
+  std::int64_t begin = 0, end = 0;
+};
+WordSlice SliceOf(std::int64_t count, int threads, std::int64_t task) {
+  const std::int64_t slice = (count / threads + 15) / 16 * 16;
+  const std::int64_t begin = std::min(count, task * slice);
+  return {begin, std::min(count, begin + slice)};
+}
+
+}  // namespace
+
 ReadProbe::ReadProbe(int num_threads, double buffer_mib)
     : threads_(resolve_num_threads(num_threads)),
       buffer_mib_(buffer_mib),
       count_(static_cast<std::int64_t>(buffer_mib * 1024.0 * 1024.0 / 4.0)),
-      // Slice boundaries rounded to 16 words (64 bytes) so threads never share a cache line:
-      // the slices read_buffers gives each thread.
-      slice_((count_ / threads_ + 15) / 16 * 16),
       data_(hwy::AllocateAligned<std::uint32_t>(static_cast<std::size_t>(count_))) {
   std::uint32_t* data = data_.get();
-  // First touch by the thread that will read the slice (NUMA placement).
+  // First touch by the thread that will read the slice in sweep() (NUMA placement).
   parallel_for(threads_, threads_, [&](std::int64_t task, int /*thread*/) {
-    const std::int64_t end = std::min(count_, (task + 1) * slice_);
-    for (std::int64_t i = std::min(count_, task * slice_); i < end; ++i) {
+    const WordSlice slice = SliceOf(count_, threads_, task);
+    for (std::int64_t i = slice.begin; i < slice.end; ++i) {
       data[i] = static_cast<std::uint32_t>(i & 1023);
     }
   });
@@ -256,15 +268,13 @@ double read_buffers(const std::vector<ByteRange>& ranges, int num_threads,
   double bytes = 0.0;
   const auto start = std::chrono::steady_clock::now();
   for (const ByteRange& range : ranges) {
-    // Whole 32-bit words, split into one slice per thread on 64-byte boundaries (the words of
-    // a range's last 0-3 bytes are not read).
+    // Whole 32-bit words, one slice per thread (the words of a range's last 0-3 bytes are not
+    // read).
     const auto* words = static_cast<const std::uint32_t*>(range.data);
     const std::int64_t count = static_cast<std::int64_t>(range.bytes / 4);
-    const std::int64_t slice = (count / threads + 15) / 16 * 16;
     parallel_for(threads, threads, [&](std::int64_t task, int /*thread*/) {
-      const std::int64_t begin = std::min(count, task * slice);
-      const std::int64_t end = std::min(count, begin + slice);
-      sums[task] += HWY_DYNAMIC_DISPATCH(SumWords)(words + begin, end - begin);
+      const WordSlice slice = SliceOf(count, threads, task);
+      sums[task] += HWY_DYNAMIC_DISPATCH(SumWords)(words + slice.begin, slice.end - slice.begin);
     });
     bytes += static_cast<double>(count) * 4.0;
   }

@@ -63,7 +63,7 @@ class ReadProbe {
  private:
   int threads_;
   double buffer_mib_;
-  std::int64_t count_, slice_;
+  std::int64_t count_;
   hwy::AlignedFreeUniquePtr<std::uint32_t[]> data_;
   std::uint64_t sum_ = 0;  // of every sweep's words
 };
