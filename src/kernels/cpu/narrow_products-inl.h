@@ -42,8 +42,8 @@ constexpr WalkAhead kAheadAcrossHeads{8, 16};
 // Runs of one head's rows (BHSD, or a single kv head): each block walks its own head's tile, and
 // the longer distances pay (Intel AMX Xeon model 167, 2026-12-05, qkv.torch in one process with
 // the distances switched per call, 2 threads, Lq = 1, D = 128, 9-11 rounds: BHSD multi-head
-// Lk = 16384 1.02-1.05x, GQA 32:8 Lk = 32768 1.01-1.06x, MQA 8:1 Lk = 262144 1.01-1.09x in
-// BHSD and BSHD, f32 and bf16 widened; docs/kernels.md "Software prefetch").
+// Lk = 16384 1.02-1.04x, GQA 32:8 Lk = 32768 1.01-1.07x, MQA 8:1 Lk = 262144 1.01-1.08x in
+// BHSD and BSHD, f32 and bf16 widened; docs/kernels.md "Two pairs of distances").
 constexpr WalkAhead kAheadHeadRuns{32, 64};
 
 #if HWY_TARGET != HWY_SCALAR  // (one lane: no blocks to add)
