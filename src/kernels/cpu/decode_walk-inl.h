@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "hwy/highway.h"
 #include "kernels/cpu/bf16_dot.h"
@@ -260,13 +261,25 @@ void NarrowScoresWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
   // 1.45-1.6x there, docs/kernels.md, "Software prefetch"; WalkAhead for the distances).
   const std::int64_t score_chunk = heads_inner ? kDotKeys : kBlockK;
   const std::int64_t distance = (heads_inner ? kAheadAcrossHeads : kAheadHeadRuns).scores;
+  // bf16 and f16 in runs of one head's rows also ask for the V rows of the keys whose K they
+  // ask for, so the value step reads this tile's V from L2 (as the vdpbf16ps walk does,
+  // ValueRowsOf). Intel AMX Xeon model 167, 2 threads, Lq = 1, D = 128, BHSD: with a switch per
+  // call in one process, bf16 multi-head (Hq = Hkv = 32, Lk = 16384) 1.04-1.07x, GQA 32:8 (Lk =
+  // 32768) 1.01-1.06x, MQA 8:1 (Lk = 262144) 1.06x; old and new modules in alternating
+  // processes, bf16 1.11x and 1.08x, f16 1.13x and 1.06x (multi-head, GQA). f32 lost on the
+  // multi-head step (0.97-0.99x; GQA and MQA 1.02-1.05x), so f32 does not.
+  const bool values_too = !heads_inner && !std::is_same_v<T, float>;
   ForEachChunk(p, narrow, count, score_chunk,
                [&](const NarrowBlock& nb, std::int64_t a, std::int64_t b) {
     const T* k = static_cast<const T*>(nb.qb->k) + a * ks;
     float* st = nb.st + (a - nb.part.lo) * kBlockQ;
     const auto ahead = [&](std::int64_t x, std::int64_t keys) -> const T* {
-      const bool inside = a + x + distance + keys <= nb.qb->key_end;
-      return inside ? k + (x + distance) * ks : nullptr;
+      const std::int64_t first = a + x + distance;
+      if (first + keys > nb.qb->key_end) return nullptr;
+      if (values_too) {
+        PrefetchRows(nb.qb->v, p.v_stride, p.head_dim_v, sizeof(T), first, first + keys);
+      }
+      return k + (x + distance) * ks;
     };
     std::int64_t x = 0;
     for (; x + kDotKeys <= b - a; x += kDotKeys) {
