@@ -273,7 +273,9 @@ void NarrowScoresWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
                [&](const NarrowBlock& nb, std::int64_t a, std::int64_t b) {
     const T* k = static_cast<const T*>(nb.qb->k) + a * ks;
     float* st = nb.st + (a - nb.part.lo) * kBlockQ;
-    const auto ahead = [&](std::int64_t x, std::int64_t keys) -> const T* {
+    // For the step at key a + x: asks for the V rows `distance` keys on (values_too) and
+    // returns the K rows there, which NarrowDots asks for as it reads (null past key_end).
+    const auto ask_ahead = [&](std::int64_t x, std::int64_t keys) -> const T* {
       const std::int64_t first = a + x + distance;
       if (first + keys > nb.qb->key_end) return nullptr;
       if (values_too) {
@@ -284,10 +286,11 @@ void NarrowScoresWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
     std::int64_t x = 0;
     for (; x + kDotKeys <= b - a; x += kDotKeys) {
       NarrowDotKeys<kDotKeys>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x * kBlockQ,
-                              ahead(x, kDotKeys));
+                              ask_ahead(x, kDotKeys));
     }
     for (; x < b - a; ++x) {
-      NarrowDotKeys<1>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x * kBlockQ, ahead(x, 1));
+      NarrowDotKeys<1>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x * kBlockQ,
+                       ask_ahead(x, 1));
     }
   });
 }
