@@ -306,7 +306,7 @@ void NarrowValuesWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
                [&](const NarrowBlock& nb, std::int64_t a, std::int64_t b) {
     const T* v = static_cast<const T*>(nb.qb->v) + a * vs;
     float* st = nb.st + (a - nb.part.lo) * kBlockQ;
-    NarrowValueKeys(p, nb.qb->num_q, v, b - a, st, nb.o, nb.qb->key_end - a, distance);
+    NarrowValueKeys(p, nb.qb->num_q, v, b - a, st, nb.o, RowsAhead{nb.qb->key_end - a, distance});
   });
 }
 

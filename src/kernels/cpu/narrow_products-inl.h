@@ -46,6 +46,12 @@ constexpr WalkAhead kAheadAcrossHeads{8, 16};
 // BHSD and BSHD, f32 and bf16 widened; docs/kernels.md "Two pairs of distances").
 constexpr WalkAhead kAheadHeadRuns{32, 64};
 
+// The value walk's prefetch: rows j < end (those before the block's key_end) are asked for
+// `distance` keys before they are read (end 0: none).
+struct RowsAhead {
+  std::int64_t end = 0, distance = 0;
+};
+
 #if HWY_TARGET != HWY_SCALAR  // (one lane: no blocks to add)
 // out[0 : 4] = the sums of the 128-bit blocks of v (a vector of 4 floats per block).
 template <class D>
@@ -147,12 +153,11 @@ HWY_INLINE void NarrowDotKeys(const float* q_rows, std::int64_t num_q, const T* 
 
 // o[r][0 : E * kLanes] += sum_j p[j][r] * v[j][0 : E * kLanes], r < R.
 //   p: st[j * kBlockQ + r]   v: [num_k][...] (row stride v_row_stride)   o: row stride o_stride
-//   ahead: rows j < ahead of v are prefetched toward L2 `distance` keys before they are read
+//   ahead: the rows of v prefetched toward L2 (RowsAhead)
 template <int R, int E, typename T>
 HWY_INLINE void NarrowValueRows(const float* HWY_RESTRICT st, const T* HWY_RESTRICT v,
                                 std::int64_t v_row_stride, std::int64_t num_k,
-                                float* HWY_RESTRICT o, std::int64_t o_stride, std::int64_t ahead,
-                                std::int64_t distance) {
+                                float* HWY_RESTRICT o, std::int64_t o_stride, RowsAhead ahead) {
   const DF df;
   VF acc[R][E];
   HWY_UNROLL(4)
@@ -161,9 +166,11 @@ HWY_INLINE void NarrowValueRows(const float* HWY_RESTRICT st, const T* HWY_RESTR
     for (int e = 0; e < E; ++e) acc[r][e] = hn::LoadU(df, o + r * o_stride + e * kLanes);
   }
   for (std::int64_t j = 0; j < num_k; ++j) {
-    if (j + distance < ahead) {
+    if (j + ahead.distance < ahead.end) {
       HWY_UNROLL(4)
-      for (int e = 0; e < E; ++e) PrefetchL2(v + (j + distance) * v_row_stride + e * kLanes);
+      for (int e = 0; e < E; ++e) {
+        PrefetchL2(v + (j + ahead.distance) * v_row_stride + e * kLanes);
+      }
     }
     VF value[E];
     HWY_UNROLL(4)
@@ -187,33 +194,32 @@ HWY_INLINE void NarrowValueRows(const float* HWY_RESTRICT st, const T* HWY_RESTR
 template <int E, typename T>
 HWY_INLINE void NarrowValueColumns(std::int64_t num_q, const float* st, const T* v,
                                    std::int64_t v_row_stride, std::int64_t num_k, float* o,
-                                   std::int64_t o_stride, std::int64_t ahead,
-                                   std::int64_t distance) {
+                                   std::int64_t o_stride, RowsAhead ahead) {
   std::int64_t r = 0;
   for (; r + kDotRows <= num_q; r += kDotRows) {
     NarrowValueRows<kDotRows, E>(st + r, v, v_row_stride, num_k, o + r * o_stride, o_stride,
-                                 r == 0 ? ahead : 0, distance);
+                                 r == 0 ? ahead : RowsAhead{});
   }
   for (; r < num_q; ++r) {
     NarrowValueRows<1, E>(st + r, v, v_row_stride, num_k, o + r * o_stride, o_stride,
-                          r == 0 ? ahead : 0, distance);
+                          r == 0 ? ahead : RowsAhead{});
   }
 }
 
-// o += v[0 : num_k]^T p for rows [0, num_q)   (o: [num_q][Dv], p: st[j * kBlockQ + r]; ahead
-// and distance: see NarrowValueRows).
+// o += v[0 : num_k]^T p for rows [0, num_q)   (o: [num_q][Dv], p: st[j * kBlockQ + r]; ahead:
+// see NarrowValueRows).
 template <typename T>
 inline void NarrowValueKeys(const AttentionKernelParams& p, std::int64_t num_q, const T* v,
                             std::int64_t num_k, const float* HWY_RESTRICT st, float* HWY_RESTRICT o,
-                            std::int64_t ahead, std::int64_t distance) {
+                            RowsAhead ahead) {
   const std::int64_t vs = p.v_stride[1], dv = p.head_dim_v;
   constexpr std::int64_t kWide = kQueryVecs * kLanes;
   std::int64_t e = 0;
   for (; e + kWide <= dv; e += kWide) {
-    NarrowValueColumns<kQueryVecs>(num_q, st, v + e, vs, num_k, o + e, dv, ahead, distance);
+    NarrowValueColumns<kQueryVecs>(num_q, st, v + e, vs, num_k, o + e, dv, ahead);
   }
   for (; e + kLanes <= dv; e += kLanes) {
-    NarrowValueColumns<1>(num_q, st, v + e, vs, num_k, o + e, dv, ahead, distance);
+    NarrowValueColumns<1>(num_q, st, v + e, vs, num_k, o + e, dv, ahead);
   }
   for (; e < dv; ++e) {  // a head_dim_v that is not a multiple of the lanes
     for (std::int64_t r = 0; r < num_q; ++r) {
