@@ -59,7 +59,8 @@ constexpr const char* kBenchUsage =
     "                   widened; json: products). The fp32 peak is also printed (json:\n"
     "                   fp32_peak_gflops), and the AMX tile peak where bf16 or f16 has it\n"
     "                   (amx_peak_gflops; %peak of bf16-amx and f16-amx-split rows divides\n"
-    "                   by it)\n"
+    "                   by it), with whether the tiles run beside the softmax's vector code\n"
+    "                   (amx_softmax_together_over_sum: 1 = they take turns)\n"
     "  --out-dtype O    f32 (default) or input: out stored as --dtype (bf16/f16: the f32 result\n"
     "                   rounded by the kernel, as torch's bf16 SDPA returns; json: out_dtype).\n"
     "                   The forward only (not with --backward or --linear)\n"
@@ -552,6 +553,7 @@ double kv_gbytes_per_second(const BenchCase& c, const BenchResult& r, DType dtyp
 // products ran on (peak_for; f16-amx-split runs 2.5x the tile work of the FLOPs it counts).
 struct Probes {
   tools::FmaPeak fp32_peak, pairs_peak, amx_peak;
+  tools::AmxOverlap amx_overlap;  // with amx_peak: tiles beside the softmax's vector code
   tools::ReadBandwidth bandwidth;
 
   const tools::FmaPeak& peak_for(const BenchResult& r) const {
@@ -582,7 +584,8 @@ void print_json(const BenchCase& c, const BenchResult& r, int threads, DType dty
       "\"kv_fraction_of_read_bandwidth\": %.6g, \"read_gbytes_per_second_between_repeats\": %.6g, "
       "\"kv_fraction_of_read_between_repeats\": %.6g, "
       "\"kv_arrays_read_gbytes_per_second\": %.6g, \"kv_fraction_of_kv_arrays_read\": %.6g, "
-      "\"fp32_peak_gflops\": %.6g, \"amx_peak_gflops\": %.6g}\n",
+      "\"fp32_peak_gflops\": %.6g, \"amx_peak_gflops\": %.6g, "
+      "\"amx_softmax_together_over_sum\": %.6g}\n",
       r.kernel.c_str(), dtype_name(dtype), dtype_name(out_dtype), static_cast<long long>(c.batch),
       static_cast<long long>(c.num_heads_q), static_cast<long long>(c.num_heads_kv),
       static_cast<long long>(c.seq_q), static_cast<long long>(c.seq_kv),
@@ -596,7 +599,8 @@ void print_json(const BenchCase& c, const BenchResult& r, int threads, DType dty
       finite(r.read_between_repeats > 0.0 ? kv_gbs / r.read_between_repeats : 0.0),
       finite(r.kv_read_between_repeats),
       finite(r.kv_read_between_repeats > 0.0 ? kv_gbs / r.kv_read_between_repeats : 0.0),
-      finite(probes.fp32_peak.gflops), finite(probes.amx_peak.gflops));
+      finite(probes.fp32_peak.gflops), finite(probes.amx_peak.gflops),
+      finite(probes.amx_overlap.together_over_sum()));
   std::fflush(stdout);
 }
 
@@ -618,6 +622,12 @@ void print_table_header(int threads, DType dtype, const Probes& probes) {
         "AMX tile peak %.1f GFLOP/s (%.2fx the fp32 peak): %%peak of bf16-amx and f16-amx-split "
         "rows divides by it\n",
         probes.amx_peak.gflops, probes.amx_peak.gflops / probes.fp32_peak.gflops);
+  }
+  if (probes.amx_overlap.together_seconds > 0.0) {
+    std::printf(
+        "AMX tiles beside the softmax (1 thread): together %.2fx the sum of the two alone, %.2fx "
+        "the longer (1.00x the sum: they take turns; docs/kernels.md, \"The ceiling\")\n",
+        probes.amx_overlap.together_over_sum(), probes.amx_overlap.together_over_longer());
   }
   std::printf("memory: %s\n\n",
               tools::process_peak_available()
@@ -684,15 +694,16 @@ int run_bench(std::vector<std::string> args) {
   }
   if (options.dtype != DType::kF32 && !options.linear) {
     probes.amx_peak = tools::measure_amx_peak(threads);  // 0 without AMX-BF16
+    probes.amx_overlap = tools::measure_amx_overlap();   // 0 without AMX-BF16
   }
   probes.bandwidth = tools::measure_read_bandwidth(threads);
   if (options.json) {
     std::fprintf(stderr,
-                 "qkv bench: fp32 peak %.1f GFLOP/s (%s), vdpbf16ps peak %.1f, AMX peak %.1f, "
-                 "read %.1f GB/s\n",
+                 "qkv bench: fp32 peak %.1f GFLOP/s (%s), vdpbf16ps peak %.1f, AMX peak %.1f "
+                 "(beside the softmax: together %.2fx the sum), read %.1f GB/s\n",
                  probes.fp32_peak.gflops, probes.fp32_peak.hwy_target.c_str(),
                  probes.pairs_peak.gflops, probes.amx_peak.gflops,
-                 probes.bandwidth.gbytes_per_second);
+                 probes.amx_overlap.together_over_sum(), probes.bandwidth.gbytes_per_second);
   } else {
     print_table_header(threads, options.dtype, probes);
   }

@@ -225,6 +225,44 @@ FmaPeak measure_amx_peak(int num_threads, double seconds_per_repeat, int repeats
                                  repeats, 4.0 * 16 * 16 * 32 * 2, amx::peak_probe);
 }
 
+AmxOverlap measure_amx_overlap(double seconds_per_call, int rounds) {
+  AmxOverlap overlap;
+  if (!amx::available()) return overlap;
+  // Iterations for about seconds_per_call of the two together (the longest of the three).
+  std::int64_t iterations = 64;
+  for (;;) {
+    const auto start = std::chrono::steady_clock::now();
+    overlap.checksum += amx::overlap_probe(iterations, amx::OverlapPart::kBoth);
+    const double seconds = seconds_since(start);
+    if (seconds >= seconds_per_call / 4 || iterations >= (std::int64_t{1} << 30)) {
+      iterations = std::max<std::int64_t>(
+          1, static_cast<std::int64_t>(static_cast<double>(iterations) * seconds_per_call /
+                                       std::max(seconds, 1e-9)));
+      break;
+    }
+    iterations *= 4;
+  }
+  const amx::OverlapPart parts[3] = {amx::OverlapPart::kTiles, amx::OverlapPart::kSoftmax,
+                                     amx::OverlapPart::kBoth};
+  std::vector<double> seconds[3];
+  for (int round = 0; round < std::max(rounds, 1); ++round) {
+    for (int i = 0; i < 3; ++i) {
+      const auto start = std::chrono::steady_clock::now();
+      overlap.checksum += amx::overlap_probe(iterations, parts[i]);
+      seconds[i].push_back(seconds_since(start));
+    }
+  }
+  const auto median = [](std::vector<double>& v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  overlap.tiles_seconds = median(seconds[0]);
+  overlap.softmax_seconds = median(seconds[1]);
+  overlap.together_seconds = median(seconds[2]);
+  overlap.iterations = iterations;
+  return overlap;
+}
+
 namespace {
 
 // The words [begin, end) that thread `task` of `threads` reads of `count`: slices rounded to 16

@@ -40,6 +40,27 @@ FmaPeak measure_bf16_peak(int num_threads, double seconds_per_repeat = 0.1, int 
 // amx::set_enabled(false)), nothing runs: gflops = 0 and hwy_target = "none".
 FmaPeak measure_amx_peak(int num_threads, double seconds_per_repeat = 0.1, int repeats = 3);
 
+// Whether the AMX tile unit and the vector units run at once on this core (amx::overlap_probe):
+// the tile products alone, the softmax's vector code alone, and both interleaved, each timed on
+// the calling thread in `rounds` rounds taking turns (medians). together / (tiles + softmax)
+// near 1 means they take turns; near together / longer = 1, one hides the other. All 0 where
+// the CPU lacks AMX-BF16 (or amx::set_enabled(false)).
+struct AmxOverlap {
+  double tiles_seconds = 0.0, softmax_seconds = 0.0, together_seconds = 0.0;
+  std::int64_t iterations = 0;  // probe rounds per timed call
+  double checksum = 0.0;
+  double together_over_sum() const {
+    return tiles_seconds + softmax_seconds > 0.0
+               ? together_seconds / (tiles_seconds + softmax_seconds)
+               : 0.0;
+  }
+  double together_over_longer() const {
+    const double longer = tiles_seconds > softmax_seconds ? tiles_seconds : softmax_seconds;
+    return longer > 0.0 ? together_seconds / longer : 0.0;
+  }
+};
+AmxOverlap measure_amx_overlap(double seconds_per_call = 0.02, int rounds = 7);
+
 struct ReadBandwidth {
   double gbytes_per_second = 0.0;  // 1e9 bytes/s read, over all threads, best of repeats
   int num_threads = 0;

@@ -398,5 +398,26 @@ TEST(Amx, SwitchAndPeakProbe) {
   EXPECT_DOUBLE_EQ(amx::peak_probe(steps), 4.0 * 256 * steps * std::ldexp(1.0, -17));
 }
 
+// The overlap probe runs what each part names: the tiles part kOverlapTileProducts products
+// per round (4 accumulators, 2^-17 per output and product, as above), the softmax part the
+// fused exp and packing (a positive sum that doubles with the rounds), and both parts together
+// the sum of the two.
+TEST(Amx, OverlapProbeRunsEachPart) {
+  QKV_SKIP_WITHOUT_AMX();
+  const std::int64_t steps = 200;
+  const double tiles = amx::overlap_probe(steps, amx::OverlapPart::kTiles);
+  EXPECT_DOUBLE_EQ(tiles, 256.0 * amx::kOverlapTileProducts * steps * std::ldexp(1.0, -17));
+  const double softmax = amx::overlap_probe(steps, amx::OverlapPart::kSoftmax);
+  EXPECT_GT(softmax, 0.0);
+  // The sums grow by the same amount with each `steps` rounds more; the checksum's other terms
+  // (the last pair word's two probabilities, the scores' max) stay.
+  const double twice = amx::overlap_probe(2 * steps, amx::OverlapPart::kSoftmax);
+  const double thrice = amx::overlap_probe(3 * steps, amx::OverlapPart::kSoftmax);
+  EXPECT_GT(twice - softmax, 0.0);
+  EXPECT_NEAR(thrice - twice, twice - softmax, 1e-4 * thrice);
+  EXPECT_NEAR(amx::overlap_probe(steps, amx::OverlapPart::kBoth), tiles + softmax,
+              1e-9 * (tiles + softmax));
+}
+
 }  // namespace
 }  // namespace qkv::testing

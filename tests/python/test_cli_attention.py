@@ -429,11 +429,15 @@ def test_bench_dtype(cli, dtype):
         assert record["products"] == "f32-fma"
         # f32 runs no AMX probe: its field reads exactly 0, not whatever the memory held.
         assert record["amx_peak_gflops"] == 0
+        assert record["amx_softmax_together_over_sum"] == 0
     elif pairs:
         assert record["products"] == "bf16-vdpbf16ps"
     elif amx:
         assert record["products"] == ("bf16-amx" if dtype == "bf16" else "f16-amx-split")
         assert record["amx_peak_gflops"] > 0
+        # Whether the tiles run beside the softmax is the CPU's business; that it was measured
+        # (three positive times) is the test's.
+        assert record["amx_softmax_together_over_sum"] > 0
     else:
         assert record["products"] == f"{dtype}-widened-fma"
     # %peak divides by the peak of the instructions that ran: the vdpbf16ps probe for the pairs,

@@ -108,4 +108,17 @@ void values(const std::uint16_t* vt, std::int64_t vt_stride, const std::uint32_t
 // FLOPs = iterations * 4 * 16 * 16 * 32 * 2.
 double peak_probe(std::int64_t iterations);
 
+// Overlap probe: whether the tile unit runs while the vector units do the softmax, the question
+// that bounds the flash kernel on AMX (docs/kernels.md, "The ceiling"). Each of `iterations`
+// rounds issues kOverlapTileProducts independent tdpbf16ps on tiles that stay in the registers
+// (kTiles), the fused softmax's own code (softmax_pack_lazy's exp, sum, max and packing) over
+// kOverlapKeys keys of one query vector of an L1-resident score tile (kSoftmax), or both,
+// independent of each other (kBoth). Timed apart and together (tools::measure_amx_overlap):
+// together = the sum of the two alone means they take turns; = the longer alone means one hides
+// the other. Configures and releases the tiles itself; returns a checksum.
+enum class OverlapPart { kTiles, kSoftmax, kBoth };
+constexpr int kOverlapTileProducts = 16;
+constexpr std::int64_t kOverlapKeys = 32;
+double overlap_probe(std::int64_t iterations, OverlapPart part);
+
 }  // namespace qkv::amx

@@ -47,6 +47,12 @@ TileScope::~TileScope() { _tile_release(); }
 
 namespace {
 
+// GCC 12's _tile_loadd is an asm that names the address it reads, not the memory there, so a
+// store made earlier in the same function may be moved past it, or dropped as dead where
+// nothing else reads it (the probes' operands were, once their fill moved into a helper). A
+// compiler barrier before the tile loads orders them; it costs no instruction.
+inline void StoresBeforeTileLoads() { __asm__ volatile("" ::: "memory"); }
+
 // One output block of f32 tiles: rows [0, 16) (and [16, 32) when kTwo) of `out`, lanes [0, 32),
 // rows kLanes floats apart; zeroed (kLoad false) or loaded from out, then += sum over `steps`
 // of A x B, and stored back. A: rows a_stride bf16 apart, step c at a + c * kDepthStep (the
@@ -58,6 +64,7 @@ void BlockProduct(const std::uint16_t* a, std::int64_t a_stride, const std::uint
   const std::uint16_t* a1 = a + kTileRows * a_stride;
   float* out1 = out + kTileRows * kLanes;
   if constexpr (kLoad) {
+    StoresBeforeTileLoads();  // (values: the rescale's vector stores into out)
     _tile_loadd(0, out, kLaneRowBytes);
     _tile_loadd(1, out + kVecLanes, kLaneRowBytes);
     if constexpr (kTwo) {
@@ -316,12 +323,15 @@ void values(const std::uint16_t* vt, std::int64_t vt_stride, const std::uint32_t
   }
 }
 
-double peak_probe(std::int64_t iterations) {
-  const TileScope scope;
-  // A and B hold small bf16 pairs (2^-11 each), so the accumulators stay finite for any
-  // realistic run; the tiles never leave the registers inside the loop.
+namespace {
+
+// The probes' tiles: the operands (tiles 4-7) hold small bf16 pairs (2^-11 each), so the
+// accumulators (tiles 0-3, zeroed) stay finite for any realistic run; the tiles never leave the
+// registers inside the probes' loops.
+void StartProbeTiles() {
   alignas(64) std::uint32_t operand[kTileRows * kVecLanes];
   for (std::uint32_t& w : operand) w = 0x3a003a00u;
+  StoresBeforeTileLoads();
   _tile_loadd(4, operand, 64);
   _tile_loadd(5, operand, 64);
   _tile_loadd(6, operand, 64);
@@ -330,12 +340,18 @@ double peak_probe(std::int64_t iterations) {
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  for (std::int64_t i = 0; i < iterations; ++i) {
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-  }
+}
+
+// Four independent tile products, one into each accumulator.
+inline void FourProbeProducts() {
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
+// The sum of the accumulators' outputs.
+double ProbeTilesSum() {
   alignas(64) float out[4][kTileRows * kVecLanes];
   _tile_stored(0, out[0], 64);
   _tile_stored(1, out[1], 64);
@@ -346,6 +362,70 @@ double peak_probe(std::int64_t iterations) {
     for (float x : tile) sum += x;
   }
   return sum;
+}
+
+// overlap_probe's rounds: the tile products (kTiles), the fused softmax's code (kSoftmax), or
+// both; returns the softmax's checksum (its sums and max, the last pair word's probabilities).
+template <bool kTiles, bool kSoftmax>
+double OverlapRounds(std::int64_t iterations) {
+  // Scores at or below the running max (0), as in a tile where the max stays.
+  alignas(64) float st[kOverlapKeys * kLanes];
+  for (std::int64_t i = 0; i < kOverlapKeys * kLanes; ++i) {
+    st[i] = -0.125f * static_cast<float>(i % 61);
+  }
+  alignas(64) std::uint32_t pp[kOverlapKeys / 2 * kLanes] = {};
+  constexpr std::int64_t kPairs = kOverlapKeys / 2;
+  const __m512 cv = _mm512_set1_ps(1.0f), shift = _mm512_setzero_ps();
+  __m512 sum = _mm512_setzero_ps(), max = _mm512_setzero_ps();
+  for (std::int64_t i = 0; i < iterations; ++i) {
+    if constexpr (kTiles) {
+      for (int g = 0; g < kOverlapTileProducts / 4; ++g) FourProbeProducts();
+    }
+    if constexpr (kSoftmax) {
+      __m512 tile_max;
+      sum = _mm512_add_ps(sum, ExpPackVec<true>(st, kOverlapKeys, kPairs, cv, shift, pp, &tile_max));
+      max = Max(max, tile_max);
+    }
+  }
+  alignas(64) float lanes[2][kVecLanes];
+  _mm512_store_ps(lanes[0], sum);
+  _mm512_store_ps(lanes[1], max);
+  // The last pair word's two probabilities (bf16: the high halves of f32 words).
+  const std::uint32_t word = pp[kPairs * kLanes - 1], halves[2] = {word << 16, word & 0xFFFF0000u};
+  float last[2];
+  std::memcpy(last, halves, sizeof(last));
+  double checksum = static_cast<double>(last[0]) + last[1];
+  for (const auto& row : lanes) {
+    for (float x : row) checksum += x;
+  }
+  return checksum;
+}
+
+}  // namespace
+
+double peak_probe(std::int64_t iterations) {
+  const TileScope scope;
+  StartProbeTiles();
+  for (std::int64_t i = 0; i < iterations; ++i) FourProbeProducts();
+  return ProbeTilesSum();
+}
+
+double overlap_probe(std::int64_t iterations, OverlapPart part) {
+  const TileScope scope;
+  StartProbeTiles();
+  double checksum = 0.0;
+  switch (part) {
+    case OverlapPart::kTiles:
+      checksum = OverlapRounds<true, false>(iterations);
+      break;
+    case OverlapPart::kSoftmax:
+      checksum = OverlapRounds<false, true>(iterations);
+      break;
+    case OverlapPart::kBoth:
+      checksum = OverlapRounds<true, true>(iterations);
+      break;
+  }
+  return checksum + ProbeTilesSum();
 }
 
 }  // namespace qkv::amx
