@@ -54,7 +54,9 @@ after a causal shape also qkv's causal / non-causal effective GFLOP/s, with the 
 twin timed in the same rounds (the median of the per-round ratios); after a non-causal shape
 whose L is in --scaling, qkv's thread scaling against a one-thread twin timed the same way;
 after decode, qkv's K/V rate against the read probe of its own process and against a plain read
-of its own K/V arrays (medians of rounds; qkv bench's JSON).
+of its own K/V arrays (medians of rounds; qkv bench's JSON). On a CPU with AMX the header also
+gives qkv's overlap probe: its tile products and its softmax's vector code run together, over
+the two alone (1: they take turns, which bounds the AMX path below its tile peak).
 
 Needs nothing installed: it re-runs itself in .cache/venv-peers (scripts/peers_venv.sh).
 """
@@ -516,7 +518,8 @@ def bench_case(case, impls, args, log):
             # The product path each round ran (it may depend on the shape: qkv bench --help).
             result["products"] = "/".join(sorted({r.get("products", "?") for r in rows}))
             for key in ("read_gbytes_per_second", "kv_fraction_of_read_bandwidth",
-                        "kv_fraction_of_read_between_repeats", "kv_fraction_of_kv_arrays_read"):
+                        "kv_fraction_of_read_between_repeats", "kv_fraction_of_kv_arrays_read",
+                        "amx_softmax_together_over_sum"):
                 if key in rows[0]:  # per process (same-process probes), median over rounds
                     result[key] = statistics.median(r[key] for r in rows)
         for twin in twins.get(label, []):
@@ -554,6 +557,14 @@ def bandwidth(all_results):
     return statistics.median(values) if values else None
 
 
+def amx_overlap(all_results):
+    """Median of qkv's AMX overlap probe over its bf16 processes (0 or absent without AMX): the
+    tiles and the softmax's vector code together, over the sum of the two alone."""
+    values = [r["amx_softmax_together_over_sum"] for res in all_results.values()
+              for r in res.values() if r.get("amx_softmax_together_over_sum", 0) > 0]
+    return statistics.median(values) if values else None
+
+
 def ratios(results):
     """{dtype: (qkv / best peer speed ratio, best peer label)} and the overall ratio."""
     out = {}
@@ -583,6 +594,10 @@ def report(all_results, agreements, threads):
         lines.append(f"qkv measured: fp32 FMA peak {peak['f32']:.1f} GFLOP/s"
                      + (f", bf16 peak {peak['bf16']:.1f}" if peak["bf16"] else "")
                      + (f", streaming read {read_bw:.1f} GB/s" if read_bw else ""))
+    if amx_overlap(all_results):
+        lines.append(f"qkv measured: AMX tiles beside the softmax's vector code take "
+                     f"{amx_overlap(all_results):.2f}x the sum of the two alone (1 = they take "
+                     f"turns; docs/kernels.md, \"The ceiling\")")
     header = (f"{'shape (B,Hq,Hkv,Lq,Lk,D)':<32} {'impl':<13} {'median ms':>10} "
               f"{'GFLOP/s':>8} {'%peak':>6} {'GB/s':>6} {'%bw':>5}")
     lines += [header, "-" * len(header)]
@@ -786,7 +801,8 @@ def main():
                 for c, res in all_results.items() for label, r in res.items()]
         meta = {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
                 "threads": args.threads, "peak_gflops_f32": peaks(all_results, "f32"),
-                "read_gbytes_per_second": bandwidth(all_results)}
+                "read_gbytes_per_second": bandwidth(all_results),
+                "amx_softmax_together_over_sum": amx_overlap(all_results)}
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
         print(f"wrote {args.json}")
 
