@@ -37,7 +37,9 @@ and a GQA decoder's prefill; model_cases below), no decode.
 
 Method: each implementation is warmed up, then timed once per round; rounds interleave the
 implementations (rotating their order) so that they share the machine's noise, and the median
-over rounds is reported. A call under 20 ms is repeated to fill 20 ms and divided. Cases where
+over rounds is reported. A call under 20 ms is repeated to fill 20 ms and divided; in decode
+cases each of those calls follows an untimed read of a buffer of 256 MiB or twice the last-level
+cache (Evictor), so that it finds K and V in memory, as qkv bench's repeats do. Cases where
 one call takes over 2 s get 3 rounds instead of --rounds. The peers in this process read one
 shared (B, H, L, D) copy of the inputs per dtype (ORT's decode cache included; ORT's MHA its
 BSH packing): on the VM of these sessions, decode ratios between private copies moved by up to
@@ -446,11 +448,52 @@ def twins_for(qkv, case, args):
 # ---- timing -----------------------------------------------------------------------------------
 
 
-def time_call(call, calls):
-    start = time.perf_counter()
+def eviction_mib():
+    """qkv bench's read probe size (tools::read_probe_mib): 256 MiB, or twice the last-level
+    cache where that is larger, at most a quarter of the memory (never under 256)."""
+    def getconf(name):
+        out = subprocess.run(["getconf", name], capture_output=True, text=True).stdout.strip()
+        return int(out) if out.lstrip("-").isdigit() else 0
+    cache = getconf("LEVEL3_CACHE_SIZE") or getconf("LEVEL2_CACHE_SIZE")
+    memory_mib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return min(max(256.0, 2 * max(cache, 0) / 2**20), max(256.0, memory_mib / 4))
+
+
+class Evictor:
+    """A buffer of eviction_mib(), read (untimed) before each timed call of a decode case, so that
+    the call finds K and V in memory as a decode step does once the other layers' caches have
+    run through (qkv bench sweeps its probe between repeats the same way). Without it, on a host
+    whose L3 reads 480 MiB, the in-process peers' repeated calls read a 128 MiB bf16 cache
+    partly from the L3 (docs/cli-bench-demo.md, "A last-level cache larger than the sweep")."""
+
+    def __init__(self):
+        import numpy as np
+        self.mib = eviction_mib()
+        self.np = np
+        self.buffer = np.ones(int(self.mib * 2**20 // 4), dtype=np.int32)
+
+    def __call__(self):
+        # numpy's sum runs on this thread alone, so no thread pool is left spinning into the
+        # timed call (with a torch sum here, the multi-head qkv.torch f32 step ran 0.82x
+        # torch-mm's speed, against 1.02x with this, the next run).
+        return int(self.buffer.sum(dtype=self.np.int64))
+
+
+def time_call(call, calls, evict=None):
+    """Seconds per call: `calls` calls back to back, or (evict given) each after an untimed
+    evict()."""
+    if evict is None:
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        return (time.perf_counter() - start) / calls
+    total = 0.0
     for _ in range(calls):
+        evict()
+        start = time.perf_counter()
         call()
-    return (time.perf_counter() - start) / calls
+        total += time.perf_counter() - start
+    return total / calls
 
 
 def bench_case(case, impls, args, log):
@@ -486,6 +529,7 @@ def bench_case(case, impls, args, log):
     samples = {label: [] for label in runners}
     qkv_json = {label: [] for label in runners}
     order = list(runners)
+    evict = Evictor() if case.is_decode() else None
     for round_index in range(rounds):
         shift = round_index % len(order)
         for label in order[shift:] + order[:shift]:
@@ -503,7 +547,7 @@ def bench_case(case, impls, args, log):
                 qkv_json[label].append(row)
             else:
                 call, calls, _ = runner
-                samples[label].append(time_call(call, calls))
+                samples[label].append(time_call(call, calls, evict))
         log(f"  round {round_index + 1}/{rounds} done")
     twin_labels = {twin.label for group in twins.values() for twin in group}
     for label in runners:

@@ -94,14 +94,16 @@ constexpr const char* kBenchUsage =
     "counts only the pairs the mask allows; %peak = GFLOP/s / measured FMA peak; extra MiB =\n"
     "peak resident memory during a call above the memory before it. Decode shapes (Lq <= 16)\n"
     "add a line: K/V read = 2*B*Hkv*Lk*D*(4 or 2) bytes / seconds, as a fraction of the\n"
-    "streaming read bandwidth measured at the start (best of 5 sweeps of 256 MiB; json:\n"
-    "kv_gbytes_per_second, kv_fraction_of_read_bandwidth, on every shape) and of the median of\n"
-    "one sweep after each timed repeat, taken under the same load as the kernel's median (json:\n"
-    "read_gbytes_per_second_between_repeats, kv_fraction_of_read_between_repeats; 0 for other\n"
-    "shapes) and of the median of a plain read of the K and V arrays themselves after each\n"
-    "repeat (json: kv_arrays_read_gbytes_per_second, kv_fraction_of_kv_arrays_read; 0 for\n"
-    "other shapes): on a VM, pages allocated at different times can read at different speeds,\n"
-    "and this one reads the kernel's own. See docs/cli-bench-demo.md.\n";
+    "streaming read bandwidth measured at the start (best of 5 sweeps of 256 MiB, or of twice\n"
+    "the last-level cache where that is larger, so that a sweep evicts K and V; json:\n"
+    "read_buffer_mib, kv_gbytes_per_second, kv_fraction_of_read_bandwidth, on every shape) and\n"
+    "of the median of one sweep after each timed repeat, taken under the same load as the\n"
+    "kernel's median (json: read_gbytes_per_second_between_repeats,\n"
+    "kv_fraction_of_read_between_repeats; 0 for other shapes) and of the median of a plain read\n"
+    "of the K and V arrays themselves after each repeat (json: kv_arrays_read_gbytes_per_second,\n"
+    "kv_fraction_of_kv_arrays_read; 0 for other shapes): on a VM, pages allocated at different\n"
+    "times can read at different speeds, and this one reads the kernel's own. See\n"
+    "docs/cli-bench-demo.md.\n";
 
 struct BenchCase {
   std::int64_t batch, num_heads_q, num_heads_kv, seq_q, seq_kv, head_dim;
@@ -580,7 +582,8 @@ void print_json(const BenchCase& c, const BenchResult& r, int threads, DType dty
       "\"effective_fraction_of_peak\": %.6g, \"peak_extra_rss_bytes\": %lld, "
       "\"scratch_peak_bytes\": %lld, \"memory_method\": \"%s\", \"hwy_target\": \"%s\", "
       "\"products\": \"%s\", "
-      "\"read_gbytes_per_second\": %.6g, \"kv_gbytes_per_second\": %.6g, "
+      "\"read_gbytes_per_second\": %.6g, \"read_buffer_mib\": %.6g, \"kv_gbytes_per_second\": "
+      "%.6g, "
       "\"kv_fraction_of_read_bandwidth\": %.6g, \"read_gbytes_per_second_between_repeats\": %.6g, "
       "\"kv_fraction_of_read_between_repeats\": %.6g, "
       "\"kv_arrays_read_gbytes_per_second\": %.6g, \"kv_fraction_of_kv_arrays_read\": %.6g, "
@@ -594,8 +597,8 @@ void print_json(const BenchCase& c, const BenchResult& r, int threads, DType dty
       finite(r.effective_gflops), finite(peak.gflops), finite(r.gflops / peak.gflops),
       finite(r.effective_gflops / peak.gflops), static_cast<long long>(r.memory.peak_extra_bytes()),
       static_cast<long long>(r.memory.scratch_peak_extra), r.memory.method, peak.hwy_target.c_str(),
-      r.products.c_str(), finite(bandwidth.gbytes_per_second), finite(kv_gbs),
-      finite(kv_gbs / bandwidth.gbytes_per_second), finite(r.read_between_repeats),
+      r.products.c_str(), finite(bandwidth.gbytes_per_second), finite(bandwidth.buffer_mib),
+      finite(kv_gbs), finite(kv_gbs / bandwidth.gbytes_per_second), finite(r.read_between_repeats),
       finite(r.read_between_repeats > 0.0 ? kv_gbs / r.read_between_repeats : 0.0),
       finite(r.kv_read_between_repeats),
       finite(r.kv_read_between_repeats > 0.0 ? kv_gbs / r.kv_read_between_repeats : 0.0),
@@ -607,10 +610,10 @@ void print_json(const BenchCase& c, const BenchResult& r, int threads, DType dty
 void print_table_header(int threads, DType dtype, const Probes& probes) {
   std::printf(
       "qkv bench: %s, %d thread%s; measured in this process: fp32 FMA peak %.1f GFLOP/s "
-      "(Highway %s, %d lanes), read bandwidth %.1f GB/s\n",
+      "(Highway %s, %d lanes), read bandwidth %.1f GB/s (%.0f MiB swept)\n",
       dtype_name(dtype), threads, threads == 1 ? "" : "s", probes.fp32_peak.gflops,
       probes.fp32_peak.hwy_target.c_str(), probes.fp32_peak.lanes,
-      probes.bandwidth.gbytes_per_second);
+      probes.bandwidth.gbytes_per_second, probes.bandwidth.buffer_mib);
   if (probes.pairs_peak.gflops > 0.0) {
     std::printf(
         "vdpbf16ps peak %.1f GFLOP/s (%.2fx the fp32 peak): %%peak of bf16-vdpbf16ps rows divides "

@@ -90,6 +90,8 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <functional>
@@ -277,6 +279,18 @@ WordSlice SliceOf(std::int64_t count, int threads, std::int64_t task) {
 }
 
 }  // namespace
+
+double read_probe_mib() {
+  constexpr double kMinMib = 256.0, kMiB = 1024.0 * 1024.0;
+  long cache = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  if (cache <= 0) cache = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  const double memory_mib =
+      pages > 0 && page > 0 ? static_cast<double>(pages) * static_cast<double>(page) / kMiB : 0.0;
+  double mib = std::max(kMinMib, 2.0 * static_cast<double>(std::max(cache, 0L)) / kMiB);
+  if (memory_mib > 0.0) mib = std::min(mib, std::max(kMinMib, memory_mib / 4.0));
+  return mib;
+}
 
 ReadProbe::ReadProbe(int num_threads, double buffer_mib)
     : threads_(resolve_num_threads(num_threads)),

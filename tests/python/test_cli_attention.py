@@ -6,6 +6,7 @@ Shapes are (B, Lq, Hq, D) etc. as in DESIGN.md; `problem` dicts hold the inputs 
 """
 
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -595,3 +596,15 @@ def test_bench_decode_sweeps_read_probe_between_repeats(cli):
     assert arrays > 0
     assert record["kv_fraction_of_kv_arrays_read"] == pytest.approx(
         record["kv_gbytes_per_second"] / arrays, rel=1e-4)
+    # The probe sweeps max(256 MiB, twice the last-level cache), at most a quarter of the memory
+    # (but never under 256), so that a sweep evicts K and V (glibc's cache sizes, as getconf
+    # reads them).
+    def getconf(name):
+        out = subprocess.run(["getconf", name], capture_output=True, text=True).stdout.strip()
+        return int(out) if out.lstrip("-").isdigit() else 0
+    cache = getconf("LEVEL3_CACHE_SIZE")
+    if cache <= 0:
+        cache = getconf("LEVEL2_CACHE_SIZE")
+    memory_mib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**20
+    expected = min(max(256.0, 2 * max(cache, 0) / 2**20), max(256.0, memory_mib / 4))
+    assert record["read_buffer_mib"] == pytest.approx(expected, rel=1e-6)
