@@ -43,8 +43,8 @@ FmaPeak measure_amx_peak(int num_threads, double seconds_per_repeat = 0.1, int r
 // Whether the AMX tile unit and the vector units run at once on this core (amx::overlap_probe):
 // the tile products alone, the softmax's vector code alone, and both interleaved, each timed on
 // the calling thread in `rounds` rounds taking turns (medians). together / (tiles + softmax)
-// near 1 means they take turns; near together / longer = 1, one hides the other. All 0 where
-// the CPU lacks AMX-BF16 (or amx::set_enabled(false)).
+// near 1 means they take turns; together / (the longer of the two) near 1, that one hides the
+// other. All 0 where the CPU lacks AMX-BF16 (or amx::set_enabled(false)).
 struct AmxOverlap {
   double tiles_seconds = 0.0, softmax_seconds = 0.0, together_seconds = 0.0;
   std::int64_t iterations = 0;  // probe rounds per timed call
