@@ -1,9 +1,11 @@
 // available(), preferred() and their switches of the AVX512-BF16 micro-kernel (bf16_dot.h). They run before
 // anyone knows whether the CPU has AVX-512, so they live here, compiled with the default flags,
 // not in bf16_dot_avx512.cc.
+#include "kernels/cpu/bf16_dot.h"
+
 #include <atomic>
 
-#include "kernels/cpu/bf16_dot.h"
+#include "core/cpu_vendor.h"
 
 namespace qkv::bf16dot {
 namespace {
@@ -24,15 +26,6 @@ bool cpu_runs_avx512_bf16() {
 #endif
 }
 
-bool cpu_prefers_pairs() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  return __builtin_cpu_is("amd");
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 
 bool cpu_supported() {
@@ -45,8 +38,7 @@ bool available() { return cpu_supported() && g_enabled.load(std::memory_order_re
 void set_enabled(bool enabled) { g_enabled.store(enabled, std::memory_order_relaxed); }
 
 bool preferred() {
-  static const bool vendor = cpu_prefers_pairs();
-  return available() && (vendor || g_forced.load(std::memory_order_relaxed));
+  return available() && (cpu_is_amd() || g_forced.load(std::memory_order_relaxed));
 }
 
 void set_forced(bool forced) { g_forced.store(forced, std::memory_order_relaxed); }

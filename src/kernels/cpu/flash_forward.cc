@@ -10,9 +10,9 @@
 // per row (unnormalised out, running max and sum), and a merge combines the splits of every row
 // in a fixed order. Blocks with few rows (decoding) compute their products row by row instead of
 // on kBlockQ lanes (the decode path,
-// decode_walk-inl.h). Every choice depends on the shape only and every
-// task is computed by one thread in a fixed order, so results are identical whatever the thread
-// count. docs/kernels.md explains the plan.
+// decode_walk-inl.h). Every choice depends on the shape (and, for the decode split groups, on the
+// CPU's vendor) only and every task is computed by one thread in a fixed order, so results are
+// identical whatever the thread count. docs/kernels.md explains the plan.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/flash_forward.cc"
 #include <cmath>
@@ -20,10 +20,12 @@
 #include <vector>
 
 #include "core/aligned_buffer.h"
+#include "core/cpu_vendor.h"
 #include "core/parallel.h"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
 #include "kernels/cpu/decode_walk-inl.h"
+#include "kernels/cpu/dropout-inl.h"
 #include "kernels/cpu/online_softmax-inl.h"
 #include "kernels/cpu/products-inl.h"
 #include "kernels/cpu/query_block-inl.h"
@@ -31,7 +33,6 @@
 #include "kernels/cpu/sparse_tiles-inl.h"
 #include "kernels/cpu/tile_geometry-inl.h"
 #include "kernels/cpu/tile_staging-inl.h"
-#include "kernels/cpu/dropout-inl.h"
 #include "kernels/dropout_mask.h"
 #include "kernels/kernels.h"
 #include "kernels/product_path.h"
@@ -44,23 +45,34 @@ namespace {
 using namespace tiles;
 
 // ---------------------------------------------------------------------------------------------
-// The work plan: a function of the shape only (never of the thread count).
+// The work plan: a function of the shape (and the CPU's vendor: SplitGroupNarrowBlocks), never
+// of the thread count.
 
 constexpr std::int64_t kMinTasks = 8;           // tasks a key split keeps, when it can
 constexpr std::int64_t kMinGroups = 16;         // groups the block grouping keeps, when it can
 constexpr std::int64_t kSplitGroupBlocks = 16;  // blocks per group at most, with a key split
 constexpr std::int64_t kSplitBelowItems = 64;   // fewer query blocks than this: split the keys
 // The same two for narrow blocks (decoding: at most kNarrowRows rows per kv head), whose scratch
-// and per-tile work are small: a group of 32 takes all heads of a multi-head decode step (32
-// heads: each key's K and V rows then read whole), and batches of such steps still split.
-// Against 16 and 64 (Zen 4, 2 threads, Lq = 1, Lk = 16384, D = 128, in-process A/B): Hq = Hkv
-// = 32 at B = 1 bf16 1.26x, f32 1.17x; at B = 2 bf16 1.89x, f32 1.44x; B = 8 GQA 32:8 (Lk =
-// 8192) bf16 1.44x; the same bounds for wide blocks split B = 1, H = 8, Lq = 512, Lk = 8192
-// into 32-block groups at 0.94x, so wide blocks keep 16 and 64.
-constexpr std::int64_t kSplitGroupNarrowBlocks = 32;
+// and per-tile work are small, and batches of multi-head decode steps still split. On AMD a
+// group of 32 takes all heads of a 32-head decode step (each key's K and V rows then read
+// whole): against 16 and 64 (Zen 4, 2 threads, Lq = 1, Lk = 16384, D = 128, in-process A/B,
+// 2026-12-03): Hq = Hkv = 32 at B = 1 bf16 1.26x, f32 1.17x; at B = 2 bf16 1.89x, f32 1.44x;
+// B = 8 GQA 32:8 (Lk = 8192) bf16 1.44x; the same bounds for wide blocks split B = 1, H = 8,
+// Lq = 512, Lk = 8192 into 32-block groups at 0.94x, so wide blocks keep 16 and 64. On the
+// Intel AMX Xeon (model 167, 2026-12-05, BSHD, qkv bench old and new alternating, the caches
+// evicted between repeats, 5-7 rounds) groups of 16 ran faster than 32: Hq = Hkv = 32, D = 128,
+// Lk = 16384 f32 1.04x, bf16 1.10x (Lk = 32768: 1.06x, 1.07x); B = 2 1.04x, 1.10x; 64 heads
+// (Lk = 8192) 1.08x, 1.14x, at D = 64 1.08x, 1.12x; 32 heads at D = 64 f32 1.05-1.06x, bf16
+// 0.92x and 1.00x (two runs); GQA 64:32 1.04x, 1.04x. So the group size is the vendor's.
+constexpr std::int64_t kSplitGroupNarrowBlocksAmd = 32;
+constexpr std::int64_t kSplitGroupNarrowBlocksOther = 16;
+inline std::int64_t SplitGroupNarrowBlocks() {
+  return cpu_is_amd() ? kSplitGroupNarrowBlocksAmd : kSplitGroupNarrowBlocksOther;
+}
 constexpr std::int64_t kSplitBelowNarrowItems = 128;
 // Blocks one task may hold (the per-task arrays of Flash).
-constexpr std::int64_t kTaskBlocks = std::max(kMaxBlocksPerTask, kSplitGroupNarrowBlocks);
+constexpr std::int64_t kTaskBlocks =
+    std::max({kMaxBlocksPerTask, kSplitGroupNarrowBlocksAmd, kSplitGroupNarrowBlocksOther});
 constexpr std::int64_t kSplitTasks = 16;      // tasks a key split aims for
 constexpr std::int64_t kMinSplitKeys = 1024;  // keys per split, at least (a multiple of kBlockK)
 constexpr std::int64_t kMaxSplits = 16;
@@ -114,8 +126,9 @@ WorkPlan PlanWork(const AttentionKernelParams& p) {
     // 1.05-1.11x; docs/kernels.md, "Flash-decoding".)
     const std::int64_t groups_needed = (kMinTasks + max_splits - 1) / max_splits;
     const std::int64_t batch_items = p.num_heads_kv * w.blocks_per_kv_head;
-    const std::int64_t group_blocks =
-        one_per_group ? 1 : narrow ? kSplitGroupNarrowBlocks : kSplitGroupBlocks;
+    const std::int64_t group_blocks = one_per_group ? 1
+                                      : narrow      ? SplitGroupNarrowBlocks()
+                                                    : kSplitGroupBlocks;
     w.per_task =
         std::clamp<std::int64_t>(w.items / groups_needed, 1, std::min(group_blocks, batch_items));
     // A size that divides an entry's blocks, if one is at least half as large: no group then
