@@ -468,15 +468,13 @@ class Evictor:
 
     def __init__(self):
         import numpy as np
-        self.mib = eviction_mib()
-        self.np = np
-        self.buffer = np.ones(int(self.mib * 2**20 // 4), dtype=np.int32)
+        self.buffer = np.ones(int(eviction_mib() * 2**20 // 4), dtype=np.int32)
 
     def __call__(self):
         # numpy's sum runs on this thread alone, so no thread pool is left spinning into the
         # timed call (with a torch sum here, the multi-head qkv.torch f32 step ran 0.82x
         # torch-mm's speed, against 1.02x with this, the next run).
-        return int(self.buffer.sum(dtype=self.np.int64))
+        return int(self.buffer.sum(dtype="int64"))
 
 
 def time_call(call, calls, evict=None):

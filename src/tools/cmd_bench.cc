@@ -343,12 +343,6 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const std::size_t n = values.size();
-  return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
-}
-
 // One row per product path in `paths`, pinned in turn, on the same inputs (none: one row, the
 // CPU's own choice). The rows' timed repeats take turns.
 std::vector<BenchResult> run_case(const BenchCase& c, Kernel kernel, const BenchOptions& options,
@@ -514,10 +508,10 @@ std::vector<BenchResult> run_case(const BenchCase& c, Kernel kernel, const Bench
   const double work = options.backward ? 2.5 : 1.0;  // the backward's five products to two
   for (std::size_t row = 0; row < rows; ++row) {
     BenchResult& r = results[row];
-    r.seconds = median(times[row]);
+    r.seconds = tools::median(times[row]);
     if (read_probe) {
-      r.read_between_repeats = median(reads[row]);
-      r.kv_read_between_repeats = median(kv_reads[row]);
+      r.read_between_repeats = tools::median(reads[row]);
+      r.kv_read_between_repeats = tools::median(kv_reads[row]);
     }
     r.gflops = work * flops / r.seconds / 1e9;
     r.effective_gflops = work * effective_flops / r.seconds / 1e9;

@@ -227,6 +227,13 @@ FmaPeak measure_amx_peak(int num_threads, double seconds_per_repeat, int repeats
                                  repeats, 4.0 * 16 * 16 * 32 * 2, amx::peak_probe);
 }
 
+double median(std::vector<double> values) {
+  if (values.empty()) return 0.0;
+  std::sort(values.begin(), values.end());
+  const std::size_t n = values.size();
+  return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
 AmxOverlap measure_amx_overlap(double seconds_per_call, int rounds) {
   AmxOverlap overlap;
   if (!amx::available()) return overlap;
@@ -254,10 +261,6 @@ AmxOverlap measure_amx_overlap(double seconds_per_call, int rounds) {
       seconds[i].push_back(seconds_since(start));
     }
   }
-  const auto median = [](std::vector<double>& v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
   overlap.tiles_seconds = median(seconds[0]);
   overlap.softmax_seconds = median(seconds[1]);
   overlap.together_seconds = median(seconds[2]);

@@ -40,6 +40,9 @@ FmaPeak measure_bf16_peak(int num_threads, double seconds_per_repeat = 0.1, int 
 // amx::set_enabled(false)), nothing runs: gflops = 0 and hwy_target = "none".
 FmaPeak measure_amx_peak(int num_threads, double seconds_per_repeat = 0.1, int repeats = 3);
 
+// The median of timings (the mean of the middle two for an even count; 0 for none).
+double median(std::vector<double> values);
+
 // Whether the AMX tile unit and the vector units run at once on this core (amx::overlap_probe):
 // the tile products alone, the softmax's vector code alone, and both interleaved, each timed on
 // the calling thread in `rounds` rounds taking turns (medians). together / (tiles + softmax)
