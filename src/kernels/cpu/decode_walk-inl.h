@@ -53,7 +53,8 @@ struct NarrowBlock {
   std::uint32_t* q_pairs = nullptr;  // [num_q][ceil(D / 2)] pair words of q, unscaled (same
                                      // memory as q_rows)
   float* o = nullptr;       // [num_q][Dv]  unnormalised out
-  float* st = nullptr;      // [kBlockK][kBlockQ]  its own score tile: NarrowTile computes the
+  float* st = nullptr;      // [kBlockK][kNarrowRow]  its own score tile (Products::kNarrowRow:
+                            // kBlockQ for the bf16 pairs): NarrowTile computes the
                             // scores of every narrow block before any softmax
   TilePart part;
 };
@@ -63,8 +64,9 @@ struct NarrowBlock {
 inline std::int64_t NarrowRowFloats(const AttentionKernelParams& p) {
   return (kNarrowRows * (p.head_dim + p.head_dim_v) + kBlockQ - 1) / kBlockQ * kBlockQ;
 }
-inline std::int64_t NarrowFloats(const AttentionKernelParams& p) {
-  return NarrowRowFloats(p) + kBlockK * kBlockQ;
+template <class Products>
+std::int64_t NarrowFloats(const AttentionKernelParams& p) {
+  return NarrowRowFloats(p) + kBlockK * Products::kNarrowRow;
 }
 
 // q_rows[r][d] = q[r][d] * scale for the block's rows r < num_q (the products PackQuery forms,
@@ -108,7 +110,8 @@ NarrowBlock StartNarrow(const AttentionKernelParams& p, QueryBlock& qb, float* s
   // written by the scores: keep them finite.
   const std::int64_t lanes = (qb.num_q + kLanes - 1) / kLanes * kLanes;
   for (std::int64_t j = 0; j < kBlockK; ++j) {
-    std::fill(nb.st + j * kBlockQ + qb.num_q, nb.st + j * kBlockQ + lanes, 0.0f);
+    std::fill(nb.st + j * Products::kNarrowRow + qb.num_q, nb.st + j * Products::kNarrowRow + lanes,
+              0.0f);
   }
   return nb;
 }
@@ -272,7 +275,7 @@ void NarrowScoresWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
   ForEachChunk(p, narrow, count, score_chunk,
                [&](const NarrowBlock& nb, std::int64_t a, std::int64_t b) {
     const T* k = static_cast<const T*>(nb.qb->k) + a * ks;
-    float* st = nb.st + (a - nb.part.lo) * kBlockQ;
+    float* st = nb.st + (a - nb.part.lo) * kNarrowRow;
     // For the step at key a + x: asks for the V rows `distance` keys on (values_too) and
     // returns the K rows there, which NarrowDots asks for as it reads (null past key_end).
     const auto ask_ahead = [&](std::int64_t x, std::int64_t keys) -> const T* {
@@ -285,11 +288,11 @@ void NarrowScoresWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
     };
     std::int64_t x = 0;
     for (; x + kDotKeys <= b - a; x += kDotKeys) {
-      NarrowDotKeys<kDotKeys>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x * kBlockQ,
+      NarrowDotKeys<kDotKeys>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x * kNarrowRow,
                               ask_ahead(x, kDotKeys));
     }
     for (; x < b - a; ++x) {
-      NarrowDotKeys<1>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x * kBlockQ,
+      NarrowDotKeys<1>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x * kNarrowRow,
                        ask_ahead(x, 1));
     }
   });
@@ -305,7 +308,7 @@ void NarrowValuesWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
   ForEachChunk(p, narrow, count, heads_inner ? kValueKeys : kBlockK,
                [&](const NarrowBlock& nb, std::int64_t a, std::int64_t b) {
     const T* v = static_cast<const T*>(nb.qb->v) + a * vs;
-    float* st = nb.st + (a - nb.part.lo) * kBlockQ;
+    float* st = nb.st + (a - nb.part.lo) * kNarrowRow;
     NarrowValueKeys(p, nb.qb->num_q, v, b - a, st, nb.o, RowsAhead{nb.qb->key_end - a, distance});
   });
 }
@@ -340,8 +343,8 @@ void NarrowTile(const AttentionKernelParams& p, NarrowBlock* narrow, std::int64_
     if (num_k <= 0) continue;
     QueryBlock& qb = *nb.qb;
     const int vecs = UsedQueryVecs(qb);
-    MaskScoreTile(p, qb, nb.part.lo, num_k, nb.st, nb.part.predicate);
-    OnlineSoftmaxTile(qb, num_k, nb.st, vecs);
+    MaskScoreTile<Products::kNarrowRow>(p, qb, nb.part.lo, num_k, nb.st, nb.part.predicate);
+    OnlineSoftmaxTile<false, Products::kNarrowRow>(qb, num_k, nb.st, vecs);
     for (std::int64_t r = 0; r < qb.num_q; ++r) {
       float* row = nb.o + r * p.head_dim_v;
       for (std::int64_t e = 0; e < p.head_dim_v; ++e) row[e] *= qb.alpha[r];

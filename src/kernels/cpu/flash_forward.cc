@@ -302,7 +302,7 @@ void Flash(const AttentionKernelParams& p) {
   // Per-thread scratch, sized once: per_task QueryBlock states (each followed by its narrow
   // scratch when blocks can be narrow), then one score tile st [kBlockK][kBlockQ], then the
   // staging tiles of bf16/f16 K and V rows.
-  const std::int64_t block_floats = ScratchFloats(p) + (narrow_ok ? NarrowFloats(p) : 0);
+  const std::int64_t block_floats = ScratchFloats(p) + (narrow_ok ? NarrowFloats<Products>(p) : 0);
   const std::int64_t floats = plan.per_task * block_floats + kBlockK * kBlockQ + StagingFloats(p);
   const std::int64_t ints = plan.per_task * kScratchInts;
   AlignedBuffer float_scratch(sizeof(float) * floats * num_threads);

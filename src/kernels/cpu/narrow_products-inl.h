@@ -22,6 +22,11 @@ namespace tiles {
 
 constexpr std::int64_t kNarrowRows = kBlockQ / 4;
 static_assert(kNarrowRows <= kLanes, "FinishNarrow fills one vector of lanes");
+// Floats per key in a narrow block's score tile (st[j * kNarrowRow + r]): one vector holds all
+// its rows. Rows of kBlockQ floats (until 2026-12-05) used 1-16 of their 64 floats (256 bytes):
+// 32 KiB of tile per block, 1 MiB for the 32 one-row blocks of a multi-head step, missed in L1
+// by the scores, the softmax and the values alike (docs/kernels.md, "A compact score tile").
+constexpr std::int64_t kNarrowRow = kLanes;
 constexpr int kDotRows = kNarrowRows < 4 ? static_cast<int>(kNarrowRows) : 4;
 // Keys per dot-product step: kDotRows x kDotKeys accumulators (16 of AVX-512's 32 registers;
 // 8 of AVX2's 16).
@@ -84,7 +89,7 @@ HWY_INLINE void StoreLaneSums4(const VF* acc, float* HWY_RESTRICT out) {
 
 #endif  // HWY_TARGET != HWY_SCALAR
 
-// st[kk * kBlockQ + r] = q[r] . k[kk] for r < R, kk < K.
+// st[kk * kNarrowRow + r] = q[r] . k[kk] for r < R, kk < K.
 //   q: [R][head_dim] (row stride head_dim)   k: [K][head_dim] (row stride k_row_stride), stored
 //   as T (float, hwy::bfloat16_t or hwy::float16_t; widened to f32 in registers)
 //   ahead: the same rows some keys later, prefetched toward L2 as k is read (null: none)
@@ -120,7 +125,7 @@ HWY_INLINE void NarrowDots(const float* HWY_RESTRICT q, const T* HWY_RESTRICT k,
     if (vec_end == head_dim) {
       for (int kk = 0; kk < K; ++kk) {
         const VF rows[4] = {acc[0][kk], acc[1][kk], acc[2][kk], acc[3][kk]};
-        StoreLaneSums4(rows, st + kk * kBlockQ);
+        StoreLaneSums4(rows, st + kk * kNarrowRow);
       }
       return;
     }
@@ -132,12 +137,12 @@ HWY_INLINE void NarrowDots(const float* HWY_RESTRICT q, const T* HWY_RESTRICT k,
       for (std::int64_t d = vec_end; d < head_dim; ++d) {
         s += q[r * head_dim + d] * WideElement(k[kk * k_row_stride + d]);
       }
-      st[kk * kBlockQ + r] = s;
+      st[kk * kNarrowRow + r] = s;
     }
   }
 }
 
-// q . k for rows [0, num_q) and K keys at k, into st[kk * kBlockQ + r] (ahead: see NarrowDots;
+// q . k for rows [0, num_q) and K keys at k, into st[kk * kNarrowRow + r] (ahead: see NarrowDots;
 // the first row group prefetches).
 template <int K, typename T>
 HWY_INLINE void NarrowDotKeys(const float* q_rows, std::int64_t num_q, const T* k, std::int64_t ks,
@@ -152,7 +157,7 @@ HWY_INLINE void NarrowDotKeys(const float* q_rows, std::int64_t num_q, const T* 
 }
 
 // o[r][0 : E * kLanes] += sum_j p[j][r] * v[j][0 : E * kLanes], r < R.
-//   p: st[j * kBlockQ + r]   v: [num_k][...] (row stride v_row_stride)   o: row stride o_stride
+//   p: st[j * kNarrowRow + r]   v: [num_k][...] (row stride v_row_stride)   o: row stride o_stride
 //   ahead: the rows of v prefetched toward L2 (RowsAhead)
 template <int R, int E, typename T>
 HWY_INLINE void NarrowValueRows(const float* HWY_RESTRICT st, const T* HWY_RESTRICT v,
@@ -177,7 +182,7 @@ HWY_INLINE void NarrowValueRows(const float* HWY_RESTRICT st, const T* HWY_RESTR
     for (int e = 0; e < E; ++e) value[e] = LoadWide(df, v + j * v_row_stride + e * kLanes);
     HWY_UNROLL(4)
     for (int r = 0; r < R; ++r) {
-      const VF prob = hn::Set(df, st[j * kBlockQ + r]);
+      const VF prob = hn::Set(df, st[j * kNarrowRow + r]);
       HWY_UNROLL(4)
       for (int e = 0; e < E; ++e) acc[r][e] = hn::MulAdd(prob, value[e], acc[r][e]);
     }
@@ -206,7 +211,7 @@ HWY_INLINE void NarrowValueColumns(std::int64_t num_q, const float* st, const T*
   }
 }
 
-// o += v[0 : num_k]^T p for rows [0, num_q)   (o: [num_q][Dv], p: st[j * kBlockQ + r]; ahead:
+// o += v[0 : num_k]^T p for rows [0, num_q)   (o: [num_q][Dv], p: st[j * kNarrowRow + r]; ahead:
 // see NarrowValueRows).
 template <typename T>
 inline void NarrowValueKeys(const AttentionKernelParams& p, std::int64_t num_q, const T* v,
@@ -225,7 +230,7 @@ inline void NarrowValueKeys(const AttentionKernelParams& p, std::int64_t num_q, 
     for (std::int64_t r = 0; r < num_q; ++r) {
       float acc = o[r * dv + e];
       for (std::int64_t j = 0; j < num_k; ++j) {
-        acc += st[j * kBlockQ + r] * WideElement(v[j * vs + e]);
+        acc += st[j * kNarrowRow + r] * WideElement(v[j * vs + e]);
       }
       o[r * dv + e] = acc;
     }

@@ -14,6 +14,7 @@
 //   NarrowScores(p, narrow, count), NarrowValues(p, narrow, count)
 //                            one tile's products for a task's narrow blocks (their nb.part)
 //   NarrowProbs(st, num_k, vecs)  the probabilities as NarrowValues reads them
+//   kNarrowRow               floats per key in a narrow block's score tile nb.st
 //   TaskScope                a type a task holds while it runs (the AMX tile state; else empty)
 //   kPrefetchOut             whether a flash task asks for its blocks' out rows on its last tile
 //                            (PrefetchOutRows; docs/kernels.md, "Finishing a block")
@@ -101,6 +102,7 @@ struct WideProducts {
                            std::int64_t count) {
     NarrowValuesWide<T>(p, narrow, count);
   }
+  static constexpr std::int64_t kNarrowRow = tiles::kNarrowRow;
 };
 
 // bf16 on vdpbf16ps (kernels/cpu/bf16_dot.h): on the AVX3 target of a CPU with AVX512-BF16,
@@ -158,6 +160,8 @@ struct PairProducts {
                            std::int64_t count) {
     NarrowValuesBf16(p, narrow, count);
   }
+  // bf16dot's narrow calls and pack_probs take score rows of kBlockQ.
+  static constexpr std::int64_t kNarrowRow = kBlockQ;
 };
 
 // bf16 and f16 on AMX tiles (kernels/cpu/amx.h): on the AVX3 targets of a CPU with AMX-BF16,
@@ -276,6 +280,7 @@ struct AmxProducts {
                            std::int64_t count) {
     Narrow::NarrowValues(p, narrow, count);
   }
+  static constexpr std::int64_t kNarrowRow = Narrow::kNarrowRow;
 };
 
 // The path of the flash kernel for dtype on this target and CPU, for bf16: the vdpbf16ps pairs
