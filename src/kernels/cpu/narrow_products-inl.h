@@ -123,6 +123,7 @@ HWY_INLINE void NarrowDots(const float* HWY_RESTRICT q, const T* HWY_RESTRICT k,
 #if HWY_TARGET != HWY_SCALAR
   if constexpr (R == 4) {
     if (vec_end == head_dim) {
+      HWY_UNROLL(4)
       for (int kk = 0; kk < K; ++kk) {
         const VF rows[4] = {acc[0][kk], acc[1][kk], acc[2][kk], acc[3][kk]};
         StoreLaneSums4(rows, st + kk * kNarrowRow);
@@ -131,7 +132,12 @@ HWY_INLINE void NarrowDots(const float* HWY_RESTRICT q, const T* HWY_RESTRICT k,
     }
   }
 #endif
+  // Every access to acc has indices known at compile time (the loops unrolled), so acc stays
+  // in registers: a loop left rolled here kept the whole array on the stack, zeroed, stored
+  // and reloaded around the depth loop on every call.
+  HWY_UNROLL(4)
   for (int r = 0; r < R; ++r) {
+    HWY_UNROLL(4)
     for (int kk = 0; kk < K; ++kk) {
       float s = hn::GetLane(hn::SumOfLanes(df, acc[r][kk]));
       for (std::int64_t d = vec_end; d < head_dim; ++d) {
