@@ -24,8 +24,9 @@ constexpr std::int64_t kNarrowRows = kBlockQ / 4;
 static_assert(kNarrowRows <= kLanes, "FinishNarrow fills one vector of lanes");
 // Floats per key in a narrow block's score tile (st[j * kNarrowRow + r]): one vector holds all
 // its rows. Rows of kBlockQ floats (until 2026-12-05) used 1-16 of their 64 floats (256 bytes):
-// 32 KiB of tile per block, 1 MiB for the 32 one-row blocks of a multi-head step, missed in L1
-// by the scores, the softmax and the values alike (docs/kernels.md, "A compact score tile").
+// 32 KiB of tile per block, 1 MiB for the 32 one-row blocks of a multi-head step, a line per
+// key and block for the scores, the softmax and the values each (docs/kernels.md, "A compact
+// score tile").
 constexpr std::int64_t kNarrowRow = kLanes;
 constexpr int kDotRows = kNarrowRows < 4 ? static_cast<int>(kNarrowRows) : 4;
 // Keys per dot-product step: kDotRows x kDotKeys accumulators (16 of AVX-512's 32 registers;
