@@ -60,6 +60,12 @@ of its own K/V arrays (medians of rounds; qkv bench's JSON). On a CPU with AMX t
 gives qkv's overlap probe: its tile products and its softmax's vector code run together, over
 the two alone (1: they take turns, which bounds the AMX path below its tile peak).
 
+Pages: the arrays every contender reads are advised onto transparent huge pages (numpy's by
+default, qkv's by qkv itself, torch's through THP_MEM_ALLOC_ENABLE=1, which this script sets
+unless the environment gives it): on the Intel AMX Xeon VM of 2026-12-05 a streaming read ran
+1.14x faster on them and a GQA decode step 1.08-1.10x, so a peer left on 4 KiB pages would lose
+by its pages rather than its kernel.
+
 Needs nothing installed: it re-runs itself in .cache/venv-peers (scripts/peers_venv.sh).
 """
 import argparse
@@ -79,6 +85,12 @@ ROOT = Path(__file__).resolve().parent.parent
 MIN_SAMPLE_S = 0.02  # fast calls are repeated to fill this, so timer overhead stays < 0.1%
 SLOW_CALL_S = 2.0  # cases slower than this per call get 3 rounds
 FLOP_FACTOR = 1.0  # --training: 3.5 (forward + backward)
+# Every contender's large arrays on transparent huge pages: numpy's are by default (madvise,
+# 4 MiB and more), qkv's bench operands and KvCache too (core/huge_pages.h), torch's only with
+# this switch (read by c10's CPU allocator at its first allocation, so set before torch is
+# imported). Decode reads its K/V once per step, and on 4 KiB pages a VM pays page walks: see
+# "Pages" in the docstring. THP_MEM_ALLOC_ENABLE=0 in the environment keeps torch on 4 KiB.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
 @dataclass(frozen=True)

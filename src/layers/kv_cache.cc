@@ -4,6 +4,7 @@
 #include <array>
 #include <string>
 
+#include "core/huge_pages.h"
 #include "core/view_copy.h"
 #include "qkv/error.h"
 
@@ -35,7 +36,11 @@ void KvCache::reserve(std::int64_t tokens) {
       max_seq_ > 0 ? max_seq_ : std::max({tokens, 2 * capacity_, std::int64_t{16}});
   const std::int64_t row = num_kv_heads_ * head_dim_ * dtype_size(dtype_);  // bytes per token
   for (std::vector<std::byte>* store : {&keys_, &values_}) {
-    std::vector<std::byte> grown(static_cast<std::size_t>(batch_ * new_capacity * row));
+    // On huge pages where the kernel grants them: a decode step streams the whole cache
+    // (core/huge_pages.h).
+    std::vector<std::byte> grown;
+    reserve_on_huge_pages(grown, static_cast<std::size_t>(batch_ * new_capacity * row));
+    grown.resize(static_cast<std::size_t>(batch_ * new_capacity * row));
     for (std::int64_t b = 0; b < batch_; ++b) {
       std::copy_n(store->data() + b * capacity_ * row, size_ * row,
                   grown.data() + b * new_capacity * row);

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/float16.h"
+#include "core/huge_pages.h"
 #include "core/parallel.h"
 #include "kernels/product_path.h"
 #include "qkv/attention.h"
@@ -102,8 +103,10 @@ constexpr const char* kBenchUsage =
     "kv_fraction_of_read_between_repeats; 0 for other shapes) and of the median of a plain read\n"
     "of the K and V arrays themselves after each repeat (json: kv_arrays_read_gbytes_per_second,\n"
     "kv_fraction_of_kv_arrays_read; 0 for other shapes): on a VM, pages allocated at different\n"
-    "times can read at different speeds, and this one reads the kernel's own. See\n"
-    "docs/cli-bench-demo.md.\n";
+    "times can read at different speeds, and this one reads the kernel's own. The operands\n"
+    "and the probe's buffer are advised onto transparent huge pages (madvise), as numpy's\n"
+    "arrays and qkv's KvCache are; the header says \"huge pages\" where the kernel took the\n"
+    "advice (json: read_huge_pages). See docs/cli-bench-demo.md.\n";
 
 struct BenchCase {
   std::int64_t batch, num_heads_q, num_heads_kv, seq_q, seq_kv, head_dim;
@@ -350,9 +353,18 @@ std::vector<BenchResult> run_case(const BenchCase& c, Kernel kernel, const Bench
   // q: [B, Lq, Hq, D]  k, v: [B, Lk, Hkv, D]  out: [B, Lq, Hq, D]
   const std::array<std::int64_t, 4> q_sizes = {c.batch, c.seq_q, c.num_heads_q, c.head_dim};
   const std::array<std::int64_t, 4> kv_sizes = {c.batch, c.seq_kv, c.num_heads_kv, c.head_dim};
-  std::vector<float> q(c.batch * c.seq_q * c.num_heads_q * c.head_dim);
-  std::vector<float> k(c.batch * c.seq_kv * c.num_heads_kv * c.head_dim);
-  std::vector<float> v(k.size());
+  // The operands on huge pages where the kernel grants them (core/huge_pages.h), as numpy's
+  // arrays and qkv's KvCache are; the read probe's buffer is too, so K/V's fraction of the
+  // read bandwidth compares reads from the same kind of pages.
+  const auto operand_values = [](std::int64_t count) {
+    std::vector<float> values;
+    reserve_on_huge_pages(values, static_cast<std::size_t>(count));
+    values.resize(static_cast<std::size_t>(count));
+    return values;
+  };
+  std::vector<float> q = operand_values(c.batch * c.seq_q * c.num_heads_q * c.head_dim);
+  std::vector<float> k = operand_values(c.batch * c.seq_kv * c.num_heads_kv * c.head_dim);
+  std::vector<float> v = operand_values(static_cast<std::int64_t>(k.size()));
   std::vector<float> out(q.size(), 0.0f);  // zero-filled: its pages are resident before timing
   tools::fill_normal(q, 1);
   tools::fill_normal(k, 2);
@@ -364,7 +376,8 @@ std::vector<BenchResult> run_case(const BenchCase& c, Kernel kernel, const Bench
     if (options.dtype == DType::kF32) {
       return TensorView::contiguous(values.data(), DType::kF32, sizes);
     }
-    bits = to_half_bits(options.dtype, values);
+    reserve_on_huge_pages(bits, values.size());
+    for (const float value : values) bits.push_back(f32_to_half_bits(options.dtype, value));
     std::vector<float>().swap(values);  // the f32 copy is not needed any more
     return TensorView::contiguous(bits.data(), options.dtype, sizes);
   };
@@ -576,7 +589,8 @@ void print_json(const BenchCase& c, const BenchResult& r, int threads, DType dty
       "\"effective_fraction_of_peak\": %.6g, \"peak_extra_rss_bytes\": %lld, "
       "\"scratch_peak_bytes\": %lld, \"memory_method\": \"%s\", \"hwy_target\": \"%s\", "
       "\"products\": \"%s\", "
-      "\"read_gbytes_per_second\": %.6g, \"read_buffer_mib\": %.6g, \"kv_gbytes_per_second\": "
+      "\"read_gbytes_per_second\": %.6g, \"read_buffer_mib\": %.6g, \"read_huge_pages\": %s, "
+      "\"kv_gbytes_per_second\": "
       "%.6g, "
       "\"kv_fraction_of_read_bandwidth\": %.6g, \"read_gbytes_per_second_between_repeats\": %.6g, "
       "\"kv_fraction_of_read_between_repeats\": %.6g, "
@@ -592,7 +606,8 @@ void print_json(const BenchCase& c, const BenchResult& r, int threads, DType dty
       finite(r.effective_gflops / peak.gflops), static_cast<long long>(r.memory.peak_extra_bytes()),
       static_cast<long long>(r.memory.scratch_peak_extra), r.memory.method, peak.hwy_target.c_str(),
       r.products.c_str(), finite(bandwidth.gbytes_per_second), finite(bandwidth.buffer_mib),
-      finite(kv_gbs), finite(kv_gbs / bandwidth.gbytes_per_second), finite(r.read_between_repeats),
+      bandwidth.huge_pages ? "true" : "false", finite(kv_gbs),
+      finite(kv_gbs / bandwidth.gbytes_per_second), finite(r.read_between_repeats),
       finite(r.read_between_repeats > 0.0 ? kv_gbs / r.read_between_repeats : 0.0),
       finite(r.kv_read_between_repeats),
       finite(r.kv_read_between_repeats > 0.0 ? kv_gbs / r.kv_read_between_repeats : 0.0),
@@ -604,10 +619,11 @@ void print_json(const BenchCase& c, const BenchResult& r, int threads, DType dty
 void print_table_header(int threads, DType dtype, const Probes& probes) {
   std::printf(
       "qkv bench: %s, %d thread%s; measured in this process: fp32 FMA peak %.1f GFLOP/s "
-      "(Highway %s, %d lanes), read bandwidth %.1f GB/s (%.0f MiB swept)\n",
+      "(Highway %s, %d lanes), read bandwidth %.1f GB/s (%.0f MiB swept%s)\n",
       dtype_name(dtype), threads, threads == 1 ? "" : "s", probes.fp32_peak.gflops,
       probes.fp32_peak.hwy_target.c_str(), probes.fp32_peak.lanes,
-      probes.bandwidth.gbytes_per_second, probes.bandwidth.buffer_mib);
+      probes.bandwidth.gbytes_per_second, probes.bandwidth.buffer_mib,
+      probes.bandwidth.huge_pages ? ", huge pages" : "");
   if (probes.pairs_peak.gflops > 0.0) {
     std::printf(
         "vdpbf16ps peak %.1f GFLOP/s (%.2fx the fp32 peak): %%peak of bf16-vdpbf16ps rows divides "

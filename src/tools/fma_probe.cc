@@ -98,6 +98,7 @@ HWY_AFTER_NAMESPACE();
 #include <thread>
 #include <vector>
 
+#include "core/huge_pages.h"
 #include "core/parallel.h"
 #include "hwy/aligned_allocator.h"
 #include "kernels/cpu/amx.h"
@@ -301,6 +302,9 @@ ReadProbe::ReadProbe(int num_threads, double buffer_mib)
       count_(static_cast<std::int64_t>(buffer_mib * 1024.0 * 1024.0 / 4.0)),
       data_(hwy::AllocateAligned<std::uint32_t>(static_cast<std::size_t>(count_))) {
   std::uint32_t* data = data_.get();
+  // On huge pages where the kernel grants them, like the operands of `qkv bench`
+  // (core/huge_pages.h): K/V's fraction of this probe then compares like with like.
+  huge_pages_ = advise_huge_pages(data, static_cast<std::size_t>(count_) * 4);
   // First touch by the thread that will read the slice in sweep() (NUMA placement).
   parallel_for(threads_, threads_, [&](std::int64_t task, int /*thread*/) {
     const WordSlice slice = SliceOf(count_, threads_, task);
@@ -346,6 +350,7 @@ ReadBandwidth measure_read_bandwidth(int num_threads, double buffer_mib, int rep
   bandwidth.gbytes_per_second = best;
   bandwidth.num_threads = probe.num_threads();
   bandwidth.buffer_mib = buffer_mib;
+  bandwidth.huge_pages = probe.huge_pages();
   bandwidth.checksum = probe.checksum();
   return bandwidth;
 }

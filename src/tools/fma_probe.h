@@ -68,6 +68,7 @@ struct ReadBandwidth {
   double gbytes_per_second = 0.0;  // 1e9 bytes/s read, over all threads, best of repeats
   int num_threads = 0;
   double buffer_mib = 0.0;  // size of the buffer swept (much larger than the last-level cache)
+  bool huge_pages = false;  // the buffer was advised onto huge pages (core/huge_pages.h)
   double checksum = 0.0;    // sum of the buffer: returned so the reads cannot be optimised away
 };
 
@@ -88,6 +89,7 @@ class ReadProbe {
   double sweep();
   int num_threads() const { return threads_; }
   double buffer_mib() const { return buffer_mib_; }
+  bool huge_pages() const { return huge_pages_; }  // advised onto huge pages, as bench's operands
   double checksum() const;  // sum of the sweeps' sums: they cannot be optimised away
 
  private:
@@ -95,6 +97,7 @@ class ReadProbe {
   double buffer_mib_;
   std::int64_t count_;
   hwy::AlignedFreeUniquePtr<std::uint32_t[]> data_;
+  bool huge_pages_ = false;
   std::uint64_t sum_ = 0;  // of every sweep's words
 };
 

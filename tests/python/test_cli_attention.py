@@ -608,3 +608,7 @@ def test_bench_decode_sweeps_read_probe_between_repeats(cli):
     memory_mib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**20
     expected = min(max(256.0, 2 * max(cache, 0) / 2**20), max(256.0, memory_mib / 4))
     assert record["read_buffer_mib"] == pytest.approx(expected, rel=1e-6)
+    # The probe's buffer (and the operands) advised onto huge pages wherever the kernel has
+    # transparent huge pages (core/huge_pages.h).
+    if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+        assert record["read_huge_pages"] is True
