@@ -34,16 +34,17 @@ void KvCache::reserve(std::int64_t tokens) {
   // Growing: double (amortised O(1) per token); fixed: exactly max_seq, allocated up front.
   const std::int64_t new_capacity =
       max_seq_ > 0 ? max_seq_ : std::max({tokens, 2 * capacity_, std::int64_t{16}});
-  const std::int64_t row = num_kv_heads_ * head_dim_ * dtype_size(dtype_);  // bytes per token
+  const std::int64_t row = head_dim_ * dtype_size(dtype_);  // bytes per token and kv head
+  const std::int64_t runs = batch_ * num_kv_heads_;         // one per (batch entry, kv head)
   for (std::vector<std::byte>* store : {&keys_, &values_}) {
     // On huge pages where the kernel grants them: a decode step streams the whole cache
     // (core/huge_pages.h).
     std::vector<std::byte> grown;
-    reserve_on_huge_pages(grown, static_cast<std::size_t>(batch_ * new_capacity * row));
-    grown.resize(static_cast<std::size_t>(batch_ * new_capacity * row));
-    for (std::int64_t b = 0; b < batch_; ++b) {
-      std::copy_n(store->data() + b * capacity_ * row, size_ * row,
-                  grown.data() + b * new_capacity * row);
+    reserve_on_huge_pages(grown, static_cast<std::size_t>(runs * new_capacity * row));
+    grown.resize(static_cast<std::size_t>(runs * new_capacity * row));
+    for (std::int64_t run = 0; run < runs; ++run) {
+      std::copy_n(store->data() + run * capacity_ * row, size_ * row,
+                  grown.data() + run * new_capacity * row);
     }
     store->swap(grown);
   }
@@ -52,10 +53,11 @@ void KvCache::reserve(std::int64_t tokens) {
 
 namespace {
 
-// Element strides of a cache store [B, capacity, Hkv, head_dim].
+// Element strides, in (b, token, kv head, d) order, of a cache store [B, Hkv, capacity,
+// head_dim] (each kv head's tokens one run).
 std::array<std::int64_t, 4> store_strides(std::int64_t capacity, std::int64_t heads,
                                           std::int64_t head_dim) {
-  return {capacity * heads * head_dim, heads * head_dim, head_dim, 1};
+  return {heads * capacity * head_dim, head_dim, capacity * head_dim, 1};
 }
 
 }  // namespace
@@ -80,7 +82,7 @@ void KvCache::append(const TensorView& k, const TensorView& v) {
                 " new tokens exceed max_seq = " + std::to_string(max_seq_));
   }
   reserve(size_ + seq_new);
-  // Rows [size_, size_ + seq_new) of every batch entry.
+  // Tokens [size_, size_ + seq_new) of every (batch entry, kv head) run.
   const std::array<std::int64_t, 4> strides = store_strides(capacity_, num_kv_heads_, head_dim_);
   const std::int64_t first = size_ * strides[1] * dtype_size(dtype_);  // bytes
   for (const auto& [src, store] : {std::pair{&k, &keys_}, std::pair{&v, &values_}}) {

@@ -98,6 +98,25 @@ TEST(KvCache, AppendsRoundEveryDtypeAndGrowingKeepsThem) {
   }
 }
 
+// The stores are head-major, [B, Hkv, capacity, head_dim]: each kv head's tokens one run, which a
+// decode step reads as one ascending stream (docs/layers.md, "KvCache"); a growing cache keeps
+// that order in its new capacity.
+TEST(KvCache, StoresEachKvHeadsTokensAsOneRun) {
+  for (std::int64_t max_seq : {0, 40}) {
+    KvCache cache(kBatch, kHeads, kHeadDim, max_seq, DType::kBF16);
+    const Tokens first(0, 3), more(3, 14);  // a growing cache: 16, then doubled to 32
+    cache.append(first.view, first.view);
+    cache.append(more.view, more.view);
+    const std::int64_t capacity = cache.capacity();
+    ASSERT_EQ(capacity, max_seq > 0 ? 40 : 32);
+    const std::array<std::int64_t, 4> head_major = {kHeads * capacity * kHeadDim, kHeadDim,
+                                                    capacity * kHeadDim, 1};
+    EXPECT_EQ(cache.keys().strides, head_major);
+    EXPECT_EQ(cache.values().strides, head_major);
+    expect_cached(cache.keys(), 17, DType::kBF16);
+  }
+}
+
 TEST(KvCache, HalfInputsInTheCachesDtypeAreCopiedBitForBit) {
   for (DType dtype : {DType::kBF16, DType::kF16}) {
     const Tokens tokens(0, 6);
