@@ -25,10 +25,12 @@ Peers (DESIGN.md section 6: timed in the same run, reported as ratios):
                          on the torch peers' tensors (--python-module; the report then compares
                          its ratio to torch with the CLI's, same rounds)
   qkv-f32, qkv-bf16      `qkv bench --json --shape B,Hq,Hkv,Lq,Lk,D [--causal] --dtype T
-                         --threads N` (bf16 with --out-dtype input: out in bf16, as torch's
-                         bf16 SDPA returns it), one process per round; its JSON carries the
-                         fp32 FMA peak (peak_gflops) and read bandwidth measured in the same
-                         process
+                         --threads N --layout L` (bf16 with --out-dtype input: out in bf16, as
+                         torch's bf16 SDPA returns it), one process per round; its JSON carries
+                         the fp32 FMA peak (peak_gflops) and read bandwidth measured in the same
+                         process. L: bhsd for decode (K/V as (B, H, L, D), the order of qkv's
+                         KvCache stores and of the torch peers' tensors; a BSHD twin is timed in
+                         the same rounds and its time ratio reported), bshd otherwise
 
 Shapes (issue 4): B=1, H=8, D in {64, 128}, Lq = Lk = L in {1024, 4096, 16384}, causal and
 not; decode Lq=1, D=128: Lk=32768, Hq=32, Hkv=8 (GQA) and Lk=16384, Hq=Hkv=32 (multi-head).
@@ -56,7 +58,8 @@ after a causal shape also qkv's causal / non-causal effective GFLOP/s, with the 
 twin timed in the same rounds (the median of the per-round ratios); after a non-causal shape
 whose L is in --scaling, qkv's thread scaling against a one-thread twin timed the same way;
 after decode, qkv's K/V rate against the read probe of its own process and against a plain read
-of its own K/V arrays (medians of rounds; qkv bench's JSON). On a CPU with AMX the header also
+of its own K/V arrays (medians of rounds; qkv bench's JSON), and the time of its BSHD twin over
+its own (arrays in BSHD, same rounds). On a CPU with AMX the header also
 gives qkv's overlap probe: its tile products and its softmax's vector code run together, over
 the two alone (1: they take turns, which bounds the AMX path below its tile peak).
 
@@ -409,17 +412,20 @@ class Qkv:
     def __init__(self, dtype, binary):
         self.dtype, self.label, self.binary = dtype, f"qkv-{dtype}", binary
 
-    def command(self, case, threads, repeats):
+    def command(self, case, threads, repeats, layout=None):
         shape = f"{case.B},{case.Hq},{case.Hkv},{case.Lq},{case.Lk},{case.D}"
+        # Decode reads K/V as (B, H, L, D), the order of qkv's KvCache stores and of the torch
+        # peers' tensors (its BSHD twin is timed in the same rounds); other cases BSHD.
+        layout = layout or ("bhsd" if case.is_decode() else "bshd")
         # bf16: out in bf16 too (--out-dtype input), as torch's bf16 SDPA returns it.
         return [str(self.binary), "bench", "--json", "--shape", shape, "--dtype", self.dtype,
-                "--threads", str(threads), "--repeats", str(repeats)] + (
+                "--threads", str(threads), "--repeats", str(repeats), "--layout", layout] + (
                     ["--causal"] if case.causal else []) + (
                     ["--out-dtype", "input"] if self.dtype != "f32" else [])
 
-    def run(self, case, threads, repeats):
+    def run(self, case, threads, repeats, layout=None):
         """Returns qkv bench's JSON object for the case; raises Skip when qkv refuses it."""
-        proc = subprocess.run(self.command(case, threads, repeats), capture_output=True,
+        proc = subprocess.run(self.command(case, threads, repeats, layout), capture_output=True,
                               text=True)
         if proc.returncode != 0:
             lines = proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"]
@@ -432,7 +438,8 @@ class QkvTwin:
     ratio between the two compares samples taken side by side (taken from two cases minutes
     apart, such a ratio moved by 10% on a shared host):
       non-causal  a causal case's shape without the mask (causal / non-causal effective rate)
-      1 thread    the case on one thread (thread scaling: one-thread time / --threads time)"""
+      1 thread    the case on one thread (thread scaling: one-thread time / --threads time)
+      bshd        a decode case with its arrays in BSHD (time / the (B, H, L, D) case's time)"""
 
     def __init__(self, qkv, kind):
         self.qkv, self.kind, self.label = qkv, kind, f"{qkv.label} {kind}"
@@ -440,6 +447,8 @@ class QkvTwin:
     def run(self, case, threads, repeats):
         if self.kind == "non-causal":
             return self.qkv.run(replace(case, causal=False), threads, repeats)
+        if self.kind == "bshd":
+            return self.qkv.run(case, threads, repeats, layout="bshd")
         return self.qkv.run(case, 1, repeats)
 
     def ratio(self, case, case_seconds, twin_seconds):
@@ -454,6 +463,8 @@ def twins_for(qkv, case, args):
     kinds = ["non-causal"] if case.causal else []
     if args.threads > 1 and not case.causal and case.Lq in args.scaling:
         kinds.append("1 thread")
+    if case.is_decode():
+        kinds.append("bshd")
     return [QkvTwin(qkv, kind) for kind in kinds]
 
 
@@ -681,7 +692,9 @@ def report(all_results, agreements, threads):
             lines.append(f"{'':<32} qkv / best peer  {summary}")
         for kind, text in (("non-causal", "qkv causal / non-causal (effective GFLOP/s, "
                                           "same rounds)"),
-                           ("1 thread", f"qkv thread scaling 1 -> {threads} (same rounds)")):
+                           ("1 thread", f"qkv thread scaling 1 -> {threads} (same rounds)"),
+                           ("bshd", "qkv bench with BSHD arrays / with (B, H, L, D) ones, time "
+                                    "(same rounds)")):
             same_rounds = ", ".join(f"{label[4:]} {r['twins'][kind]:.2f}"
                                     for label, r in results.items()
                                     if kind in r.get("twins", {}))

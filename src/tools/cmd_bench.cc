@@ -75,6 +75,10 @@ constexpr const char* kBenchUsage =
     "                   CPU cannot run is an error that lists the ones it can. Flash forward only\n"
     "                   (not with --backward, --linear or --kernel chunked/reference)\n"
     "  --threads N      threads for the kernels and the FMA probe (default 0 = OpenMP's default)\n"
+    "  --layout bshd|bhsd\n"
+    "                   how q, k, v and out (and --backward's arrays) are stored: bshd (default)\n"
+    "                   as --shape's order, or bhsd = (B, H, L, D), PyTorch's order and qkv's\n"
+    "                   KvCache's, passed as strided views (json: layout)\n"
     "  --repeats R      timed repeats per case, median reported (default 5; fewer when one call\n"
     "                   takes over 2 s, unless given)\n"
     "  --linear SPEC    time linear attention instead: elu or favor[:features=N][,seed=S]\n"
@@ -128,6 +132,7 @@ struct BenchOptions {
   bool backward = false;                        // --backward: time attention_backward
   std::vector<ProductPath> products;            // --products: paths to pin in turn (none: auto)
   bool all_products = false;                    // --products all: every path this CPU runs
+  bool bhsd = false;  // --layout bhsd: the arrays stored (B, H, L, D), passed as strided views
 };
 
 Kernel parse_kernel(const std::string& name) {
@@ -242,6 +247,12 @@ BenchOptions parse_options(std::vector<std::string> argv, bool* help) {
       options.out_in_input_dtype = out == "input";
     } else if (arg == "--products") {
       parse_products(args.value(arg), options);
+    } else if (arg == "--layout") {
+      const std::string layout = args.value(arg);
+      if (layout != "bshd" && layout != "bhsd") {
+        throw UsageError("--layout: expected bshd or bhsd, got '" + layout + "'");
+      }
+      options.bhsd = layout == "bhsd";
     } else if (arg == "--threads") {
       const std::int64_t threads = parse_int(arg, args.value(arg));
       if (threads < 0 || threads > 4096) {
@@ -330,6 +341,7 @@ struct BenchResult {
   double gflops, effective_gflops;
   double pairs;               // (query, key) pairs per (batch, head) counted in effective_gflops
   std::string sparse;         // "none", or the sparsity option as given
+  const char* layout = "bshd";  // how the arrays are stored (--layout)
   tools::MemoryUsage memory;  // the peak of one call of its own, before the timed repeats
   // Decode-like shapes: the streaming read bandwidth swept once after each timed repeat, median
   // (0 otherwise). Quoted with the K/V bandwidth, which is also a median, under the same load.
@@ -353,6 +365,12 @@ std::vector<BenchResult> run_case(const BenchCase& c, Kernel kernel, const Bench
   // q: [B, Lq, Hq, D]  k, v: [B, Lk, Hkv, D]  out: [B, Lq, Hq, D]
   const std::array<std::int64_t, 4> q_sizes = {c.batch, c.seq_q, c.num_heads_q, c.head_dim};
   const std::array<std::int64_t, 4> kv_sizes = {c.batch, c.seq_kv, c.num_heads_kv, c.head_dim};
+  // A [B, L, H, D] view of an array stored in --layout's order ((B, H, L, D) for bhsd: strided).
+  const auto view_of = [&](void* data, DType dtype, const std::array<std::int64_t, 4>& sizes) {
+    if (!options.bhsd) return TensorView::contiguous(data, dtype, sizes);
+    return TensorView::contiguous(data, dtype, {sizes[0], sizes[2], sizes[1], sizes[3]})
+        .permuted({0, 2, 1, 3});
+  };
   // The operands on huge pages where the kernel grants them (core/huge_pages.h), as numpy's
   // arrays and qkv's KvCache are; the read probe's buffer is too, so K/V's fraction of the
   // read bandwidth compares reads from the same kind of pages.
@@ -374,24 +392,24 @@ std::vector<BenchResult> run_case(const BenchCase& c, Kernel kernel, const Bench
   const auto operand = [&](std::vector<float>& values, std::vector<std::uint16_t>& bits,
                            const std::array<std::int64_t, 4>& sizes) {
     if (options.dtype == DType::kF32) {
-      return TensorView::contiguous(values.data(), DType::kF32, sizes);
+      return view_of(values.data(), DType::kF32, sizes);
     }
     reserve_on_huge_pages(bits, values.size());
     for (const float value : values) bits.push_back(f32_to_half_bits(options.dtype, value));
     std::vector<float>().swap(values);  // the f32 copy is not needed any more
-    return TensorView::contiguous(bits.data(), options.dtype, sizes);
+    return view_of(bits.data(), options.dtype, sizes);
   };
   const TensorView q_view = operand(q, q_bits, q_sizes);
   const TensorView k_view = operand(k, k_bits, kv_sizes);
   const TensorView v_view = operand(v, v_bits, kv_sizes);
   AttentionOutputs outputs;
-  outputs.out = TensorView::contiguous(out.data(), DType::kF32, q_sizes);
+  outputs.out = view_of(out.data(), DType::kF32, q_sizes);
   // --out-dtype input: out stored as the inputs' bf16/f16 (the kernels round into it).
   std::vector<std::uint16_t> out16;
   if (options.out_in_input_dtype && options.dtype != DType::kF32) {
     std::vector<float>().swap(out);
     out16.assign(q_bits.size(), 0);  // zero-filled: resident before timing
-    outputs.out = TensorView::contiguous(out16.data(), options.dtype, q_sizes);
+    outputs.out = view_of(out16.data(), options.dtype, q_sizes);
   }
   AttentionParams params;
   params.causal = c.causal;
@@ -400,6 +418,7 @@ std::vector<BenchResult> run_case(const BenchCase& c, Kernel kernel, const Bench
 
   BenchResult result;
   result.kernel = resolved_kernel_name(params, outputs);
+  result.layout = options.bhsd ? "bhsd" : "bshd";
   io::NpyArray sparse_layout;  // --sparse-layout's file
   SparseCliOptions sparse = options.sparse;
   params.sparsity =
@@ -429,13 +448,13 @@ std::vector<BenchResult> run_case(const BenchCase& c, Kernel kernel, const Bench
     attention(q_view, k_view, v_view, outputs, forward);
     dout.resize(out.size());
     tools::fill_normal(dout, 4);
-    dout_view = TensorView::contiguous(dout.data(), DType::kF32, q_sizes);
+    dout_view = view_of(dout.data(), DType::kF32, q_sizes);
     dq.assign(out.size(), 0.0f);
     dk.assign(static_cast<std::size_t>(c.batch * c.seq_kv * c.num_heads_kv * c.head_dim), 0.0f);
     dv.assign(dk.size(), 0.0f);
-    grads = {.dq = TensorView::contiguous(dq.data(), DType::kF32, q_sizes),
-             .dk = TensorView::contiguous(dk.data(), DType::kF32, kv_sizes),
-             .dv = TensorView::contiguous(dv.data(), DType::kF32, kv_sizes)};
+    grads = {.dq = view_of(dq.data(), DType::kF32, q_sizes),
+             .dk = view_of(dk.data(), DType::kF32, kv_sizes),
+             .dv = view_of(dv.data(), DType::kF32, kv_sizes)};
     result.kernel = std::string(kernel == Kernel::kReference ? "reference" : "flash") + "-backward";
     result.products = backward_product_path(params, options.dtype);
   }
@@ -580,7 +599,8 @@ void print_json(const BenchCase& c, const BenchResult& r, int threads, DType dty
   const tools::ReadBandwidth& bandwidth = probes.bandwidth;
   const double kv_gbs = kv_gbytes_per_second(c, r, dtype);
   std::printf(
-      "{\"kernel\": \"%s\", \"dtype\": \"%s\", \"out_dtype\": \"%s\", \"B\": %lld, \"Hq\": %lld, "
+      "{\"kernel\": \"%s\", \"dtype\": \"%s\", \"out_dtype\": \"%s\", \"layout\": \"%s\", "
+      "\"B\": %lld, \"Hq\": %lld, "
       "\"Hkv\": %lld, "
       "\"Lq\": %lld, \"Lk\": %lld, \"D\": %lld, \"causal\": %s, \"sparse\": \"%s\", "
       "\"pairs\": %.17g, \"threads\": %d, "
@@ -597,13 +617,14 @@ void print_json(const BenchCase& c, const BenchResult& r, int threads, DType dty
       "\"kv_arrays_read_gbytes_per_second\": %.6g, \"kv_fraction_of_kv_arrays_read\": %.6g, "
       "\"fp32_peak_gflops\": %.6g, \"amx_peak_gflops\": %.6g, "
       "\"amx_softmax_together_over_sum\": %.6g}\n",
-      r.kernel.c_str(), dtype_name(dtype), dtype_name(out_dtype), static_cast<long long>(c.batch),
-      static_cast<long long>(c.num_heads_q), static_cast<long long>(c.num_heads_kv),
-      static_cast<long long>(c.seq_q), static_cast<long long>(c.seq_kv),
-      static_cast<long long>(c.head_dim), c.causal ? "true" : "false", r.sparse.c_str(),
-      finite(r.pairs), threads, finite(r.seconds), r.repeats, r.calls_per_repeat, finite(r.gflops),
-      finite(r.effective_gflops), finite(peak.gflops), finite(r.gflops / peak.gflops),
-      finite(r.effective_gflops / peak.gflops), static_cast<long long>(r.memory.peak_extra_bytes()),
+      r.kernel.c_str(), dtype_name(dtype), dtype_name(out_dtype), r.layout,
+      static_cast<long long>(c.batch), static_cast<long long>(c.num_heads_q),
+      static_cast<long long>(c.num_heads_kv), static_cast<long long>(c.seq_q),
+      static_cast<long long>(c.seq_kv), static_cast<long long>(c.head_dim),
+      c.causal ? "true" : "false", r.sparse.c_str(), finite(r.pairs), threads, finite(r.seconds),
+      r.repeats, r.calls_per_repeat, finite(r.gflops), finite(r.effective_gflops),
+      finite(peak.gflops), finite(r.gflops / peak.gflops), finite(r.effective_gflops / peak.gflops),
+      static_cast<long long>(r.memory.peak_extra_bytes()),
       static_cast<long long>(r.memory.scratch_peak_extra), r.memory.method, peak.hwy_target.c_str(),
       r.products.c_str(), finite(bandwidth.gbytes_per_second), finite(bandwidth.buffer_mib),
       bandwidth.huge_pages ? "true" : "false", finite(kv_gbs),
@@ -726,13 +747,13 @@ int run_bench(std::vector<std::string> args) {
   for (const BenchCase& c : cases) {
     for (Kernel kernel : options.kernels) {
       ++index;
-      std::fprintf(stderr, "qkv bench: [%zu/%zu] %s (%s)%s ...\n", index, total,
+      std::fprintf(stderr, "qkv bench: [%zu/%zu] %s (%s)%s%s ...\n", index, total,
                    options.linear                 ? linear_spec_name(*options.linear).c_str()
                    : kernel == Kernel::kAuto      ? "auto"
                    : kernel == Kernel::kReference ? "reference"
                    : kernel == Kernel::kChunked   ? "chunked"
                                                   : "flash",
-                   shape_text(c).c_str(), c.causal ? " causal" : "");
+                   shape_text(c).c_str(), c.causal ? " causal" : "", options.bhsd ? " bhsd" : "");
       for (const BenchResult& result : run_case(c, kernel, options, paths, threads)) {
         if (options.json) {
           print_json(c, result, threads, options.dtype,

@@ -579,6 +579,28 @@ def test_bench_out_dtype_errors(cli, args, expect):
     cli.fails("bench", "--shape", "1,2,1,70,90,16", "--repeats", "1", *args, expect=expect)
 
 
+@pytest.mark.parametrize("extra", [[], ["--backward"], ["--linear", "elu"],
+                                   ["--kernel", "chunked"], ["--dtype", "bf16", "--causal"]])
+def test_bench_layout_bhsd(cli, extra):
+    import json
+    args = ["bench", "--json", "--shape", "1,4,2,70,90,16", "--repeats", "1", "--threads", "1"]
+    result = cli.run(*args, "--layout", "bhsd", *extra)
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record["layout"] == "bhsd" and record["gflops"] > 0
+    assert (record["B"], record["Hq"], record["Hkv"], record["Lq"], record["Lk"],
+            record["D"]) == (1, 4, 2, 70, 90, 16)
+    assert " bhsd ..." in result.stderr
+    default = cli.run(*args, *extra)
+    assert default.returncode == 0, default.stderr
+    assert json.loads(default.stdout)["layout"] == "bshd"
+
+
+def test_bench_layout_errors(cli):
+    cli.fails("bench", "--shape", "1,2,1,70,90,16", "--repeats", "1", "--layout", "bsdh",
+              expect=["--layout: expected bshd or bhsd, got 'bsdh'"])
+
+
 def test_bench_decode_sweeps_read_probe_between_repeats(cli):
     import json
     result = cli.run("bench", "--json", "--shape", "1,4,2,1,3000,32", "--repeats", "3",
