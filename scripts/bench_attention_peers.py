@@ -38,7 +38,7 @@ not; decode Lq=1, D=128: Lk=32768, Hq=32, Hkv=8 (GQA) and Lk=16384, Hq=Hkv=32 (m
 and a GQA decoder's prefill; model_cases below), no decode.
 
 Method: each implementation is warmed up, then timed once per round; rounds interleave the
-implementations (rotating their order) so that they share the machine's noise, and the median
+implementations (in a fresh seeded order each round) so that they share the machine's noise, and the median
 over rounds is reported. A call under 20 ms is repeated to fill 20 ms and divided; in decode
 cases each of those calls follows an untimed read of a buffer of 256 MiB or twice the last-level
 cache (Evictor), so that it finds K and V in memory, as qkv bench's repeats do. Cases where
@@ -75,6 +75,7 @@ import argparse
 import json
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -552,8 +553,12 @@ def bench_case(case, impls, args, log):
     order = list(runners)
     evict = Evictor() if case.is_decode() else None
     for round_index in range(rounds):
-        shift = round_index % len(order)
-        for label in order[shift:] + order[:shift]:
+        # A fresh order each round (seeded: the same run twice times in the same orders), not a
+        # rotation: a rotation keeps each implementation behind the same one in every round, and
+        # on the VM of docs/benchmarks.md ("fifth session") an in-process call that came right
+        # after a `qkv bench` process sometimes ran up to 1.8x slower, so a rotation charged that
+        # to qkv.torch-f32 (behind qkv-bf16) in every round.
+        for label in random.Random(round_index).sample(order, len(order)):
             runner = runners[label]
             if label in results:  # a qkv that refused in an earlier round
                 continue
