@@ -11,6 +11,7 @@
 #include <span>
 #include <vector>
 
+#include "core/huge_pages.h"
 #include "qkv/tensor.h"
 
 namespace qkv {
@@ -82,9 +83,12 @@ inline std::uint16_t f32_to_half_bits(DType dtype, float value) {
 inline float half_bits_to_f32(DType dtype, std::uint16_t bits) {
   return dtype == DType::kBF16 ? bf16_bits_to_f32(bits) : f16_bits_to_f32(bits);
 }
+// Large results on huge pages where the kernel grants them (core/huge_pages.h): operands that
+// a kernel then streams, such as a benchmark's K and V.
 inline std::vector<std::uint16_t> to_half_bits(DType dtype, std::span<const float> values) {
-  std::vector<std::uint16_t> bits(values.size());
-  for (std::size_t i = 0; i < values.size(); ++i) bits[i] = f32_to_half_bits(dtype, values[i]);
+  std::vector<std::uint16_t> bits;
+  reserve_on_huge_pages(bits, values.size());
+  for (const float value : values) bits.push_back(f32_to_half_bits(dtype, value));
   return bits;
 }
 

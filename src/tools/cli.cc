@@ -30,6 +30,12 @@ double parse_double(const std::string& option, const std::string& text) {
   return value;
 }
 
+Layout parse_layout(const std::string& text) {
+  if (text == "bshd") return Layout::kBSHD;
+  if (text == "bhsd") return Layout::kBHSD;
+  throw UsageError("--layout: expected bshd or bhsd, got '" + text + "'");
+}
+
 std::vector<std::string> split_commas(const std::string& text) {
   std::vector<std::string> items;
   std::size_t start = 0;

@@ -38,6 +38,11 @@ std::vector<std::int64_t> parse_int_list(const std::string& option, const std::s
 // "a,b,,c" -> {"a", "b", "", "c"}; "" -> {""}.
 std::vector<std::string> split_commas(const std::string& text);
 
+// --layout of attention and bench: how the arrays are stored, (B, L, H, D) or (B, H, L, D).
+enum class Layout { kBSHD, kBHSD };
+// "bshd" or "bhsd"; UsageError naming --layout otherwise.
+Layout parse_layout(const std::string& text);
+
 // Commands. Each returns the process exit status; --help prints usage to stdout and returns 0.
 int run_attention(std::vector<std::string> args);
 int run_attention_backward(std::vector<std::string> args);

@@ -110,8 +110,6 @@ except --weights, --linear and --ring.
 (--layout bhsd orders --dout, --dq, --dk and --dv as (B, H, L, D) too.)
 )";
 
-enum class Layout { kBSHD, kBHSD };
-
 struct Options {
   std::string q_path, k_path, v_path, out_path;
   std::string lse_path, weights_path, key_lengths_path, mask_path, bias_path;
@@ -191,14 +189,7 @@ Options parse_options(std::vector<std::string> argv, bool backward) {
     } else if (name == "--bias") {
       o.bias_path = path_value(name);
     } else if (name == "--layout") {
-      const std::string value = args.value(name);
-      if (value == "bshd") {
-        o.layout = Layout::kBSHD;
-      } else if (value == "bhsd") {
-        o.layout = Layout::kBHSD;
-      } else {
-        throw UsageError("--layout: expected bshd or bhsd, got '" + value + "'");
-      }
+      o.layout = parse_layout(args.value(name));
     } else if (name == "--scale") {
       o.scale = parse_float(name, args.value(name));
     } else if (name == "--softcap") {

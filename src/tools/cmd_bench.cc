@@ -132,7 +132,7 @@ struct BenchOptions {
   bool backward = false;                        // --backward: time attention_backward
   std::vector<ProductPath> products;            // --products: paths to pin in turn (none: auto)
   bool all_products = false;                    // --products all: every path this CPU runs
-  bool bhsd = false;  // --layout bhsd: the arrays stored (B, H, L, D), passed as strided views
+  Layout layout = Layout::kBSHD;  // --layout: bhsd = arrays stored (B, H, L, D), strided views
 };
 
 Kernel parse_kernel(const std::string& name) {
@@ -248,11 +248,7 @@ BenchOptions parse_options(std::vector<std::string> argv, bool* help) {
     } else if (arg == "--products") {
       parse_products(args.value(arg), options);
     } else if (arg == "--layout") {
-      const std::string layout = args.value(arg);
-      if (layout != "bshd" && layout != "bhsd") {
-        throw UsageError("--layout: expected bshd or bhsd, got '" + layout + "'");
-      }
-      options.bhsd = layout == "bhsd";
+      options.layout = parse_layout(args.value(arg));
     } else if (arg == "--threads") {
       const std::int64_t threads = parse_int(arg, args.value(arg));
       if (threads < 0 || threads > 4096) {
@@ -341,7 +337,6 @@ struct BenchResult {
   double gflops, effective_gflops;
   double pairs;               // (query, key) pairs per (batch, head) counted in effective_gflops
   std::string sparse;         // "none", or the sparsity option as given
-  const char* layout = "bshd";  // how the arrays are stored (--layout)
   tools::MemoryUsage memory;  // the peak of one call of its own, before the timed repeats
   // Decode-like shapes: the streaming read bandwidth swept once after each timed repeat, median
   // (0 otherwise). Quoted with the K/V bandwidth, which is also a median, under the same load.
@@ -367,7 +362,7 @@ std::vector<BenchResult> run_case(const BenchCase& c, Kernel kernel, const Bench
   const std::array<std::int64_t, 4> kv_sizes = {c.batch, c.seq_kv, c.num_heads_kv, c.head_dim};
   // A [B, L, H, D] view of an array stored in --layout's order ((B, H, L, D) for bhsd: strided).
   const auto view_of = [&](void* data, DType dtype, const std::array<std::int64_t, 4>& sizes) {
-    if (!options.bhsd) return TensorView::contiguous(data, dtype, sizes);
+    if (options.layout == Layout::kBSHD) return TensorView::contiguous(data, dtype, sizes);
     return TensorView::contiguous(data, dtype, {sizes[0], sizes[2], sizes[1], sizes[3]})
         .permuted({0, 2, 1, 3});
   };
@@ -394,8 +389,7 @@ std::vector<BenchResult> run_case(const BenchCase& c, Kernel kernel, const Bench
     if (options.dtype == DType::kF32) {
       return view_of(values.data(), DType::kF32, sizes);
     }
-    reserve_on_huge_pages(bits, values.size());
-    for (const float value : values) bits.push_back(f32_to_half_bits(options.dtype, value));
+    bits = to_half_bits(options.dtype, values);  // on huge pages too
     std::vector<float>().swap(values);  // the f32 copy is not needed any more
     return view_of(bits.data(), options.dtype, sizes);
   };
@@ -418,7 +412,6 @@ std::vector<BenchResult> run_case(const BenchCase& c, Kernel kernel, const Bench
 
   BenchResult result;
   result.kernel = resolved_kernel_name(params, outputs);
-  result.layout = options.bhsd ? "bhsd" : "bshd";
   io::NpyArray sparse_layout;  // --sparse-layout's file
   SparseCliOptions sparse = options.sparse;
   params.sparsity =
@@ -594,7 +587,7 @@ struct Probes {
 };
 
 void print_json(const BenchCase& c, const BenchResult& r, int threads, DType dtype, DType out_dtype,
-                const Probes& probes) {
+                Layout layout, const Probes& probes) {
   const tools::FmaPeak& peak = probes.peak_for(r);
   const tools::ReadBandwidth& bandwidth = probes.bandwidth;
   const double kv_gbs = kv_gbytes_per_second(c, r, dtype);
@@ -617,14 +610,14 @@ void print_json(const BenchCase& c, const BenchResult& r, int threads, DType dty
       "\"kv_arrays_read_gbytes_per_second\": %.6g, \"kv_fraction_of_kv_arrays_read\": %.6g, "
       "\"fp32_peak_gflops\": %.6g, \"amx_peak_gflops\": %.6g, "
       "\"amx_softmax_together_over_sum\": %.6g}\n",
-      r.kernel.c_str(), dtype_name(dtype), dtype_name(out_dtype), r.layout,
-      static_cast<long long>(c.batch), static_cast<long long>(c.num_heads_q),
-      static_cast<long long>(c.num_heads_kv), static_cast<long long>(c.seq_q),
-      static_cast<long long>(c.seq_kv), static_cast<long long>(c.head_dim),
-      c.causal ? "true" : "false", r.sparse.c_str(), finite(r.pairs), threads, finite(r.seconds),
-      r.repeats, r.calls_per_repeat, finite(r.gflops), finite(r.effective_gflops),
-      finite(peak.gflops), finite(r.gflops / peak.gflops), finite(r.effective_gflops / peak.gflops),
-      static_cast<long long>(r.memory.peak_extra_bytes()),
+      r.kernel.c_str(), dtype_name(dtype), dtype_name(out_dtype),
+      layout == Layout::kBHSD ? "bhsd" : "bshd", static_cast<long long>(c.batch),
+      static_cast<long long>(c.num_heads_q), static_cast<long long>(c.num_heads_kv),
+      static_cast<long long>(c.seq_q), static_cast<long long>(c.seq_kv),
+      static_cast<long long>(c.head_dim), c.causal ? "true" : "false", r.sparse.c_str(),
+      finite(r.pairs), threads, finite(r.seconds), r.repeats, r.calls_per_repeat, finite(r.gflops),
+      finite(r.effective_gflops), finite(peak.gflops), finite(r.gflops / peak.gflops),
+      finite(r.effective_gflops / peak.gflops), static_cast<long long>(r.memory.peak_extra_bytes()),
       static_cast<long long>(r.memory.scratch_peak_extra), r.memory.method, peak.hwy_target.c_str(),
       r.products.c_str(), finite(bandwidth.gbytes_per_second), finite(bandwidth.buffer_mib),
       bandwidth.huge_pages ? "true" : "false", finite(kv_gbs),
@@ -753,11 +746,13 @@ int run_bench(std::vector<std::string> args) {
                    : kernel == Kernel::kReference ? "reference"
                    : kernel == Kernel::kChunked   ? "chunked"
                                                   : "flash",
-                   shape_text(c).c_str(), c.causal ? " causal" : "", options.bhsd ? " bhsd" : "");
+                   shape_text(c).c_str(), c.causal ? " causal" : "",
+                   options.layout == Layout::kBHSD ? " bhsd" : "");
       for (const BenchResult& result : run_case(c, kernel, options, paths, threads)) {
         if (options.json) {
           print_json(c, result, threads, options.dtype,
-                     options.out_in_input_dtype ? options.dtype : DType::kF32, probes);
+                     options.out_in_input_dtype ? options.dtype : DType::kF32, options.layout,
+                     probes);
         } else {
           print_table_row(c, result, threads, options.dtype, probes);
         }
