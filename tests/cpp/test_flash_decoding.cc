@@ -115,37 +115,42 @@ std::vector<DecodeCase> decode_cases() {
     dc.c.bhsd = true;
     add(dc);
   }
-  // Masks and biases on split shapes and on one that does not split.
-  for (std::int64_t lk : {2047, 4099}) {
-    for (std::int64_t lq : {1, 5}) {
-      DecodeCase dc = gqa_32_8(lq, lk);
-      dc.c.head_dim = 48;
-      // A window that leaves most splits empty, with causal (bottom-right).
-      dc.c.causal = true;
-      dc.c.window_left = 700;
-      dc.c.key_lengths = true;
-      add(dc);
-      dc.c.causal = false;
-      dc.c.window_left = -1;
-      dc.c.key_lengths = false;
-      dc.c.bias = BiasKind::kWithNegInf;  // -inf bias entries (whole rows for some)
-      add(dc);
-      dc.c.bias = BiasKind::kPerHeadRow;
-      dc.c.mask = MaskKind::kRandom;
-      add(dc);
-      dc.c.mask = MaskKind::kNone;
-      dc.c.bias = BiasKind::kNone;
-      dc.c.softcap = 20.0f;
-      dc.c.head_dim = 40;  // not a multiple of the lanes
-      dc.c.head_dim_v = 24;
-      add(dc);
-      dc.c.softcap = 0.0f;
-      dc.c.head_dim = 64;
-      dc.c.head_dim_v = -1;
-      dc.c.bhsd = true;
-      dc.c.num_heads_q = 6;  // GQA 6:2, BHSD strides
-      dc.c.num_heads_kv = 2;
-      add(dc);
+  // Masks and biases on split shapes and on one that does not split; GQA 32:8 (4 or 20 rows
+  // per kv head) and multi-head 8:8 (1 or 5: one-row blocks, whose softmax runs along the keys).
+  for (auto [hq, hkv] : {std::pair{32, 8}, {8, 8}}) {
+    for (std::int64_t lk : {2047, 4099}) {
+      for (std::int64_t lq : {1, 5}) {
+        DecodeCase dc = gqa_32_8(lq, lk);
+        dc.c.num_heads_q = hq;
+        dc.c.num_heads_kv = hkv;
+        dc.c.head_dim = 48;
+        // A window that leaves most splits empty, with causal (bottom-right).
+        dc.c.causal = true;
+        dc.c.window_left = 700;
+        dc.c.key_lengths = true;
+        add(dc);
+        dc.c.causal = false;
+        dc.c.window_left = -1;
+        dc.c.key_lengths = false;
+        dc.c.bias = BiasKind::kWithNegInf;  // -inf bias entries (whole rows for some)
+        add(dc);
+        dc.c.bias = BiasKind::kPerHeadRow;
+        dc.c.mask = MaskKind::kRandom;
+        add(dc);
+        dc.c.mask = MaskKind::kNone;
+        dc.c.bias = BiasKind::kNone;
+        dc.c.softcap = 20.0f;
+        dc.c.head_dim = 40;  // not a multiple of the lanes
+        dc.c.head_dim_v = 24;
+        add(dc);
+        dc.c.softcap = 0.0f;
+        dc.c.head_dim = 64;
+        dc.c.head_dim_v = -1;
+        dc.c.bhsd = true;
+        dc.c.num_heads_q = 6;  // GQA 6:2 or multi-head 6:6, BHSD strides
+        dc.c.num_heads_kv = hq == hkv ? 6 : 2;
+        add(dc);
+      }
     }
   }
   // Top-left causal with Lq > 1: the early rows see only the first keys (most splits empty).
@@ -169,6 +174,15 @@ std::vector<DecodeCase> decode_cases() {
       dc.global = {};
       add(dc);
     }
+  }
+  {  // The same on one-row blocks (multi-head 8:8), whose sparsity is applied pair by pair.
+    DecodeCase dc = gqa_32_8(1, 4099);
+    dc.c.num_heads_q = dc.c.num_heads_kv = 8;
+    dc.c.head_dim = 32;
+    dc.c.key_lengths = true;
+    dc.sparse_window = 300;
+    dc.global = {5, 0, 1500};
+    add(dc);
   }
   return cases;
 }

@@ -1,12 +1,15 @@
 // The decode path of the flash kernel (Highway, one copy per target). A block with at most
-// kNarrowRows rows (the GQA group of one decode step: Lq = 1, 4 heads per kv head) would use 4 of 64 lanes of the transposed micro-kernel and do 16x
-// the work it needs; it computes its products row by row instead, vectorised along head_dim:
+// kNarrowRows rows (the GQA group of one decode step: Lq = 1, 4 heads per kv head) would use 4 of
+// 64 lanes of the transposed micro-kernel and do 16x the work it needs; it computes its products
+// row by row instead, vectorised along head_dim:
 //   s[j][r] = qr[r] . k[j]               (K dot products at once, then a lane sum)
 //   o[r][:] = alpha[r] * o[r][:] + sum_j p[j][r] * v[j][:]
-// with qr: [rows][D] (q * scale) and o: [rows][Dv] in its own scratch. The scores still land in
-// the block's st[key][lane] tile, so masks and the online softmax are the shared ones
-// (MaskScoreTile, OnlineSoftmaxTile); at the end o is transposed into qb.ot for the shared
-// finish. It needs unit strides along head_dim (true for BSHD and BHSD).
+// with qr: [rows][D] (q * scale) and o: [rows][Dv] in its own scratch. The scores land in the
+// block's own score tile, in the order its product path keeps (Products::kNarrowOrder): the
+// widening walk's keys along the lanes (narrow_products-inl.h; its masks and softmax in
+// narrow_softmax-inl.h), bf16dot's pairs a vector of rows per key (the wide blocks' masks and
+// online softmax: MaskScoreTile, OnlineSoftmaxTile); at the end o is transposed into qb.ot for
+// the shared finish. It needs unit strides along head_dim (true for BSHD and BHSD).
 //
 // The walk (StartNarrow, NarrowTile, FinishNarrow) is one skeleton for every product path
 // (products-inl.h): the path packs q (NarrowQuery), computes the scores and values of a tile for
@@ -27,6 +30,7 @@
 #include "hwy/highway.h"
 #include "kernels/cpu/bf16_dot.h"
 #include "kernels/cpu/narrow_products-inl.h"
+#include "kernels/cpu/narrow_softmax-inl.h"
 #include "kernels/cpu/online_softmax-inl.h"
 #include "kernels/cpu/score_masks-inl.h"
 #include "kernels/cpu/tile_geometry-inl.h"
@@ -39,12 +43,21 @@ namespace qkv {
 namespace HWY_NAMESPACE {
 namespace tiles {
 
-// A block's part of the current key tile: keys [lo, hi) (empty: skip it), and whether the
-// sparsity must be applied pair by pair.
+// A block's part of the current key tile: keys [lo, hi) (empty: skip it), whether the
+// sparsity must be applied pair by pair, and the tile's first key (the widening walk's score
+// rows start there: NarrowOrder).
 struct TilePart {
   std::int64_t lo = 0, hi = 0;
   bool predicate = false;
+  std::int64_t first = 0;
 };
+
+// How a narrow block's score tile nb.st holds its scores (Products::kNarrowOrder):
+//   kKeysInLanes  st[r * kNarrowKeys + j - part.first]: row r's score of key j, each row's
+//                 keys side by side from the tile's first (the widening walk)
+//   kRowsInLanes  st[(j - part.lo) * kBlockQ + r]: each key's rows side by side (bf16dot's
+//                 narrow calls and pack_probs take these rows)
+enum class NarrowOrder { kKeysInLanes, kRowsInLanes };
 
 // A narrow block and its own scratch (see NarrowFloats).
 struct NarrowBlock {
@@ -53,8 +66,7 @@ struct NarrowBlock {
   std::uint32_t* q_pairs = nullptr;  // [num_q][ceil(D / 2)] pair words of q, unscaled (same
                                      // memory as q_rows)
   float* o = nullptr;       // [num_q][Dv]  unnormalised out
-  float* st = nullptr;      // [kBlockK][kNarrowRow]  its own score tile (Products::kNarrowRow:
-                            // kBlockQ for the bf16 pairs): NarrowTile computes the
+  float* st = nullptr;      // its own score tile (NarrowOrder): NarrowTile computes the
                             // scores of every narrow block before any softmax
   TilePart part;
 };
@@ -66,7 +78,8 @@ inline std::int64_t NarrowRowFloats(const AttentionKernelParams& p) {
 }
 template <class Products>
 std::int64_t NarrowFloats(const AttentionKernelParams& p) {
-  return NarrowRowFloats(p) + kBlockK * Products::kNarrowRow;
+  constexpr bool kKeysInLanes = Products::kNarrowOrder == NarrowOrder::kKeysInLanes;
+  return NarrowRowFloats(p) + (kKeysInLanes ? kNarrowRows * kNarrowKeys : kBlockK * kBlockQ);
 }
 
 // q_rows[r][d] = q[r][d] * scale for the block's rows r < num_q (the products PackQuery forms,
@@ -106,12 +119,16 @@ NarrowBlock StartNarrow(const AttentionKernelParams& p, QueryBlock& qb, float* s
   nb.st = scratch + NarrowRowFloats(p);
   Products::NarrowQuery(p, nb);
   std::fill(nb.o, nb.o + qb.num_q * p.head_dim_v, 0.0f);
-  // The softmax runs on the query vectors holding the rows; their lanes past num_q are never
-  // written by the scores: keep them finite.
-  const std::int64_t lanes = (qb.num_q + kLanes - 1) / kLanes * kLanes;
-  for (std::int64_t j = 0; j < kBlockK; ++j) {
-    std::fill(nb.st + j * Products::kNarrowRow + qb.num_q, nb.st + j * Products::kNarrowRow + lanes,
-              0.0f);
+  if constexpr (Products::kNarrowOrder == NarrowOrder::kKeysInLanes) {
+    // The softcap runs on whole vectors of a row, past num_k too: keep them defined.
+    std::fill(nb.st, nb.st + qb.num_q * kNarrowKeys, 0.0f);
+  } else {
+    // The softmax runs on the query vectors holding the rows; their lanes past num_q are never
+    // written by the scores: keep them finite.
+    const std::int64_t lanes = (qb.num_q + kLanes - 1) / kLanes * kLanes;
+    for (std::int64_t j = 0; j < kBlockK; ++j) {
+      std::fill(nb.st + j * kBlockQ + qb.num_q, nb.st + j * kBlockQ + lanes, 0.0f);
+    }
   }
   return nb;
 }
@@ -275,7 +292,7 @@ void NarrowScoresWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
   ForEachChunk(p, narrow, count, score_chunk,
                [&](const NarrowBlock& nb, std::int64_t a, std::int64_t b) {
     const T* k = static_cast<const T*>(nb.qb->k) + a * ks;
-    float* st = nb.st + (a - nb.part.lo) * kNarrowRow;
+    float* st = nb.st + (a - nb.part.first);
     // For the step at key a + x: asks for the V rows `distance` keys on (values_too) and
     // returns the K rows there, which NarrowDots asks for as it reads (null past key_end).
     const auto ask_ahead = [&](std::int64_t x, std::int64_t keys) -> const T* {
@@ -288,12 +305,11 @@ void NarrowScoresWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
     };
     std::int64_t x = 0;
     for (; x + kDotKeys <= b - a; x += kDotKeys) {
-      NarrowDotKeys<kDotKeys>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x * kNarrowRow,
+      NarrowDotKeys<kDotKeys>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x,
                               ask_ahead(x, kDotKeys));
     }
     for (; x < b - a; ++x) {
-      NarrowDotKeys<1>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x * kNarrowRow,
-                       ask_ahead(x, 1));
+      NarrowDotKeys<1>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x, ask_ahead(x, 1));
     }
   });
 }
@@ -308,7 +324,7 @@ void NarrowValuesWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
   ForEachChunk(p, narrow, count, heads_inner ? kValueKeys : kBlockK,
                [&](const NarrowBlock& nb, std::int64_t a, std::int64_t b) {
     const T* v = static_cast<const T*>(nb.qb->v) + a * vs;
-    float* st = nb.st + (a - nb.part.lo) * kNarrowRow;
+    const float* st = nb.st + (a - nb.part.first);
     NarrowValueKeys(p, nb.qb->num_q, v, b - a, st, nb.o, RowsAhead{nb.qb->key_end - a, distance});
   });
 }
@@ -343,8 +359,14 @@ void NarrowTile(const AttentionKernelParams& p, NarrowBlock* narrow, std::int64_
     if (num_k <= 0) continue;
     QueryBlock& qb = *nb.qb;
     const int vecs = UsedQueryVecs(qb);
-    MaskScoreTile<Products::kNarrowRow>(p, qb, nb.part.lo, num_k, nb.st, nb.part.predicate);
-    OnlineSoftmaxTile<false, Products::kNarrowRow>(qb, num_k, nb.st, vecs);
+    if constexpr (Products::kNarrowOrder == NarrowOrder::kKeysInLanes) {
+      const std::int64_t begin = nb.part.lo - nb.part.first;
+      MaskNarrowRows(p, qb, nb.part.first, begin, begin + num_k, nb.st, nb.part.predicate);
+      OnlineSoftmaxRows(qb, begin, begin + num_k, nb.st);
+    } else {
+      MaskScoreTile(p, qb, nb.part.lo, num_k, nb.st, nb.part.predicate);
+      OnlineSoftmaxTile<false>(qb, num_k, nb.st, vecs);
+    }
     for (std::int64_t r = 0; r < qb.num_q; ++r) {
       float* row = nb.o + r * p.head_dim_v;
       for (std::int64_t e = 0; e < p.head_dim_v; ++e) row[e] *= qb.alpha[r];

@@ -380,12 +380,12 @@ void Flash(const AttentionKernelParams& p) {
     // A block's part of tile j0; tiles outside its allowed keys, and (sparse) key tiles the
     // sparsity leaves out, are skipped; the rest is trimmed to what the sparsity allows.
     const auto tile_part = [&](const QueryBlock& qb, std::int64_t j0) {
-      TilePart part{std::max(j0, qb.key_begin), std::min(j0 + kBlockK, qb.key_end), false};
+      TilePart part{std::max(j0, qb.key_begin), std::min(j0 + kBlockK, qb.key_end), false, j0};
       if (part.hi <= part.lo) return TilePart{};
       if (sparse) {
         const SparseTile t = SparseTileKeys(p, qb, part.lo, part.hi);
         if (t.hi <= t.lo) return TilePart{};
-        part = {t.lo, t.hi, t.predicate};
+        part = {t.lo, t.hi, t.predicate, j0};
       }
       return part;
     };

@@ -22,12 +22,13 @@ namespace tiles {
 
 constexpr std::int64_t kNarrowRows = kBlockQ / 4;
 static_assert(kNarrowRows <= kLanes, "FinishNarrow fills one vector of lanes");
-// Floats per key in a narrow block's score tile (st[j * kNarrowRow + r]): one vector holds all
-// its rows. Rows of kBlockQ floats (until 2026-12-05) used 1-16 of their 64 floats (256 bytes):
-// 32 KiB of tile per block, 1 MiB for the 32 one-row blocks of a multi-head step, a line per
-// key and block for the scores, the softmax and the values each (docs/kernels.md, "A compact
-// score tile").
-constexpr std::int64_t kNarrowRow = kLanes;
+// A narrow block's score tile (nb.st, decode_walk-inl.h) holds its rows one after another, each
+// row's scores of the tile's keys side by side: st[r * kNarrowKeys + j] (keys along the lanes,
+// so a one-row block's softmax takes a vector per kLanes keys: narrow_softmax-inl.h). A tile of
+// one vector per key, rows along the lanes (until 2026-12-06; kBlockQ floats per key until
+// 2026-12-05) took a vector per key for any number of rows (docs/kernels.md, "Keys along the
+// lanes").
+constexpr std::int64_t kNarrowKeys = kBlockK;
 constexpr int kDotRows = kNarrowRows < 4 ? static_cast<int>(kNarrowRows) : 4;
 // Keys per dot-product step: kDotRows x kDotKeys accumulators (16 of AVX-512's 32 registers;
 // 8 of AVX2's 16).
@@ -90,7 +91,7 @@ HWY_INLINE void StoreLaneSums4(const VF* acc, float* HWY_RESTRICT out) {
 
 #endif  // HWY_TARGET != HWY_SCALAR
 
-// st[kk * kNarrowRow + r] = q[r] . k[kk] for r < R, kk < K.
+// st[r * kNarrowKeys + kk] = q[r] . k[kk] for r < R, kk < K.
 //   q: [R][head_dim] (row stride head_dim)   k: [K][head_dim] (row stride k_row_stride), stored
 //   as T (float, hwy::bfloat16_t or hwy::float16_t; widened to f32 in registers)
 //   ahead: the same rows some keys later, prefetched toward L2 as k is read (null: none)
@@ -122,12 +123,23 @@ HWY_INLINE void NarrowDots(const float* HWY_RESTRICT q, const T* HWY_RESTRICT k,
     }
   }
 #if HWY_TARGET != HWY_SCALAR
-  if constexpr (R == 4) {
+  // Each row's sums of 4 keys by one transposing tree; fewer keys (a part's last ones) take the
+  // same tree beside zeros, so a key's score has the same bits wherever the 4-key steps fall
+  // (a tile trimmed to a sparsity's hull starts them elsewhere).
+  if constexpr (kDotKeys == 4) {
     if (vec_end == head_dim) {
       HWY_UNROLL(4)
-      for (int kk = 0; kk < K; ++kk) {
-        const VF rows[4] = {acc[0][kk], acc[1][kk], acc[2][kk], acc[3][kk]};
-        StoreLaneSums4(rows, st + kk * kNarrowRow);
+      for (int r = 0; r < R; ++r) {
+        if constexpr (K == 4) {
+          StoreLaneSums4(acc[r], st + r * kNarrowKeys);
+        } else {
+          VF keys[4] = {hn::Zero(df), hn::Zero(df), hn::Zero(df), hn::Zero(df)};
+          float sums[4];
+          HWY_UNROLL(4)
+          for (int kk = 0; kk < K; ++kk) keys[kk] = acc[r][kk];
+          StoreLaneSums4(keys, sums);
+          for (int kk = 0; kk < K; ++kk) st[r * kNarrowKeys + kk] = sums[kk];
+        }
       }
       return;
     }
@@ -144,27 +156,28 @@ HWY_INLINE void NarrowDots(const float* HWY_RESTRICT q, const T* HWY_RESTRICT k,
       for (std::int64_t d = vec_end; d < head_dim; ++d) {
         s += q[r * head_dim + d] * WideElement(k[kk * k_row_stride + d]);
       }
-      st[kk * kNarrowRow + r] = s;
+      st[r * kNarrowKeys + kk] = s;
     }
   }
 }
 
-// q . k for rows [0, num_q) and K keys at k, into st[kk * kNarrowRow + r] (ahead: see NarrowDots;
+// q . k for rows [0, num_q) and K keys at k, into st[r * kNarrowKeys + kk] (ahead: see NarrowDots;
 // the first row group prefetches).
 template <int K, typename T>
 HWY_INLINE void NarrowDotKeys(const float* q_rows, std::int64_t num_q, const T* k, std::int64_t ks,
                               std::int64_t d, float* st, const T* ahead) {
   std::int64_t r = 0;
   for (; r + kDotRows <= num_q; r += kDotRows) {
-    NarrowDots<kDotRows, K>(q_rows + r * d, k, ks, d, st + r, r == 0 ? ahead : nullptr);
+    NarrowDots<kDotRows, K>(q_rows + r * d, k, ks, d, st + r * kNarrowKeys,
+                            r == 0 ? ahead : nullptr);
   }
   for (; r < num_q; ++r) {
-    NarrowDots<1, K>(q_rows + r * d, k, ks, d, st + r, r == 0 ? ahead : nullptr);
+    NarrowDots<1, K>(q_rows + r * d, k, ks, d, st + r * kNarrowKeys, r == 0 ? ahead : nullptr);
   }
 }
 
 // o[r][0 : E * kLanes] += sum_j p[j][r] * v[j][0 : E * kLanes], r < R.
-//   p: st[j * kNarrowRow + r]   v: [num_k][...] (row stride v_row_stride)   o: row stride o_stride
+//   p: st[r * kNarrowKeys + j]   v: [num_k][...] (row stride v_row_stride)   o: row stride o_stride
 //   ahead: the rows of v prefetched toward L2 (RowsAhead)
 template <int R, int E, typename T>
 HWY_INLINE void NarrowValueRows(const float* HWY_RESTRICT st, const T* HWY_RESTRICT v,
@@ -189,7 +202,7 @@ HWY_INLINE void NarrowValueRows(const float* HWY_RESTRICT st, const T* HWY_RESTR
     for (int e = 0; e < E; ++e) value[e] = LoadWide(df, v + j * v_row_stride + e * kLanes);
     HWY_UNROLL(4)
     for (int r = 0; r < R; ++r) {
-      const VF prob = hn::Set(df, st[j * kNarrowRow + r]);
+      const VF prob = hn::Set(df, st[r * kNarrowKeys + j]);
       HWY_UNROLL(4)
       for (int e = 0; e < E; ++e) acc[r][e] = hn::MulAdd(prob, value[e], acc[r][e]);
     }
@@ -209,16 +222,16 @@ HWY_INLINE void NarrowValueColumns(std::int64_t num_q, const float* st, const T*
                                    std::int64_t o_stride, RowsAhead ahead) {
   std::int64_t r = 0;
   for (; r + kDotRows <= num_q; r += kDotRows) {
-    NarrowValueRows<kDotRows, E>(st + r, v, v_row_stride, num_k, o + r * o_stride, o_stride,
-                                 r == 0 ? ahead : RowsAhead{});
+    NarrowValueRows<kDotRows, E>(st + r * kNarrowKeys, v, v_row_stride, num_k, o + r * o_stride,
+                                 o_stride, r == 0 ? ahead : RowsAhead{});
   }
   for (; r < num_q; ++r) {
-    NarrowValueRows<1, E>(st + r, v, v_row_stride, num_k, o + r * o_stride, o_stride,
+    NarrowValueRows<1, E>(st + r * kNarrowKeys, v, v_row_stride, num_k, o + r * o_stride, o_stride,
                           r == 0 ? ahead : RowsAhead{});
   }
 }
 
-// o += v[0 : num_k]^T p for rows [0, num_q)   (o: [num_q][Dv], p: st[j * kNarrowRow + r]; ahead:
+// o += v[0 : num_k]^T p for rows [0, num_q)   (o: [num_q][Dv], p: st[r * kNarrowKeys + j]; ahead:
 // see NarrowValueRows).
 template <typename T>
 inline void NarrowValueKeys(const AttentionKernelParams& p, std::int64_t num_q, const T* v,
@@ -233,13 +246,19 @@ inline void NarrowValueKeys(const AttentionKernelParams& p, std::int64_t num_q, 
   for (; e + kLanes <= dv; e += kLanes) {
     NarrowValueColumns<1>(num_q, st, v + e, vs, num_k, o + e, dv, ahead);
   }
-  for (; e < dv; ++e) {  // a head_dim_v that is not a multiple of the lanes
+  // A head_dim_v that is not a multiple of the lanes: one multiply-add per key in one lane (as
+  // the vectors above; a plain `acc += p * v` GCC turned into unfused multiplies and adds where
+  // it vectorised the loop and fused ones in its remainder, so a key's rounding depended on
+  // where the part began).
+  const hn::CappedTag<float, 1> d1;
+  for (; e < dv; ++e) {
     for (std::int64_t r = 0; r < num_q; ++r) {
-      float acc = o[r * dv + e];
+      auto acc = hn::Set(d1, o[r * dv + e]);
       for (std::int64_t j = 0; j < num_k; ++j) {
-        acc += st[j * kNarrowRow + r] * WideElement(v[j * vs + e]);
+        acc = hn::MulAdd(hn::Set(d1, st[r * kNarrowKeys + j]),
+                         hn::Set(d1, WideElement(v[j * vs + e])), acc);
       }
-      o[r * dv + e] = acc;
+      o[r * dv + e] = hn::GetLane(acc);
     }
   }
 }

@@ -28,19 +28,18 @@ HWY_INLINE VF SafeMax(DF df, VF m) {
 // Max of st[0 : num_k][lane0 : lane0 + kLanes] down the keys, in four chains (a max is exact and
 // its order changes no bit; one chain waits a max's latency per key, which the AMX path, whose
 // products are fast, would see).
-template <std::int64_t kRow = kBlockQ>
 HWY_INLINE VF ColumnMax(DF df, const float* HWY_RESTRICT st, std::int64_t num_k,
                         std::int64_t lane0) {
   VF m0 = hn::Set(df, kNegInf), m1 = m0, m2 = m0, m3 = m0;
   std::int64_t j = 0;
   for (; j + 4 <= num_k; j += 4) {
-    const float* s = st + j * kRow + lane0;
+    const float* s = st + j * kBlockQ + lane0;
     m0 = hn::Max(m0, hn::Load(df, s));
-    m1 = hn::Max(m1, hn::Load(df, s + kRow));
-    m2 = hn::Max(m2, hn::Load(df, s + 2 * kRow));
-    m3 = hn::Max(m3, hn::Load(df, s + 3 * kRow));
+    m1 = hn::Max(m1, hn::Load(df, s + kBlockQ));
+    m2 = hn::Max(m2, hn::Load(df, s + 2 * kBlockQ));
+    m3 = hn::Max(m3, hn::Load(df, s + 3 * kBlockQ));
   }
-  for (; j < num_k; ++j) m0 = hn::Max(m0, hn::Load(df, st + j * kRow + lane0));
+  for (; j < num_k; ++j) m0 = hn::Max(m0, hn::Load(df, st + j * kBlockQ + lane0));
   return hn::Max(hn::Max(m0, m1), hn::Max(m2, m3));
 }
 
@@ -50,13 +49,13 @@ HWY_INLINE VF ColumnMax(DF df, const float* HWY_RESTRICT st, std::int64_t num_k,
 // 2^(-inf) = 0: masked pairs drop out exactly. kCoarse: the 2^x for probabilities rounded to bf16
 // afterwards (fastexp::Pow2ForProbs; its argument's kHalfShift is taken off shift2 once, so
 // each score still costs one FMA for it).
-template <bool kCoarse = false, std::int64_t kRow = kBlockQ>
+template <bool kCoarse = false>
 HWY_INLINE VF ExpInPlaceAndSum(DF df, float* HWY_RESTRICT st, std::int64_t num_k,
                                std::int64_t lane0, VF shift2, VF c) {
   if constexpr (kCoarse) shift2 = hn::Sub(shift2, hn::Set(df, fastexp::kHalfShift));
   VF sum = hn::Zero(df);
   for (std::int64_t j = 0; j < num_k; ++j) {
-    float* s = st + j * kRow + lane0;
+    float* s = st + j * kBlockQ + lane0;
     const VF prob = fastexp::Pow2ForProbs<kCoarse>(df, hn::MulSub(hn::Load(df, s), c, shift2));
     hn::Store(prob, df, s);
     sum = hn::Add(sum, prob);
@@ -90,13 +89,13 @@ constexpr float kLazyMaxSlack = 12.0f;
 // exp_sum(shift) is the second pass: p against the shift (the new running max, 0 where it is
 // -inf), returning their sum down the keys; ExpInPlaceAndSum writes them into st, the AMX path
 // straight into its pair words (AmxProducts::Softmax).
-template <bool kCoarse, std::int64_t kRow = kBlockQ, class ExpSum>
+template <bool kCoarse, class ExpSum>
 HWY_INLINE void OnlineSoftmaxVec(QueryBlock& qb, int x, std::int64_t keys,
                                  const float* HWY_RESTRICT st, VF c, const ExpSum& exp_sum) {
   const DF df;
   const std::int64_t lane0 = x * kLanes;
   const VF old_max = hn::Load(df, qb.row_max + lane0);
-  const VF tile_max = hn::Mul(ColumnMax<kRow>(df, st, keys, lane0), c);
+  const VF tile_max = hn::Mul(ColumnMax(df, st, keys, lane0), c);
   VF new_max = hn::Max(old_max, tile_max);
   if constexpr (kCoarse) {
     const auto keep = hn::And(hn::Gt(old_max, hn::Set(df, kNegInf)),
@@ -113,24 +112,25 @@ HWY_INLINE void OnlineSoftmaxVec(QueryBlock& qb, int x, std::int64_t keys,
 }
 
 // The step with the probabilities written into st.
-template <bool kCoarse = false, std::int64_t kRow = kBlockQ>
+template <bool kCoarse = false>
 HWY_INLINE void OnlineSoftmaxVec(QueryBlock& qb, int x, std::int64_t keys, float* HWY_RESTRICT st,
                                  VF c) {
-  OnlineSoftmaxVec<kCoarse, kRow>(qb, x, keys, st, c, [&](VF shift) {
-    return ExpInPlaceAndSum<kCoarse, kRow>(DF(), st, keys, x * kLanes, shift, c);
+  OnlineSoftmaxVec<kCoarse>(qb, x, keys, st, c, [&](VF shift) {
+    return ExpInPlaceAndSum<kCoarse>(DF(), st, keys, x * kLanes, shift, c);
   });
 }
 
 // The step on every query vector x whose bit is set in `vecs` (all of them by default). st's rows
-// lie kRow floats apart: kBlockQ, or a narrow block's one vector (kNarrowRow, decode_walk-inl.h).
-template <bool kCoarse = false, std::int64_t kRow = kBlockQ>
+// lie kBlockQ floats apart (narrow blocks on the bf16 pairs too; the widening walk has its own,
+// narrow_softmax-inl.h).
+template <bool kCoarse = false>
 inline void OnlineSoftmaxTile(QueryBlock& qb, std::int64_t num_k, float* HWY_RESTRICT st,
                               int num_vecs = kQueryVecs, const std::int64_t* vec_end = nullptr,
                               float score_scale = 1.0f, unsigned vecs = ~0u) {
   const VF c = hn::Set(DF(), score_scale * fastexp::kLog2e);
   for (int x = 0; x < num_vecs; ++x) {
     if ((vecs >> x & 1u) == 0) continue;
-    OnlineSoftmaxVec<kCoarse, kRow>(qb, x, vec_end != nullptr ? vec_end[x] : num_k, st, c);
+    OnlineSoftmaxVec<kCoarse>(qb, x, vec_end != nullptr ? vec_end[x] : num_k, st, c);
   }
 }
 

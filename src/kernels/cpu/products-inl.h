@@ -14,7 +14,7 @@
 //   NarrowScores(p, narrow, count), NarrowValues(p, narrow, count)
 //                            one tile's products for a task's narrow blocks (their nb.part)
 //   NarrowProbs(st, num_k, vecs)  the probabilities as NarrowValues reads them
-//   kNarrowRow               floats per key in a narrow block's score tile nb.st
+//   kNarrowOrder             how a narrow block's score tile nb.st holds its scores (NarrowOrder)
 //   TaskScope                a type a task holds while it runs (the AMX tile state; else empty)
 //   kPrefetchOut             whether a flash task asks for its blocks' out rows on its last tile
 //                            (PrefetchOutRows; docs/kernels.md, "Finishing a block")
@@ -102,7 +102,7 @@ struct WideProducts {
                            std::int64_t count) {
     NarrowValuesWide<T>(p, narrow, count);
   }
-  static constexpr std::int64_t kNarrowRow = tiles::kNarrowRow;
+  static constexpr NarrowOrder kNarrowOrder = NarrowOrder::kKeysInLanes;
 };
 
 // bf16 on vdpbf16ps (kernels/cpu/bf16_dot.h): on the AVX3 target of a CPU with AVX512-BF16,
@@ -161,7 +161,7 @@ struct PairProducts {
     NarrowValuesBf16(p, narrow, count);
   }
   // bf16dot's narrow calls and pack_probs take score rows of kBlockQ.
-  static constexpr std::int64_t kNarrowRow = kBlockQ;
+  static constexpr NarrowOrder kNarrowOrder = NarrowOrder::kRowsInLanes;
 };
 
 // bf16 and f16 on AMX tiles (kernels/cpu/amx.h): on the AVX3 targets of a CPU with AMX-BF16,
@@ -280,7 +280,7 @@ struct AmxProducts {
                            std::int64_t count) {
     Narrow::NarrowValues(p, narrow, count);
   }
-  static constexpr std::int64_t kNarrowRow = Narrow::kNarrowRow;
+  static constexpr NarrowOrder kNarrowOrder = Narrow::kNarrowOrder;
 };
 
 // The path of the flash kernel for dtype on this target and CPU, for bf16: the vdpbf16ps pairs

@@ -27,14 +27,13 @@ namespace tiles {
 // scale (any product path, wide or decode), with softcap, bias and every mask applied:
 // not-allowed pairs are exactly -inf. sparse_predicate: apply the sparsity pair by pair (tiles
 // SparseTileKeys found partly covered; every tile in chunked).
-template <std::int64_t kRow = kBlockQ>
-void MaskScoreTile(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
-                   std::int64_t num_k, float* HWY_RESTRICT st, bool sparse_predicate) {
+inline void MaskScoreTile(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
+                          std::int64_t num_k, float* HWY_RESTRICT st, bool sparse_predicate) {
   const DF df;
   if (p.softcap > 0.0f) {
     // "s = softcap * tanh(s / softcap)"; scale is already folded into q.
     const VF cap = hn::Set(df, p.softcap), inv_cap = hn::Set(df, 1.0f / p.softcap);
-    for (std::int64_t x = 0; x < num_k * kRow; x += kLanes) {
+    for (std::int64_t x = 0; x < num_k * kBlockQ; x += kLanes) {
       hn::Store(hn::Mul(cap, hn::Tanh(df, hn::Mul(hn::Load(df, st + x), inv_cap))), df, st + x);
     }
   }
@@ -42,7 +41,7 @@ void MaskScoreTile(const AttentionKernelParams& p, const QueryBlock& qb, std::in
     for (std::int64_t l = 0; l < qb.num_q; ++l) {
       const float* bias = p.bias + qb.b * p.bias_stride[0] + qb.head[l] * p.bias_stride[1] +
                           qb.query[l] * p.bias_stride[2] + j0 * p.bias_stride[3];
-      for (std::int64_t j = 0; j < num_k; ++j) st[j * kRow + l] += bias[j * p.bias_stride[3]];
+      for (std::int64_t j = 0; j < num_k; ++j) st[j * kBlockQ + l] += bias[j * p.bias_stride[3]];
     }
   }
   if (p.mask != nullptr) {
@@ -50,12 +49,12 @@ void MaskScoreTile(const AttentionKernelParams& p, const QueryBlock& qb, std::in
       const std::uint8_t* mask = p.mask + qb.b * p.mask_stride[0] + qb.head[l] * p.mask_stride[1] +
                                  qb.query[l] * p.mask_stride[2] + j0 * p.mask_stride[3];
       for (std::int64_t j = 0; j < num_k; ++j) {
-        if (mask[j * p.mask_stride[3]] == 0) st[j * kRow + l] = kNegInf;
+        if (mask[j * p.mask_stride[3]] == 0) st[j * kBlockQ + l] = kNegInf;
       }
     }
   }
 
-  if (sparse_predicate) ApplySparsity<kRow>(p, qb, j0, num_k, st);
+  if (sparse_predicate) ApplySparsity(p, qb, j0, num_k, st);
 
   // Range masks (causal, window, key lengths). A tile inside every query's range needs none.
   bool interior = true;
@@ -63,7 +62,7 @@ void MaskScoreTile(const AttentionKernelParams& p, const QueryBlock& qb, std::in
     interior = interior && qb.lo[i] <= j0 && qb.hi[i] >= j0 + num_k;
   }
   if (interior) return;
-  constexpr int kVecs = static_cast<int>(kRow / kLanes);
+  constexpr int kVecs = kQueryVecs;
   VF lo[kVecs], hi[kVecs];
   for (int x = 0; x < kVecs; ++x) {
     // Tile-relative bounds, clamped so they stay exact as floats.
@@ -80,7 +79,7 @@ void MaskScoreTile(const AttentionKernelParams& p, const QueryBlock& qb, std::in
   for (std::int64_t j = 0; j < num_k; ++j) {
     const VF jv = hn::Set(df, static_cast<float>(j));
     for (int x = 0; x < kVecs; ++x) {
-      float* s = st + j * kRow + x * kLanes;
+      float* s = st + j * kBlockQ + x * kLanes;
       const auto allowed = hn::And(hn::Ge(jv, lo[x]), hn::Lt(jv, hi[x]));
       hn::Store(hn::IfThenElse(allowed, hn::Load(df, s), neg_inf), df, s);
     }

@@ -136,9 +136,8 @@ inline SparseTile SparseTileKeys(const AttentionKernelParams& p, const QueryBloc
 
 // Sets st[j][l] = -inf where the sparsity leaves out key j0 + j for lane l (the tile form of
 // sparse_pair_allowed in kernels/sparse_pair.h).
-template <std::int64_t kRow = kBlockQ>
-void ApplySparsity(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
-                   std::int64_t num_k, float* HWY_RESTRICT st) {
+inline void ApplySparsity(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
+                          std::int64_t num_k, float* HWY_RESTRICT st) {
   const SparseKernelParams& s = p.sparse;
   if (s.kind == SparseKernelParams::Kind::kBlock) {
     for (std::int64_t r = 0; r < qb.num_runs; ++r) {
@@ -148,7 +147,8 @@ void ApplySparsity(const AttentionKernelParams& p, const QueryBlock& qb, std::in
         const std::int64_t lo = std::max(j0, kb * s.block_k);
         const std::int64_t hi = std::min(j0 + num_k, (kb + 1) * s.block_k);
         for (std::int64_t j = lo - j0; j < hi - j0; ++j) {
-          std::fill(st + j * kRow + qb.run_lane[r], st + j * kRow + qb.run_lane[r + 1], kNegInf);
+          std::fill(st + j * kBlockQ + qb.run_lane[r], st + j * kBlockQ + qb.run_lane[r + 1],
+                    kNegInf);
         }
       }
     }
@@ -157,7 +157,7 @@ void ApplySparsity(const AttentionKernelParams& p, const QueryBlock& qb, std::in
   // kBand, lane-wise: tile-relative band bounds (clamped so they stay exact as floats) and, with
   // dilation, the tile-relative first key of the lane's residue class (-1: any key).
   const DF df;
-  constexpr int kVecs = static_cast<int>(kRow / kLanes);
+  constexpr int kVecs = kQueryVecs;
   VF lo[kVecs], hi[kVecs], first[kVecs];
   const bool dilated = s.dilation > 1;
   for (int x = 0; x < kVecs; ++x) {
@@ -197,7 +197,7 @@ void ApplySparsity(const AttentionKernelParams& p, const QueryBlock& qb, std::in
     // for dilation > kBlockK only j == first_l is in the tile.
     const VF j_class = hn::Set(df, static_cast<float>(s.dilation > kBlockK ? j : j % s.dilation));
     for (int x = 0; x < kVecs; ++x) {
-      float* sc = st + j * kRow + x * kLanes;
+      float* sc = st + j * kBlockQ + x * kLanes;
       auto allowed = hn::And(hn::Ge(jv, lo[x]), hn::Lt(jv, hi[x]));
       if (dilated) {
         allowed = hn::And(allowed, hn::Or(hn::Lt(first[x], zero), hn::Eq(j_class, first[x])));
