@@ -24,10 +24,9 @@ constexpr std::int64_t kNarrowRows = kBlockQ / 4;
 static_assert(kNarrowRows <= kLanes, "FinishNarrow fills one vector of lanes");
 // A narrow block's score tile (nb.st, decode_walk-inl.h) holds its rows one after another, each
 // row's scores of the tile's keys side by side: st[r * kNarrowKeys + j] (keys along the lanes,
-// so a one-row block's softmax takes a vector per kLanes keys: narrow_softmax-inl.h). A tile of
-// one vector per key, rows along the lanes (until 2026-12-06; kBlockQ floats per key until
-// 2026-12-05) took a vector per key for any number of rows (docs/kernels.md, "Keys along the
-// lanes").
+// so a one-row block's softmax takes a vector per kLanes keys: narrow_softmax-inl.h). The tile
+// of one vector per key, rows along the lanes, that it replaced (2026-12-05) took a vector per
+// key for any number of rows (docs/kernels.md, "Keys along the lanes").
 constexpr std::int64_t kNarrowKeys = kBlockK;
 constexpr int kDotRows = kNarrowRows < 4 ? static_cast<int>(kNarrowRows) : 4;
 // Keys per dot-product step: kDotRows x kDotKeys accumulators (16 of AVX-512's 32 registers;

@@ -49,7 +49,11 @@ inline void MaskNarrowRows(const AttentionKernelParams& p, const QueryBlock& qb,
                            bool sparse_predicate) {
   const DF df;
   const std::int64_t j0 = first + begin;
+  const bool by_pair =
+      p.softcap > 0.0f || p.bias != nullptr || p.mask != nullptr || sparse_predicate;
   for (std::int64_t r = 0; r < qb.num_q; ++r) {
+    // A part inside the row's range with nothing else to apply: nothing to do.
+    if (!by_pair && qb.lo[r] <= j0 && qb.hi[r] >= first + end) continue;
     float* row = st + r * kNarrowKeys;
     if (p.softcap > 0.0f) {
       // "s = softcap * tanh(s / softcap)"; scale is already folded into q.
@@ -87,16 +91,33 @@ inline void MaskNarrowRows(const AttentionKernelParams& p, const QueryBlock& qb,
   }
 }
 
+// f(x, lanes) for the vectors at row + x that hold [begin, end) of a row, in ascending x, with
+// lanes the mask of those in the part for the first and the last, and f(x) for those between
+// (all lanes). The row's vectors start at its first float (the tile's first key).
+template <class Part, class Whole>
+HWY_INLINE void ForRowVectors(std::int64_t begin, std::int64_t end, const Part& part,
+                              const Whole& whole) {
+  const DF df;
+  std::int64_t x = begin / kLanes * kLanes;
+  if (x < begin || x + kLanes > end) {
+    part(x, RowLanes(df, x, begin, end));
+    x += kLanes;
+  }
+  for (; x + kLanes <= end; x += kLanes) whole(x);
+  if (x < end) part(x, RowLanes(df, x, begin, end));
+}
+
 // The max of row[begin : end] (-inf for none).
 HWY_INLINE float NarrowRowMax(DF df, const float* HWY_RESTRICT row, std::int64_t begin,
                               std::int64_t end) {
   const VF neg_inf = hn::Set(df, kNegInf);
   VF m = neg_inf;
-  for (std::int64_t x = begin / kLanes * kLanes; x < end; x += kLanes) {
-    const VF s = hn::Load(df, row + x);
-    const bool whole = x >= begin && x + kLanes <= end;
-    m = hn::Max(m, whole ? s : hn::IfThenElse(RowLanes(df, x, begin, end), s, neg_inf));
-  }
+  ForRowVectors(
+      begin, end,
+      [&](std::int64_t x, auto lanes) {
+        m = hn::Max(m, hn::IfThenElse(lanes, hn::Load(df, row + x), neg_inf));
+      },
+      [&](std::int64_t x) { m = hn::Max(m, hn::Load(df, row + x)); });
   return hn::GetLane(hn::MaxOfLanes(df, m));
 }
 
@@ -108,18 +129,19 @@ HWY_INLINE float NarrowRowMax(DF df, const float* HWY_RESTRICT row, std::int64_t
 HWY_INLINE float NarrowRowExp(DF df, float* HWY_RESTRICT row, std::int64_t begin, std::int64_t end,
                               VF shift2, VF c) {
   VF sum = hn::Zero(df);
-  for (std::int64_t x = begin / kLanes * kLanes; x < end; x += kLanes) {
-    const VF s = hn::Load(df, row + x);
-    VF prob = fastexp::Pow2(df, hn::MulSub(s, c, shift2));
-    if (x >= begin && x + kLanes <= end) {
-      hn::Store(prob, df, row + x);
-    } else {
-      const auto keys = RowLanes(df, x, begin, end);
-      prob = hn::IfThenElseZero(keys, prob);
-      hn::Store(hn::IfThenElse(keys, prob, s), df, row + x);
-    }
-    sum = hn::Add(sum, prob);
-  }
+  ForRowVectors(
+      begin, end,
+      [&](std::int64_t x, auto lanes) {
+        const VF s = hn::Load(df, row + x);
+        const VF prob = hn::IfThenElseZero(lanes, fastexp::Pow2(df, hn::MulSub(s, c, shift2)));
+        hn::Store(hn::IfThenElse(lanes, prob, s), df, row + x);
+        sum = hn::Add(sum, prob);
+      },
+      [&](std::int64_t x) {
+        const VF prob = fastexp::Pow2(df, hn::MulSub(hn::Load(df, row + x), c, shift2));
+        hn::Store(prob, df, row + x);
+        sum = hn::Add(sum, prob);
+      });
   return hn::GetLane(hn::SumOfLanes(df, sum));
 }
 
