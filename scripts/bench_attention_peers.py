@@ -571,6 +571,10 @@ def bench_case(case, impls, args, log):
                     continue
                 samples[label].append(row["seconds"])
                 qkv_json[label].append(row)
+                # --settle: the VM of docs/benchmarks.md ("sixth session") reports the memory a
+                # qkv bench process frees to its host about 2 s after it exits, and in-process
+                # rows timed then sometimes ran slower.
+                time.sleep(args.settle)
             else:
                 call, calls, _ = runner
                 samples[label].append(time_call(call, calls, evict))
@@ -795,6 +799,8 @@ def main():
     parser.add_argument("--lengths", help="comma list of L instead of the default set")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per case")
+    parser.add_argument("--settle", type=float, default=0.0,
+                        help="seconds to wait after each qkv bench process (default 0)")
     parser.add_argument("--scaling", default="4096",
                         help="comma list of L whose non-causal cases also time qkv on one "
                              "thread in the same rounds (thread scaling); empty: none")
@@ -823,6 +829,8 @@ def main():
     cases = model_cases() if args.model_shapes else default_cases(lengths)
     if args.no_decode and args.decode_only:
         parser.error("--no-decode and --decode-only leave nothing to run")
+    if not args.settle >= 0:
+        parser.error(f"--settle must be a number of seconds >= 0, got {args.settle}")
     if args.no_decode:
         cases = [c for c in cases if not c.is_decode()]
     if args.decode_only:
