@@ -21,6 +21,7 @@
 #include "kernels/cpu/fast_exp-inl.h"
 #include "kernels/cpu/narrow_products-inl.h"
 #include "kernels/cpu/online_softmax-inl.h"
+#include "kernels/cpu/score_masks-inl.h"
 #include "kernels/cpu/tile_geometry-inl.h"
 #include "kernels/kernel_params.h"
 #include "kernels/sparse_pair.h"
@@ -64,18 +65,7 @@ inline void MaskNarrowRows(const AttentionKernelParams& p, const QueryBlock& qb,
     }
     float* part = row + begin;
     const std::int64_t num_k = end - begin;
-    if (p.bias != nullptr) {
-      const float* bias = p.bias + qb.b * p.bias_stride[0] + qb.head[r] * p.bias_stride[1] +
-                          qb.query[r] * p.bias_stride[2] + j0 * p.bias_stride[3];
-      for (std::int64_t j = 0; j < num_k; ++j) part[j] += bias[j * p.bias_stride[3]];
-    }
-    if (p.mask != nullptr) {
-      const std::uint8_t* mask = p.mask + qb.b * p.mask_stride[0] + qb.head[r] * p.mask_stride[1] +
-                                 qb.query[r] * p.mask_stride[2] + j0 * p.mask_stride[3];
-      for (std::int64_t j = 0; j < num_k; ++j) {
-        if (mask[j * p.mask_stride[3]] == 0) part[j] = kNegInf;
-      }
-    }
+    BiasAndMaskLane(p, qb, r, j0, num_k, part, 1);
     if (sparse_predicate) {
       for (std::int64_t j = 0; j < num_k; ++j) {
         if (!sparse_pair_allowed(p.sparse, p.diagonal_offset, qb.head[r], qb.query[r], j0 + j)) {
@@ -147,30 +137,25 @@ HWY_INLINE float NarrowRowExp(DF df, float* HWY_RESTRICT row, std::int64_t begin
 
 // The flash step of OnlineSoftmaxTile (online_softmax-inl.h; exact 2^x, no lazy max) on
 // row[begin : end] of the block's rows, whose softmax state lies in the first vector of lanes
-// (num_q <= kLanes): each row's tile max and sum across its keys' lanes, then the state's update
-// as one vector with the operations of OnlineSoftmaxVec, so the max, alpha and every
-// probability are the same bits. Lanes past num_q see a tile of no allowed key.
+// (num_q <= kLanes): each row's tile max and sum across its keys' lanes, and the state's update
+// as one vector by OnlineSoftmaxStep, so the max, alpha and every probability are the bits of
+// the rows-in-lanes step. Lanes past num_q see a tile of no allowed key.
 inline void OnlineSoftmaxRows(QueryBlock& qb, std::int64_t begin, std::int64_t end,
                               float* HWY_RESTRICT st) {
   const DF df;
   const VF c = hn::Set(df, fastexp::kLog2e);
-  HWY_ALIGN float lanes[kLanes];
+  HWY_ALIGN float maxes[kLanes];
   for (std::int64_t r = 0; r < kLanes; ++r) {
-    lanes[r] = r < qb.num_q ? NarrowRowMax(df, st + r * kNarrowKeys, begin, end) : kNegInf;
+    maxes[r] = r < qb.num_q ? NarrowRowMax(df, st + r * kNarrowKeys, begin, end) : kNegInf;
   }
-  const VF old_max = hn::Load(df, qb.row_max);
-  const VF new_max = hn::Max(old_max, hn::Mul(hn::Load(df, lanes), c));
-  // 2^(-inf) = 0: the first tile rescales an all-zero accumulator.
-  const VF shift = SafeMax(df, new_max);
-  const VF alpha = fastexp::Pow2(df, hn::Sub(old_max, shift));
-  hn::Store(shift, df, lanes);
-  HWY_ALIGN float sums[kLanes] = {};
-  for (std::int64_t r = 0; r < qb.num_q; ++r) {
-    sums[r] = NarrowRowExp(df, st + r * kNarrowKeys, begin, end, hn::Set(df, lanes[r]), c);
-  }
-  hn::Store(new_max, df, qb.row_max);
-  hn::Store(hn::MulAdd(hn::Load(df, qb.row_sum), alpha, hn::Load(df, sums)), df, qb.row_sum);
-  hn::Store(alpha, df, qb.alpha);
+  OnlineSoftmaxStep<false>(qb, 0, hn::Mul(hn::Load(df, maxes), c), [&](VF shift) {
+    HWY_ALIGN float shifts[kLanes], sums[kLanes] = {};
+    hn::Store(shift, df, shifts);
+    for (std::int64_t r = 0; r < qb.num_q; ++r) {
+      sums[r] = NarrowRowExp(df, st + r * kNarrowKeys, begin, end, hn::Set(df, shifts[r]), c);
+    }
+    return hn::Load(df, sums);
+  });
 }
 
 }  // namespace tiles

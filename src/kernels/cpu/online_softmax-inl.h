@@ -89,13 +89,14 @@ constexpr float kLazyMaxSlack = 12.0f;
 // exp_sum(shift) is the second pass: p against the shift (the new running max, 0 where it is
 // -inf), returning their sum down the keys; ExpInPlaceAndSum writes them into st, the AMX path
 // straight into its pair words (AmxProducts::Softmax).
+// OnlineSoftmaxStep is the step on the lanes [lane0, lane0 + kLanes) of the softmax state given
+// their tile max (times c; the narrow blocks' rows compute theirs along the keys,
+// narrow_softmax-inl.h).
 template <bool kCoarse, class ExpSum>
-HWY_INLINE void OnlineSoftmaxVec(QueryBlock& qb, int x, std::int64_t keys,
-                                 const float* HWY_RESTRICT st, VF c, const ExpSum& exp_sum) {
+HWY_INLINE void OnlineSoftmaxStep(QueryBlock& qb, std::int64_t lane0, VF tile_max,
+                                  const ExpSum& exp_sum) {
   const DF df;
-  const std::int64_t lane0 = x * kLanes;
   const VF old_max = hn::Load(df, qb.row_max + lane0);
-  const VF tile_max = hn::Mul(ColumnMax(df, st, keys, lane0), c);
   VF new_max = hn::Max(old_max, tile_max);
   if constexpr (kCoarse) {
     const auto keep = hn::And(hn::Gt(old_max, hn::Set(df, kNegInf)),
@@ -109,6 +110,13 @@ HWY_INLINE void OnlineSoftmaxVec(QueryBlock& qb, int x, std::int64_t keys,
   hn::Store(new_max, df, qb.row_max + lane0);
   hn::Store(hn::MulAdd(hn::Load(df, qb.row_sum + lane0), alpha, sum), df, qb.row_sum + lane0);
   hn::Store(alpha, df, qb.alpha + lane0);
+}
+
+template <bool kCoarse, class ExpSum>
+HWY_INLINE void OnlineSoftmaxVec(QueryBlock& qb, int x, std::int64_t keys,
+                                 const float* HWY_RESTRICT st, VF c, const ExpSum& exp_sum) {
+  const std::int64_t lane0 = x * kLanes;
+  OnlineSoftmaxStep<kCoarse>(qb, lane0, hn::Mul(ColumnMax(DF(), st, keys, lane0), c), exp_sum);
 }
 
 // The step with the probabilities written into st.

@@ -23,6 +23,25 @@ namespace qkv {
 namespace HWY_NAMESPACE {
 namespace tiles {
 
+// The additive bias and the attend mask of lane l's scores of keys [j0, j0 + num_k), which lie
+// key_stride floats apart from s (the wide tile's column l, or a narrow block's row).
+inline void BiasAndMaskLane(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t l,
+                            std::int64_t j0, std::int64_t num_k, float* HWY_RESTRICT s,
+                            std::int64_t key_stride) {
+  if (p.bias != nullptr) {
+    const float* bias = p.bias + qb.b * p.bias_stride[0] + qb.head[l] * p.bias_stride[1] +
+                        qb.query[l] * p.bias_stride[2] + j0 * p.bias_stride[3];
+    for (std::int64_t j = 0; j < num_k; ++j) s[j * key_stride] += bias[j * p.bias_stride[3]];
+  }
+  if (p.mask != nullptr) {
+    const std::uint8_t* mask = p.mask + qb.b * p.mask_stride[0] + qb.head[l] * p.mask_stride[1] +
+                               qb.query[l] * p.mask_stride[2] + j0 * p.mask_stride[3];
+    for (std::int64_t j = 0; j < num_k; ++j) {
+      if (mask[j * p.mask_stride[3]] == 0) s[j * key_stride] = kNegInf;
+    }
+  }
+}
+
 // st[j][:] = scores of keys [j0, j0 + num_k) against the block's queries, from raw scores q.k *
 // scale (any product path, wide or decode), with softcap, bias and every mask applied:
 // not-allowed pairs are exactly -inf. sparse_predicate: apply the sparsity pair by pair (tiles
@@ -37,20 +56,9 @@ inline void MaskScoreTile(const AttentionKernelParams& p, const QueryBlock& qb, 
       hn::Store(hn::Mul(cap, hn::Tanh(df, hn::Mul(hn::Load(df, st + x), inv_cap))), df, st + x);
     }
   }
-  if (p.bias != nullptr) {
+  if (p.bias != nullptr || p.mask != nullptr) {
     for (std::int64_t l = 0; l < qb.num_q; ++l) {
-      const float* bias = p.bias + qb.b * p.bias_stride[0] + qb.head[l] * p.bias_stride[1] +
-                          qb.query[l] * p.bias_stride[2] + j0 * p.bias_stride[3];
-      for (std::int64_t j = 0; j < num_k; ++j) st[j * kBlockQ + l] += bias[j * p.bias_stride[3]];
-    }
-  }
-  if (p.mask != nullptr) {
-    for (std::int64_t l = 0; l < qb.num_q; ++l) {
-      const std::uint8_t* mask = p.mask + qb.b * p.mask_stride[0] + qb.head[l] * p.mask_stride[1] +
-                                 qb.query[l] * p.mask_stride[2] + j0 * p.mask_stride[3];
-      for (std::int64_t j = 0; j < num_k; ++j) {
-        if (mask[j * p.mask_stride[3]] == 0) st[j * kBlockQ + l] = kNegInf;
-      }
+      BiasAndMaskLane(p, qb, l, j0, num_k, st + l, kBlockQ);
     }
   }
 
