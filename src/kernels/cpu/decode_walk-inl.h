@@ -83,20 +83,32 @@ std::int64_t NarrowFloats(const AttentionKernelParams& p) {
 }
 
 // q_rows[r][d] = q[r][d] * scale for the block's rows r < num_q (the products PackQuery forms,
-// read straight from q: a narrow block never packs q^T).
+// read straight from q: a narrow block never packs q^T), in even/odd order for bf16 (kEvenOdd:
+// as NarrowDots pairs them with K).
 template <typename T>
 void NarrowQueryRows(const AttentionKernelParams& p, const QueryBlock& qb, float* q_rows) {
   const DF df;
   const VF scale = hn::Set(df, p.scale);
-  const std::int64_t d_vecs = p.q_stride[3] == 1 ? p.head_dim / kLanes * kLanes : 0;
+  const bool unit = p.q_stride[3] == 1;
+  const std::int64_t d_vecs = unit ? p.head_dim / kLanes * kLanes : 0;
+  const std::int64_t even_odd_end = kEvenOdd<T> ? EvenOddEnd(p.head_dim) : 0;
   for (std::int64_t r = 0; r < qb.num_q; ++r) {
     const T* row = static_cast<const T*>(p.q) + LaneRow(p.q_stride, qb, r);
     float* dst = q_rows + r * p.head_dim;
-    for (std::int64_t d = 0; d < d_vecs; d += kLanes) {
-      hn::StoreU(hn::Mul(LoadWide(df, row + d), scale), df, dst + d);
+    std::int64_t d = 0;
+#if HWY_TARGET != HWY_SCALAR
+    if constexpr (kEvenOdd<T>) {
+      for (; unit && d < even_odd_end; d += kEvenOddSpan) {
+        VF even, odd;
+        LoadEvenOdd(df, row + d, even, odd);
+        hn::StoreU(hn::Mul(even, scale), df, dst + d);
+        hn::StoreU(hn::Mul(odd, scale), df, dst + d + kLanes);
+      }
     }
-    for (std::int64_t d = d_vecs; d < p.head_dim; ++d) {
-      dst[d] = WideElement(row[d * p.q_stride[3]]) * p.scale;
+#endif
+    for (; d < d_vecs; d += kLanes) hn::StoreU(hn::Mul(LoadWide(df, row + d), scale), df, dst + d);
+    for (; d < p.head_dim; ++d) {
+      dst[EvenOddSlot(d, even_odd_end)] = WideElement(row[d * p.q_stride[3]]) * p.scale;
     }
   }
 }
@@ -378,10 +390,13 @@ void NarrowTile(const AttentionKernelParams& p, NarrowBlock* narrow, std::int64_
 
 // qb.ot (the layout FinishQueryBlock and WritePartial read) from the o rows: lanes [0, kLanes)
 // (num_q <= kNarrowRows <= kLanes), zero past num_q; kLanes x kLanes squares transposed in
-// registers, the rest of Dv element by element.
-inline void FinishNarrow(const AttentionKernelParams& p, const NarrowBlock& nb) {
+// registers, the rest of Dv element by element; o's even/odd order (Products::kNarrowEvenOdd)
+// undone on the way.
+template <class Products>
+void FinishNarrow(const AttentionKernelParams& p, const NarrowBlock& nb) {
   const DF df;
   const std::int64_t num_q = nb.qb->num_q, dv = p.head_dim_v;
+  const std::int64_t even_odd_end = Products::kNarrowEvenOdd ? EvenOddEnd(dv) : 0;
   float* ot = nb.qb->ot;
   const std::int64_t squares = dv / kLanes * kLanes;
   for (std::int64_t e0 = 0; e0 < squares; e0 += kLanes) {
@@ -392,7 +407,9 @@ inline void FinishNarrow(const AttentionKernelParams& p, const NarrowBlock& nb) 
     }
     TransposeSquare(df, v);
     HWY_UNROLL(16)
-    for (std::int64_t c = 0; c < kLanes; ++c) hn::Store(v[c], df, ot + (e0 + c) * kBlockQ);
+    for (std::int64_t c = 0; c < kLanes; ++c) {
+      hn::Store(v[c], df, ot + EvenOddElement(e0 + c, even_odd_end) * kBlockQ);
+    }
   }
   for (std::int64_t e = squares; e < dv; ++e) {
     for (std::int64_t r = 0; r < kLanes; ++r) {

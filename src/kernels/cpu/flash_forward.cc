@@ -419,7 +419,7 @@ void Flash(const AttentionKernelParams& p) {
       for (std::int64_t n = 0; n < num_narrow; ++n) narrow[n].part = tile_part(*narrow[n].qb, j0);
       NarrowTile<Products>(p, narrow, num_narrow);
     }
-    for (std::int64_t n = 0; n < num_narrow; ++n) FinishNarrow(p, narrow[n]);
+    for (std::int64_t n = 0; n < num_narrow; ++n) FinishNarrow<Products>(p, narrow[n]);
     for (std::int64_t n = 0; n < count; ++n) {
       if (plan.splits == 1) {
         FinishQueryBlock(p, blocks[n]);

@@ -10,6 +10,7 @@
 #endif
 
 #include <cstdint>
+#include <type_traits>
 
 #include "hwy/highway.h"
 #include "kernels/cpu/tile_geometry-inl.h"
@@ -58,6 +59,46 @@ struct RowsAhead {
   std::int64_t end = 0, distance = 0;
 };
 
+// bf16 K and V rows are widened two vectors at a time: 2 * kLanes elements, loaded as kLanes
+// 32-bit words (element 2i in the low half of word i, 2i + 1 in the high half), become the even
+// elements by one shift and the odd ones by one AND, where LoadWide takes a zero extension and
+// a shift per vector. The products then pair q's and o's elements in the same even/odd order,
+// so a narrow block keeps its q rows and its o rows in it: within each whole span of kEvenOddSpan
+// elements, position x < kLanes holds element 2x and position kLanes + x element 2x + 1
+// (EvenOddSlot); positions from EvenOddEnd on are in plain order. FinishNarrow puts o back.
+// f32 and f16 keep plain order (f16 widens by one conversion per vector).
+template <typename T>
+constexpr bool kEvenOdd = std::is_same_v<T, hwy::bfloat16_t>&& HWY_TARGET != HWY_SCALAR;
+constexpr std::int64_t kEvenOddSpan = 2 * kLanes;
+static_assert(kQueryVecs % 2 == 0, "NarrowValueKeys' wide chunks are whole even/odd spans");
+
+inline std::int64_t EvenOddEnd(std::int64_t n) { return n / kEvenOddSpan * kEvenOddSpan; }
+
+// The position of element i in even/odd order up to end (= EvenOddEnd(n)).
+inline std::int64_t EvenOddSlot(std::int64_t i, std::int64_t end) {
+  if (i >= end) return i;
+  const std::int64_t span = i / kEvenOddSpan * kEvenOddSpan, x = i - span;
+  return span + (x % 2) * kLanes + x / 2;
+}
+
+// The element at position x of even/odd order up to end (EvenOddSlot's inverse).
+inline std::int64_t EvenOddElement(std::int64_t x, std::int64_t end) {
+  if (x >= end) return x;
+  const std::int64_t span = x / kEvenOddSpan * kEvenOddSpan, y = x - span;
+  return y < kLanes ? span + 2 * y : span + 2 * (y - kLanes) + 1;
+}
+
+#if HWY_TARGET != HWY_SCALAR
+// even, odd = elements [0, 2 * kLanes) of src at even and odd indices, as f32 (exact).
+HWY_INLINE void LoadEvenOdd(DF df, const hwy::bfloat16_t* HWY_RESTRICT src, VF& even, VF& odd) {
+  const hn::RebindToUnsigned<DF> du;
+  const hn::Repartition<std::uint16_t, DF> du16;
+  const auto words = hn::BitCast(du, hn::LoadU(du16, reinterpret_cast<const std::uint16_t*>(src)));
+  even = hn::BitCast(df, hn::ShiftLeft<16>(words));
+  odd = hn::BitCast(df, hn::And(words, hn::Set(du, 0xffff0000u)));
+}
+#endif
+
 #if HWY_TARGET != HWY_SCALAR  // (one lane: no blocks to add)
 // out[0 : 4] = the sums of the 128-bit blocks of v (a vector of 4 floats per block).
 template <class D>
@@ -91,8 +132,9 @@ HWY_INLINE void StoreLaneSums4(const VF* acc, float* HWY_RESTRICT out) {
 #endif  // HWY_TARGET != HWY_SCALAR
 
 // st[r * kNarrowKeys + kk] = q[r] . k[kk] for r < R, kk < K.
-//   q: [R][head_dim] (row stride head_dim)   k: [K][head_dim] (row stride k_row_stride), stored
-//   as T (float, hwy::bfloat16_t or hwy::float16_t; widened to f32 in registers)
+//   q: [R][head_dim] (row stride head_dim; in even/odd order for bf16, kEvenOdd)
+//   k: [K][head_dim] (row stride k_row_stride), stored as T (float, hwy::bfloat16_t or
+//   hwy::float16_t; widened to f32 in registers)
 //   ahead: the same rows some keys later, prefetched toward L2 as k is read (null: none)
 template <int R, int K, typename T>
 HWY_INLINE void NarrowDots(const float* HWY_RESTRICT q, const T* HWY_RESTRICT k,
@@ -106,7 +148,30 @@ HWY_INLINE void NarrowDots(const float* HWY_RESTRICT q, const T* HWY_RESTRICT k,
     HWY_UNROLL(4)
     for (int kk = 0; kk < K; ++kk) acc[r][kk] = hn::Zero(df);
   }
-  for (std::int64_t d = 0; d < vec_end; d += kLanes) {
+  std::int64_t d = 0;
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (kEvenOdd<T>) {
+    for (; d < EvenOddEnd(head_dim); d += kEvenOddSpan) {
+      if (ahead != nullptr) {
+        HWY_UNROLL(4)
+        for (int kk = 0; kk < K; ++kk) PrefetchL2(ahead + kk * k_row_stride + d);
+      }
+      VF even[K], odd[K];
+      HWY_UNROLL(4)
+      for (int kk = 0; kk < K; ++kk) LoadEvenOdd(df, k + kk * k_row_stride + d, even[kk], odd[kk]);
+      HWY_UNROLL(4)
+      for (int r = 0; r < R; ++r) {
+        const VF q_even = hn::LoadU(df, q + r * head_dim + d);
+        const VF q_odd = hn::LoadU(df, q + r * head_dim + d + kLanes);
+        HWY_UNROLL(4)
+        for (int kk = 0; kk < K; ++kk) {
+          acc[r][kk] = hn::MulAdd(q_odd, odd[kk], hn::MulAdd(q_even, even[kk], acc[r][kk]));
+        }
+      }
+    }
+  }
+#endif
+  for (; d < vec_end; d += kLanes) {
     if (ahead != nullptr) {
       HWY_UNROLL(4)
       for (int kk = 0; kk < K; ++kk) PrefetchL2(ahead + kk * k_row_stride + d);
@@ -152,8 +217,8 @@ HWY_INLINE void NarrowDots(const float* HWY_RESTRICT q, const T* HWY_RESTRICT k,
     HWY_UNROLL(4)
     for (int kk = 0; kk < K; ++kk) {
       float s = hn::GetLane(hn::SumOfLanes(df, acc[r][kk]));
-      for (std::int64_t d = vec_end; d < head_dim; ++d) {
-        s += q[r * head_dim + d] * WideElement(k[kk * k_row_stride + d]);
+      for (std::int64_t e = vec_end; e < head_dim; ++e) {
+        s += q[r * head_dim + e] * WideElement(k[kk * k_row_stride + e]);
       }
       st[r * kNarrowKeys + kk] = s;
     }
@@ -178,6 +243,7 @@ HWY_INLINE void NarrowDotKeys(const float* q_rows, std::int64_t num_q, const T* 
 // o[r][0 : E * kLanes] += sum_j p[j][r] * v[j][0 : E * kLanes], r < R.
 //   p: st[r * kNarrowKeys + j]   v: [num_k][...] (row stride v_row_stride)   o: row stride o_stride
 //   ahead: the rows of v prefetched toward L2 (RowsAhead)
+// bf16 with E even (kEvenOdd): o's E * kLanes columns are E / 2 spans in even/odd order.
 template <int R, int E, typename T>
 HWY_INLINE void NarrowValueRows(const float* HWY_RESTRICT st, const T* HWY_RESTRICT v,
                                 std::int64_t v_row_stride, std::int64_t num_k,
@@ -190,15 +256,31 @@ HWY_INLINE void NarrowValueRows(const float* HWY_RESTRICT st, const T* HWY_RESTR
     for (int e = 0; e < E; ++e) acc[r][e] = hn::LoadU(df, o + r * o_stride + e * kLanes);
   }
   for (std::int64_t j = 0; j < num_k; ++j) {
-    if (j + ahead.distance < ahead.end) {
-      HWY_UNROLL(4)
-      for (int e = 0; e < E; ++e) {
-        PrefetchL2(v + (j + ahead.distance) * v_row_stride + e * kLanes);
-      }
-    }
     VF value[E];
-    HWY_UNROLL(4)
-    for (int e = 0; e < E; ++e) value[e] = LoadWide(df, v + j * v_row_stride + e * kLanes);
+#if HWY_TARGET != HWY_SCALAR
+    if constexpr (kEvenOdd<T> && E % 2 == 0) {
+      if (j + ahead.distance < ahead.end) {
+        HWY_UNROLL(4)
+        for (int e = 0; e < E; e += 2) {
+          PrefetchL2(v + (j + ahead.distance) * v_row_stride + e * kLanes);
+        }
+      }
+      HWY_UNROLL(4)
+      for (int e = 0; e < E; e += 2) {
+        LoadEvenOdd(df, v + j * v_row_stride + e * kLanes, value[e], value[e + 1]);
+      }
+    } else
+#endif
+    {
+      if (j + ahead.distance < ahead.end) {
+        HWY_UNROLL(4)
+        for (int e = 0; e < E; ++e) {
+          PrefetchL2(v + (j + ahead.distance) * v_row_stride + e * kLanes);
+        }
+      }
+      HWY_UNROLL(4)
+      for (int e = 0; e < E; ++e) value[e] = LoadWide(df, v + j * v_row_stride + e * kLanes);
+    }
     HWY_UNROLL(4)
     for (int r = 0; r < R; ++r) {
       const VF prob = hn::Set(df, st[r * kNarrowKeys + j]);
@@ -230,8 +312,8 @@ HWY_INLINE void NarrowValueColumns(std::int64_t num_q, const float* st, const T*
   }
 }
 
-// o += v[0 : num_k]^T p for rows [0, num_q)   (o: [num_q][Dv], p: st[r * kNarrowKeys + j]; ahead:
-// see NarrowValueRows).
+// o += v[0 : num_k]^T p for rows [0, num_q)   (o: [num_q][Dv], in even/odd order up to
+// EvenOddEnd(Dv) for bf16; p: st[r * kNarrowKeys + j]; ahead: see NarrowValueRows).
 template <typename T>
 inline void NarrowValueKeys(const AttentionKernelParams& p, std::int64_t num_q, const T* v,
                             std::int64_t num_k, const float* HWY_RESTRICT st, float* HWY_RESTRICT o,
@@ -241,6 +323,11 @@ inline void NarrowValueKeys(const AttentionKernelParams& p, std::int64_t num_q, 
   std::int64_t e = 0;
   for (; e + kWide <= dv; e += kWide) {
     NarrowValueColumns<kQueryVecs>(num_q, st, v + e, vs, num_k, o + e, dv, ahead);
+  }
+  if constexpr (kEvenOdd<T>) {  // the last whole even/odd span
+    for (; e + kEvenOddSpan <= dv; e += kEvenOddSpan) {
+      NarrowValueColumns<2>(num_q, st, v + e, vs, num_k, o + e, dv, ahead);
+    }
   }
   for (; e + kLanes <= dv; e += kLanes) {
     NarrowValueColumns<1>(num_q, st, v + e, vs, num_k, o + e, dv, ahead);

@@ -15,6 +15,8 @@
 //                            one tile's products for a task's narrow blocks (their nb.part)
 //   NarrowProbs(st, num_k, vecs)  the probabilities as NarrowValues reads them
 //   kNarrowOrder             how a narrow block's score tile nb.st holds its scores (NarrowOrder)
+//   kNarrowEvenOdd           whether a narrow block's q and o rows are in even/odd order
+//                            (kEvenOdd in narrow_products-inl.h; FinishNarrow undoes it)
 //   TaskScope                a type a task holds while it runs (the AMX tile state; else empty)
 //   kPrefetchOut             whether a flash task asks for its blocks' out rows on its last tile
 //                            (PrefetchOutRows; docs/kernels.md, "Finishing a block")
@@ -103,6 +105,7 @@ struct WideProducts {
     NarrowValuesWide<T>(p, narrow, count);
   }
   static constexpr NarrowOrder kNarrowOrder = NarrowOrder::kKeysInLanes;
+  static constexpr bool kNarrowEvenOdd = kEvenOdd<T>;
 };
 
 // bf16 on vdpbf16ps (kernels/cpu/bf16_dot.h): on the AVX3 target of a CPU with AVX512-BF16,
@@ -162,6 +165,7 @@ struct PairProducts {
   }
   // bf16dot's narrow calls and pack_probs take score rows of kBlockQ.
   static constexpr NarrowOrder kNarrowOrder = NarrowOrder::kRowsInLanes;
+  static constexpr bool kNarrowEvenOdd = false;
 };
 
 // bf16 and f16 on AMX tiles (kernels/cpu/amx.h): on the AVX3 targets of a CPU with AMX-BF16,
@@ -281,6 +285,7 @@ struct AmxProducts {
     Narrow::NarrowValues(p, narrow, count);
   }
   static constexpr NarrowOrder kNarrowOrder = Narrow::kNarrowOrder;
+  static constexpr bool kNarrowEvenOdd = Narrow::kNarrowEvenOdd;
 };
 
 // The path of the flash kernel for dtype on this target and CPU, for bf16: the vdpbf16ps pairs

@@ -128,6 +128,25 @@ def test_numpy_bf16_views_keep_their_strides(rng):
     np.testing.assert_array_equal(out, expected)
 
 
+@pytest.mark.parametrize("head_dim", [64, 40, 72])
+def test_bf16_decode_query_strided_along_head_dim(rng, head_dim):
+    """A decode step (one query row per head: the flash kernel's narrow blocks) whose q is a
+    view with a stride along head_dim: the narrow blocks read such a q element by element, a
+    contiguous one by vectors, and both must give the same bits (the bf16 rows are kept in the
+    even/odd order of their products, docs/kernels.md), and the reference's values."""
+    p = make_problem(rng, batch=2, seq_q=1, seq_kv=300, num_heads_q=8, num_heads_kv=2,
+                     head_dim=head_dim)
+    wide = np.repeat(p["q"], 2, axis=-1)  # (B, 1, Hq, 2 D): every element twice
+    q16 = wide.astype(ml_dtypes.bfloat16)[..., ::2]  # stride 2 along head_dim
+    k16, v16 = (p[name].astype(ml_dtypes.bfloat16) for name in ("k", "v"))
+    out = qkv.attention(q16, k16, v16, kernel="flash", return_lse=True)
+    contiguous = qkv.attention(np.ascontiguousarray(q16), k16, v16, kernel="flash",
+                               return_lse=True)
+    for got, expected in zip(out, contiguous):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    check_problem(p, "flash", "bshd", *HALF["numpy_bf16"])
+
+
 # out in the inputs' dtype: the float32 result rounded to nearest even by the kernel
 
 OUT_HALF = {
