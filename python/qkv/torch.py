@@ -15,7 +15,10 @@ It runs on torch.get_num_threads() threads (torch.set_num_threads sets them), as
 does. It is the torch.library custom op torch.ops.qkv.sdpa_forward (out and the log-sum-exp)
 with a fake (meta) implementation, so torch.compile traces it as one node, and an autograd
 formula: loss.backward() flows through qkv's attention backward (torch.ops.qkv.sdpa_backward:
-grads for query, key, value and a float attn_mask). CPU tensors only; float32, bfloat16 and
+grads for query, key, value and a float attn_mask). A call that nothing records (no input that
+requires grad under grad mode, no torch.compile, torch function or dispatch mode, functorch
+transform or tensor subclass: inference) runs the op's computation without its dispatch.
+CPU tensors only; float32, bfloat16 and
 float16 (computed with float32 accumulation; gradients come back in the inputs' dtype), and
 float64, computed in float64 by qkv's reference kernel, so torch.autograd.gradcheck works (an
 attn_mask's gradient stays float32-precise: qkv's bias is float32).
@@ -95,6 +98,24 @@ def _mask_and_bias(query, key, attn_mask):
     return mask, bias
 
 
+def _forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
+             return_lse):
+    """out in query's dtype (and, with return_lse, lse (B, Hq, L) over the inputs folded to
+    4-D: float32, float64 for float64 inputs)."""
+    _check(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+    mask, bias = _mask_and_bias(query, key, attn_mask)
+    # bfloat16 / float16 out straight from the kernel (the float32 result rounded to nearest
+    # even, as .to(query.dtype) would give): no float32 buffer to fault in, no copy.
+    result = qkv.attention(_as_4d(query), _as_4d(key), _as_4d(value), layout="bhsd",
+                           causal=is_causal, align="top_left", mask=mask, bias=bias,
+                           scale=scale, num_threads=torch.get_num_threads(),
+                           dropout_p=dropout_p, seed=seed, return_lse=return_lse,
+                           out_dtype=None if query.dtype in _NATIVE_OUT else query.dtype)
+    out = result[0] if return_lse else result
+    out = out.reshape(*query.shape[:-1], value.shape[-1])
+    return (out, result[1]) if return_lse else out
+
+
 @torch.library.custom_op("qkv::sdpa_forward", mutates_args=(), device_types="cpu")
 def _sdpa_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attn_mask: Optional[torch.Tensor], dropout_p: float, is_causal: bool,
@@ -102,16 +123,8 @@ def _sdpa_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out in query's dtype, lse (B, Hq, L) over the inputs folded to 4-D: float32, float64
     for float64 inputs)."""
-    _check(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
-    mask, bias = _mask_and_bias(query, key, attn_mask)
-    # bfloat16 / float16 out straight from the kernel (the float32 result rounded to nearest
-    # even, as .to(query.dtype) would give): no float32 buffer to fault in, no copy.
-    out, lse = qkv.attention(_as_4d(query), _as_4d(key), _as_4d(value), layout="bhsd",
-                             causal=is_causal, align="top_left", mask=mask, bias=bias,
-                             scale=scale, num_threads=torch.get_num_threads(),
-                             dropout_p=dropout_p, seed=seed, return_lse=True,
-                             out_dtype=None if query.dtype in _NATIVE_OUT else query.dtype)
-    return out.reshape(*query.shape[:-1], value.shape[-1]), lse
+    return _forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
+                    return_lse=True)
 
 
 @_sdpa_forward.register_fake
@@ -181,6 +194,33 @@ def _backward(ctx, grad_out, grad_lse):
 _sdpa_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _no_tracing_or_modes() -> bool:
+    """No torch function or dispatch mode and no functorch transform is active (private torch
+    functions; where this torch lacks one, the answer is False)."""
+    try:
+        return (torch._C._len_torch_dispatch_stack() == 0
+                and torch._C._len_torch_function_stack() == 0
+                and not torch._C._are_functorch_transforms_active())
+    except AttributeError:
+        return False
+
+
+def _direct(tensors) -> bool:
+    """Whether a call may go to qkv without the custom op: plain CPU tensors, nothing that
+    records the call (autograd on an input that requires grad, torch.compile, a torch function
+    or dispatch mode, a functorch transform, a tensor subclass) and so nothing that would see a
+    difference. The op's dispatch costs about 15 us a call (docs/python.md, "Performance")."""
+    if torch.compiler.is_compiling():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) is not torch.Tensor or t.device.type != "cpu" or (grad and t.requires_grad):
+            return False
+    return _no_tracing_or_modes()
+
+
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  attn_mask: Optional[torch.Tensor] = None,
                                  dropout_p: float = 0.0, is_causal: bool = False,
@@ -192,5 +232,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     seed = 0
     if dropout_p > 0.0:  # a fresh mask per call, from torch's default generator
         seed = int(torch.randint(0, 2**62, (1,)).item())
-    return _sdpa_forward(query, key, value, attn_mask, float(dropout_p), bool(is_causal),
-                         None if scale is None else float(scale), bool(enable_gqa), seed)[0]
+    args = (query, key, value, attn_mask, float(dropout_p), bool(is_causal),
+            None if scale is None else float(scale), bool(enable_gqa), seed)
+    if _direct((query, key, value, attn_mask)):  # the op's own computation, without its dispatch
+        return _forward(*args, return_lse=False)
+    return _sdpa_forward(*args)[0]

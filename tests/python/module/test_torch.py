@@ -179,6 +179,67 @@ def test_is_a_torch_library_op_that_compiles():
     np.testing.assert_array_equal(compiled(q, k, v).numpy(), f(q, k, v).numpy())
 
 
+def test_calls_nothing_records_skip_the_op_and_give_its_bits(monkeypatch):
+    """Without autograd, tracing or modes the call runs the op's computation without its
+    dispatch (qt._direct); with an input that requires grad it goes through the op."""
+    calls = []
+    op = qt._sdpa_forward
+
+    def counted(*args):
+        calls.append(args)
+        return op(*args)
+
+    monkeypatch.setattr(qt, "_sdpa_forward", counted)
+    q, k, v = tensors(21, heads_q=6, heads_kv=2, seq_q=1, seq_kv=300, head_dim=64,
+                      dtype=torch.bfloat16)
+    mask = torch.rand(1, 6, 1, 300, generator=torch.Generator().manual_seed(2)) < 0.8
+    for options in ({}, {"attn_mask": mask}, {"attn_mask": torch.randn(300)},
+                    {"is_causal": True, "scale": 0.2}, {"dropout_p": 0.3}):
+        torch.manual_seed(5)
+        direct = qt.scaled_dot_product_attention(q, k, v, enable_gqa=True, **options)
+        torch.manual_seed(5)
+        seed = int(torch.randint(0, 2**62, (1,)).item()) if "dropout_p" in options else 0
+        through = torch.ops.qkv.sdpa_forward(
+            q, k, v, options.get("attn_mask"), float(options.get("dropout_p", 0.0)),
+            options.get("is_causal", False), options.get("scale"), True, seed)[0]
+        assert direct.dtype == torch.bfloat16 and direct.shape == through.shape
+        assert torch.equal(direct.view(torch.int16), through.view(torch.int16)), options
+    assert calls == []
+    leaf = q.clone().requires_grad_()
+    qt.scaled_dot_product_attention(leaf, k, v, enable_gqa=True)
+    assert len(calls) == 1
+    with torch.no_grad():
+        qt.scaled_dot_product_attention(leaf, k, v, enable_gqa=True)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="enable_gqa=True"):  # the op's checks, unchanged
+        qt.scaled_dot_product_attention(q, k, v)
+
+
+def test_modes_and_fake_tensors_still_see_the_op():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = tensors(22)
+    expected = qt.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with Record() as record:
+        out = qt.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert any("qkv.sdpa_forward" in name for name in record.ops), record.ops
+    assert torch.equal(out, expected)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(x) for x in (q, k, v)]
+        out = qt.scaled_dot_product_attention(*fake, is_causal=True)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+
+
 def test_tensors_that_require_grad_are_read():
     q, k, v = (x.requires_grad_() for x in tensors(16))
     with torch.no_grad():
