@@ -240,6 +240,27 @@ HWY_INLINE void NarrowDotKeys(const float* q_rows, std::int64_t num_q, const T* 
   }
 }
 
+// Vectors of a V row per load: two (an even/odd span, 64 bytes on AVX-512) for bf16 with E
+// even, else one.
+template <int E, typename T>
+constexpr int ValueVecsPerLoad() {
+  return kEvenOdd<T> && E % 2 == 0 ? 2 : 1;
+}
+
+// value[0 : E] = the E * kLanes elements of v as f32, by ValueVecsPerLoad.
+template <int E, typename T>
+HWY_INLINE void LoadValueRow(DF df, const T* HWY_RESTRICT v, VF* HWY_RESTRICT value) {
+#if HWY_TARGET != HWY_SCALAR
+  if constexpr (ValueVecsPerLoad<E, T>() == 2) {
+    HWY_UNROLL(4)
+    for (int e = 0; e < E; e += 2) LoadEvenOdd(df, v + e * kLanes, value[e], value[e + 1]);
+    return;
+  }
+#endif
+  HWY_UNROLL(4)
+  for (int e = 0; e < E; ++e) value[e] = LoadWide(df, v + e * kLanes);
+}
+
 // o[r][0 : E * kLanes] += sum_j p[j][r] * v[j][0 : E * kLanes], r < R.
 //   p: st[r * kNarrowKeys + j]   v: [num_k][...] (row stride v_row_stride)   o: row stride o_stride
 //   ahead: the rows of v prefetched toward L2 (RowsAhead)
@@ -256,31 +277,14 @@ HWY_INLINE void NarrowValueRows(const float* HWY_RESTRICT st, const T* HWY_RESTR
     for (int e = 0; e < E; ++e) acc[r][e] = hn::LoadU(df, o + r * o_stride + e * kLanes);
   }
   for (std::int64_t j = 0; j < num_k; ++j) {
-    VF value[E];
-#if HWY_TARGET != HWY_SCALAR
-    if constexpr (kEvenOdd<T> && E % 2 == 0) {
-      if (j + ahead.distance < ahead.end) {
-        HWY_UNROLL(4)
-        for (int e = 0; e < E; e += 2) {
-          PrefetchL2(v + (j + ahead.distance) * v_row_stride + e * kLanes);
-        }
-      }
+    if (j + ahead.distance < ahead.end) {
       HWY_UNROLL(4)
-      for (int e = 0; e < E; e += 2) {
-        LoadEvenOdd(df, v + j * v_row_stride + e * kLanes, value[e], value[e + 1]);
+      for (int e = 0; e < E; e += ValueVecsPerLoad<E, T>()) {
+        PrefetchL2(v + (j + ahead.distance) * v_row_stride + e * kLanes);
       }
-    } else
-#endif
-    {
-      if (j + ahead.distance < ahead.end) {
-        HWY_UNROLL(4)
-        for (int e = 0; e < E; ++e) {
-          PrefetchL2(v + (j + ahead.distance) * v_row_stride + e * kLanes);
-        }
-      }
-      HWY_UNROLL(4)
-      for (int e = 0; e < E; ++e) value[e] = LoadWide(df, v + j * v_row_stride + e * kLanes);
     }
+    VF value[E];
+    LoadValueRow<E>(df, v + j * v_row_stride, value);
     HWY_UNROLL(4)
     for (int r = 0; r < R; ++r) {
       const VF prob = hn::Set(df, st[r * kNarrowKeys + j]);
