@@ -209,7 +209,7 @@ def _direct(tensors) -> bool:
     """Whether a call may go to qkv without the custom op: plain CPU tensors, nothing that
     records the call (autograd on an input that requires grad, torch.compile, a torch function
     or dispatch mode, a functorch transform, a tensor subclass) and so nothing that would see a
-    difference. The op's dispatch costs about 15 us a call (docs/python.md, "Performance")."""
+    difference. The op's dispatch costs 11-58 us a call (docs/python.md, "Performance")."""
     if torch.compiler.is_compiling():
         return False
     grad = torch.is_grad_enabled()

@@ -107,8 +107,8 @@ void NarrowQueryRows(const AttentionKernelParams& p, const QueryBlock& qb, float
     }
 #endif
     for (; d < d_vecs; d += kLanes) hn::StoreU(hn::Mul(LoadWide(df, row + d), scale), df, dst + d);
-    for (; d < p.head_dim; ++d) {
-      dst[EvenOddSlot(d, even_odd_end)] = WideElement(row[d * p.q_stride[3]]) * p.scale;
+    for (; d < p.head_dim; ++d) {  // position d holds element EvenOddElement(d)
+      dst[d] = WideElement(row[EvenOddElement(d, even_odd_end) * p.q_stride[3]]) * p.scale;
     }
   }
 }

@@ -65,7 +65,7 @@ struct RowsAhead {
 // a shift per vector. The products then pair q's and o's elements in the same even/odd order,
 // so a narrow block keeps its q rows and its o rows in it: within each whole span of kEvenOddSpan
 // elements, position x < kLanes holds element 2x and position kLanes + x element 2x + 1
-// (EvenOddSlot); positions from EvenOddEnd on are in plain order. FinishNarrow puts o back.
+// (EvenOddElement); positions from EvenOddEnd on are in plain order. FinishNarrow puts o back.
 // f32 and f16 keep plain order (f16 widens by one conversion per vector).
 template <typename T>
 constexpr bool kEvenOdd = std::is_same_v<T, hwy::bfloat16_t>&& HWY_TARGET != HWY_SCALAR;
@@ -74,14 +74,7 @@ static_assert(kQueryVecs % 2 == 0, "NarrowValueKeys' wide chunks are whole even/
 
 inline std::int64_t EvenOddEnd(std::int64_t n) { return n / kEvenOddSpan * kEvenOddSpan; }
 
-// The position of element i in even/odd order up to end (= EvenOddEnd(n)).
-inline std::int64_t EvenOddSlot(std::int64_t i, std::int64_t end) {
-  if (i >= end) return i;
-  const std::int64_t span = i / kEvenOddSpan * kEvenOddSpan, x = i - span;
-  return span + (x % 2) * kLanes + x / 2;
-}
-
-// The element at position x of even/odd order up to end (EvenOddSlot's inverse).
+// The element at position x of even/odd order up to end (= EvenOddEnd(n)).
 inline std::int64_t EvenOddElement(std::int64_t x, std::int64_t end) {
   if (x >= end) return x;
   const std::int64_t span = x / kEvenOddSpan * kEvenOddSpan, y = x - span;
@@ -328,10 +321,9 @@ inline void NarrowValueKeys(const AttentionKernelParams& p, std::int64_t num_q, 
   for (; e + kWide <= dv; e += kWide) {
     NarrowValueColumns<kQueryVecs>(num_q, st, v + e, vs, num_k, o + e, dv, ahead);
   }
-  if constexpr (kEvenOdd<T>) {  // the last whole even/odd span
-    for (; e + kEvenOddSpan <= dv; e += kEvenOddSpan) {
-      NarrowValueColumns<2>(num_q, st, v + e, vs, num_k, o + e, dv, ahead);
-    }
+  // Two vectors (for bf16 the last whole even/odd span; each column adds its keys alike).
+  for (; e + 2 * kLanes <= dv; e += 2 * kLanes) {
+    NarrowValueColumns<2>(num_q, st, v + e, vs, num_k, o + e, dv, ahead);
   }
   for (; e + kLanes <= dv; e += kLanes) {
     NarrowValueColumns<1>(num_q, st, v + e, vs, num_k, o + e, dv, ahead);
