@@ -44,8 +44,10 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
                         const TensorView& out, const TensorView& lse, const TensorView& dout,
                         const AttentionGrads& grads, const AttentionParams& params);
 
-// The instructions the backward kernel's products run on for inputs of `dtype` ("f32-fma",
-// "bf16-widened-fma", "f16-widened-fma": the flash backward widens to f32; or "reference-f64").
+// The instructions the backward kernel's products run on for inputs of `dtype` on this CPU:
+// "f32-fma"; "bf16-amx" (AMX tiles, where the CPU has AMX-BF16; dout, the probabilities and ds
+// are rounded to bf16 for the tile products, f32 accumulation; docs/training.md), else
+// "bf16-widened-fma"; "f16-widened-fma" (converted to f32 exactly); or "reference-f64".
 const char* backward_product_path(const AttentionParams& params, DType dtype);
 
 // attention_backward of a block (qkv/block_attention.h): q and k at `positions` in longer

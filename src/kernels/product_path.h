@@ -85,6 +85,11 @@ constexpr bool rounds_probabilities(ProductPath path) {
 ProductPath attention_flash_product_path(DType dtype);
 ProductPath attention_flash_product_path(const AttentionKernelParams& params);
 
+// The path the flash backward takes for dtype on the Highway target it dispatches to now and
+// this CPU (kernels/cpu/backward_products-inl.h): bf16 on AMX tiles where amx::available() (the
+// AVX3 targets), else every dtype widened to f32.
+ProductPath attention_backward_flash_product_path(DType dtype);
+
 // The paths the flash kernel can take for dtype on this CPU and Highway target, its own choice
 // first, and pinning one of them for the rest of the process (`qkv bench --products`), through
 // the switches of kernels/cpu/bf16_dot.h and amx.h: the vdpbf16ps pairs forced, or switched off

@@ -114,8 +114,9 @@ void backward(const TensorView& q, const TensorView& k, const TensorView& v,
 }  // namespace
 
 const char* backward_product_path(const AttentionParams& params, DType dtype) {
-  return params.kernel == Kernel::kReference || dtype == DType::kF64 ? "reference-f64"
-                                             : product_path_name(WideningProductPath(dtype));
+  return params.kernel == Kernel::kReference || dtype == DType::kF64
+             ? "reference-f64"
+             : product_path_name(attention_backward_flash_product_path(dtype));
 }
 
 void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,

@@ -285,66 +285,82 @@ bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) {
          (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
-Result Problem::plain(ProductPath path, const std::vector<std::uint8_t>* keep) const {
+float Problem::row_scores(std::int64_t b, std::int64_t h, std::int64_t i, bool split,
+                          const std::vector<std::uint8_t>* keep, float* s, float* cap) const {
   const Case& c = c_;
   auto& self = const_cast<Problem&>(*this);
   const TensorView qv = view(self.q, c.seq_q, c.num_heads_q, c.head_dim);
   const TensorView kv = view(self.k, c.seq_kv, c.num_heads_kv, c.head_dim);
+  const float scale = c.scale.value_or(1.0f / std::sqrt(static_cast<float>(c.head_dim)));
+  const std::int64_t offset = c.align == Align::kBottomRight ? c.seq_kv - c.seq_q : 0;
+  const std::int64_t hk = h / (c.num_heads_q / c.num_heads_kv);
+  const AttentionParams p = params();
+  const auto lo = [](float x) { return x - round_to_bf16(x); };
+  float max = kNegInf;
+  for (std::int64_t j = 0; j < c.seq_kv; ++j) {
+    const std::int64_t diag = i + offset;
+    bool ok = !(c.causal && j > diag);
+    ok = ok && !(c.window_left >= 0 && j < diag - c.window_left);
+    ok = ok && !(c.window_right >= 0 && j > diag + c.window_right);
+    ok = ok && (key_lengths.empty() || j < key_lengths[b]);
+    ok = ok &&
+         (keep == nullptr || (*keep)[((b * c.num_heads_q + h) * c.seq_q + i) * c.seq_kv + j] != 0);
+    if (ok && !mask.empty()) {
+      const auto& m = p.mask;
+      ok =
+          mask[(m.sizes[0] == 1 ? 0 : b) * m.strides[0] + (m.sizes[1] == 1 ? 0 : h) * m.strides[1] +
+               (m.sizes[2] == 1 ? 0 : i) * m.strides[2] + j * m.strides[3]] != 0;
+    }
+    if (cap != nullptr) cap[j] = 1.0f;
+    if (!ok) {
+      s[j] = kNegInf;
+      continue;
+    }
+    float dot = 0.0f;
+    for (std::int64_t d = 0; d < c.head_dim; ++d) {
+      const float qd = static_cast<float*>(qv.data)[qv.offset(b, i, h, d)];
+      const float kd = static_cast<float*>(kv.data)[kv.offset(b, j, hk, d)];
+      dot += split ? qd * kd - lo(qd) * lo(kd) : qd * kd;
+    }
+    float x = dot * scale;
+    if (c.softcap > 0) {
+      const float t = std::tanh(x / c.softcap);
+      x = c.softcap * t;
+      if (cap != nullptr) cap[j] = 1.0f - t * t;
+    }
+    if (!bias.empty()) x += bias[bias_offset(b, h, i, j)];
+    s[j] = x;
+    max = std::max(max, x);
+  }
+  return max;
+}
+
+std::int64_t Problem::bias_offset(std::int64_t b, std::int64_t h, std::int64_t i,
+                                  std::int64_t j) const {
+  const AttentionParams p = params();
+  const auto& a = p.bias;
+  return (a.sizes[0] == 1 ? 0 : b) * a.strides[0] + (a.sizes[1] == 1 ? 0 : h) * a.strides[1] +
+         (a.sizes[2] == 1 ? 0 : i) * a.strides[2] + (a.sizes[3] == 1 ? 0 : j) * a.strides[3];
+}
+
+Result Problem::plain(ProductPath path, const std::vector<std::uint8_t>* keep) const {
+  const Case& c = c_;
+  auto& self = const_cast<Problem&>(*this);
   const TensorView vv = view(self.v, c.seq_kv, c.num_heads_kv, head_dim_v());
   Result r;
   r.out.assign(static_cast<std::size_t>(c.batch * c.seq_q * c.num_heads_q * head_dim_v()), 0.0f);
   r.lse.assign(static_cast<std::size_t>(c.batch * c.num_heads_q * c.seq_q), kNegInf);
   const TensorView ov = view(r.out, c.seq_q, c.num_heads_q, head_dim_v());
-  const float scale = c.scale.value_or(1.0f / std::sqrt(static_cast<float>(c.head_dim)));
-  const std::int64_t offset = c.align == Align::kBottomRight ? c.seq_kv - c.seq_q : 0;
-  const AttentionParams p = params();
   const bool round_probs = rounds_probabilities(path);
   // f16 on the AMX tiles splits each value into bf16 hi + lo (x = hi + lo, exact) and drops the
   // lo x lo products (docs/kernels.md, "f16 on the same tiles").
   const bool split = path == ProductPath::kF16Amx;
-  const auto lo = [](float x) { return x - round_to_bf16(x); };
   std::vector<float> s(static_cast<std::size_t>(c.seq_kv));
   for (std::int64_t b = 0; b < c.batch; ++b) {
     for (std::int64_t h = 0; h < c.num_heads_q; ++h) {
       const std::int64_t hk = h / (c.num_heads_q / c.num_heads_kv);
       for (std::int64_t i = 0; i < c.seq_q; ++i) {
-        float max = kNegInf;
-        for (std::int64_t j = 0; j < c.seq_kv; ++j) {
-          const std::int64_t diag = i + offset;
-          bool ok = !(c.causal && j > diag);
-          ok = ok && !(c.window_left >= 0 && j < diag - c.window_left);
-          ok = ok && !(c.window_right >= 0 && j > diag + c.window_right);
-          ok = ok && (key_lengths.empty() || j < key_lengths[b]);
-          ok = ok && (keep == nullptr ||
-                      (*keep)[((b * c.num_heads_q + h) * c.seq_q + i) * c.seq_kv + j] != 0);
-          if (ok && !mask.empty()) {
-            const auto& m = p.mask;
-            ok = mask[(m.sizes[0] == 1 ? 0 : b) * m.strides[0] +
-                      (m.sizes[1] == 1 ? 0 : h) * m.strides[1] +
-                      (m.sizes[2] == 1 ? 0 : i) * m.strides[2] + j * m.strides[3]] != 0;
-          }
-          if (!ok) {
-            s[j] = kNegInf;
-            continue;
-          }
-          float dot = 0.0f;
-          for (std::int64_t d = 0; d < c.head_dim; ++d) {
-            const float qd = static_cast<float*>(qv.data)[qv.offset(b, i, h, d)];
-            const float kd = static_cast<float*>(kv.data)[kv.offset(b, j, hk, d)];
-            dot += split ? qd * kd - lo(qd) * lo(kd) : qd * kd;
-          }
-          float x = dot * scale;
-          if (c.softcap > 0) x = c.softcap * std::tanh(x / c.softcap);
-          if (!bias.empty()) {
-            const auto& a = p.bias;
-            x += bias[(a.sizes[0] == 1 ? 0 : b) * a.strides[0] +
-                      (a.sizes[1] == 1 ? 0 : h) * a.strides[1] +
-                      (a.sizes[2] == 1 ? 0 : i) * a.strides[2] +
-                      (a.sizes[3] == 1 ? 0 : j) * a.strides[3]];
-          }
-          s[j] = x;
-          max = std::max(max, x);
-        }
+        const float max = row_scores(b, h, i, split, keep, s.data(), nullptr);
         if (max == kNegInf) continue;  // out stays 0
         float sum = 0.0f;
         for (std::int64_t j = 0; j < c.seq_kv; ++j) {
@@ -371,6 +387,64 @@ Result Problem::plain(ProductPath path, const std::vector<std::uint8_t>* keep) c
     }
   }
   return r;
+}
+
+Grads plain_backward_bf16(Problem& pr, const std::vector<float>& dout, bool with_dbias) {
+  const Case& c = pr.spec();
+  const std::int64_t dv = pr.head_dim_v();
+  const Result f = pr.run(Kernel::kReference, false);
+  auto& out = const_cast<std::vector<float>&>(f.out);
+  auto& dout_values = const_cast<std::vector<float>&>(dout);
+  const TensorView qv = pr.view(pr.q, c.seq_q, c.num_heads_q, c.head_dim);
+  const TensorView kv = pr.view(pr.k, c.seq_kv, c.num_heads_kv, c.head_dim);
+  const TensorView vv = pr.view(pr.v, c.seq_kv, c.num_heads_kv, dv);
+  const TensorView ov = pr.view(out, c.seq_q, c.num_heads_q, dv);
+  const TensorView gv = pr.view(dout_values, c.seq_q, c.num_heads_q, dv);
+  Grads g;
+  g.dq.assign(pr.q.size(), 0.0f);
+  g.dk.assign(pr.k.size(), 0.0f);
+  g.dv.assign(pr.v.size(), 0.0f);
+  if (with_dbias) g.dbias.assign(pr.bias.size(), 0.0f);
+  const TensorView dqv = pr.view(g.dq, c.seq_q, c.num_heads_q, c.head_dim);
+  const TensorView dkv = pr.view(g.dk, c.seq_kv, c.num_heads_kv, c.head_dim);
+  const TensorView dvv = pr.view(g.dv, c.seq_kv, c.num_heads_kv, dv);
+  const float scale = c.scale.value_or(1.0f / std::sqrt(static_cast<float>(c.head_dim)));
+  const auto at = [](const TensorView& t, std::int64_t b, std::int64_t i, std::int64_t h,
+                     std::int64_t d) -> float& {
+    return static_cast<float*>(t.data)[t.offset(b, i, h, d)];
+  };
+  std::vector<float> s(c.seq_kv), cap(c.seq_kv), dout_r(dv);
+  for (std::int64_t b = 0; b < c.batch; ++b) {
+    for (std::int64_t h = 0; h < c.num_heads_q; ++h) {
+      const std::int64_t hk = h / (c.num_heads_q / c.num_heads_kv);
+      for (std::int64_t i = 0; i < c.seq_q; ++i) {
+        const float lse = f.lse[static_cast<std::size_t>((b * c.num_heads_q + h) * c.seq_q + i)];
+        if (lse == kNegInf) continue;  // no allowed key: zero gradients
+        pr.row_scores(b, h, i, false, nullptr, s.data(), cap.data());
+        float delta = 0.0f;
+        for (std::int64_t e = 0; e < dv; ++e) {
+          delta += at(gv, b, i, h, e) * at(ov, b, i, h, e);
+          dout_r[e] = round_to_bf16(at(gv, b, i, h, e));
+        }
+        for (std::int64_t j = 0; j < c.seq_kv; ++j) {
+          if (s[j] == kNegInf) continue;
+          const float p = std::exp(std::min(s[j] - lse, 0.0f));
+          float dp = 0.0f;
+          for (std::int64_t e = 0; e < dv; ++e) dp += dout_r[e] * at(vv, b, j, hk, e);
+          const float ds = p * (dp - delta);
+          if (with_dbias) g.dbias[pr.bias_offset(b, h, i, j)] += ds;
+          const float du = round_to_bf16(ds * cap[j]);
+          const float pb = round_to_bf16(p);
+          for (std::int64_t e = 0; e < dv; ++e) at(dvv, b, j, hk, e) += pb * dout_r[e];
+          for (std::int64_t d = 0; d < c.head_dim; ++d) {
+            at(dkv, b, j, hk, d) += scale * du * at(qv, b, i, h, d);
+            at(dqv, b, i, h, d) += scale * du * at(kv, b, j, hk, d);
+          }
+        }
+      }
+    }
+  }
+  return g;
 }
 
 double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {

@@ -72,6 +72,14 @@ class Problem {
   Result plain(ProductPath path, const std::vector<std::uint8_t>* keep = nullptr) const;
   const Case& spec() const { return c_; }
   AttentionParams params() const;
+  // Row i of head h in batch entry b as plain() computes it: s[j] for every key j (f32 dot of
+  // the stored values, times scale, softcap, bias; -inf where causal, window, key lengths, the
+  // mask or `keep` leave the pair out; with `split`, without the f16 split's lo x lo parts),
+  // and, with cap, the softcap's derivative 1 - tanh^2 (1 without softcap). Returns the max.
+  float row_scores(std::int64_t b, std::int64_t h, std::int64_t i, bool split,
+                   const std::vector<std::uint8_t>* keep, float* s, float* cap) const;
+  // Offset of bias element (b, h, i, j) in `bias` (and in a dbias of its shape).
+  std::int64_t bias_offset(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) const;
 
   TensorView view(std::vector<float>& data, std::int64_t seq, std::int64_t heads,
                   std::int64_t dim) const;
@@ -112,6 +120,14 @@ struct Grads {
 };
 Grads run_backward(Problem& pr, const AttentionParams& params, std::vector<float>& dout,
                    bool with_dbias, int num_threads = 0, Kernel kernel = Kernel::kReference);
+
+// Naive loops of the flash backward's bf16 AMX path (kernels/cpu/backward_products-inl.h,
+// AmxBackward; the tolerance yardstick of DESIGN.md section 5): f32 scores, p = exp(s - lse)
+// with the reference forward's lse and out, dout rounded to bf16 where it multiplies v (dp) and
+// p (dv), p rounded to bf16 where it weights dout (dv), du = p (dp - D) (times the softcap's
+// derivative) rounded to bf16 where it weights q (dk) and k (dq); D = dout . out and every sum in
+// f32. dbias sums ds = p (dp - D) unrounded. No sparsity, no dropout.
+Grads plain_backward_bf16(Problem& pr, const std::vector<float>& dout, bool with_dbias);
 
 // The loss sum(dout * out) of the reference forward with `params`, in f64.
 double reference_loss(const Problem& pr, const AttentionParams& params,

@@ -28,8 +28,11 @@
 #include "core/aligned_buffer.h"
 #include "core/parallel.h"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+// (per target, after foreach_target.h)
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
+#include "kernels/cpu/backward_products-inl.h"
 #include "kernels/cpu/dropout-inl.h"
 #include "kernels/cpu/fast_exp-inl.h"
 #include "kernels/cpu/tile_geometry-inl.h"
@@ -50,42 +53,10 @@ using tiles::kNegInf;
 using tiles::VF;
 namespace hn = hwy::HWY_NAMESPACE;
 
-constexpr std::int64_t kKeys = kBlockQ;  // keys per task: the lanes of the products
-constexpr std::int64_t kRowsPerTile = 64;  // query rows per tile
-
-std::int64_t RoundUp(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
-
-// The sizes every task shares, and its scratch layout (floats).
-struct Plan {
-  std::int64_t key_tiles, row_tiles, passes;  // passes: head_dim in kBlockQ-wide parts
-  std::int64_t kt, vt, kp, dkt, dvt, qs, s, dp, cap, pz, dqt, floats;
-};
-
-Plan MakePlan(const AttentionKernelParams& p) {
-  Plan plan;
-  plan.key_tiles = (p.seq_kv + kKeys - 1) / kKeys;
-  plan.row_tiles = (p.seq_q + kRowsPerTile - 1) / kRowsPerTile;
-  plan.passes = (p.head_dim + kBlockQ - 1) / kBlockQ;
-  std::int64_t at = 0;
-  auto take = [&](std::int64_t n) {
-    const std::int64_t start = at;
-    at += RoundUp(n, kBlockQ);
-    return start;
-  };
-  plan.kt = take(p.head_dim * kKeys);
-  plan.vt = take(p.head_dim_v * kKeys);
-  plan.kp = take(plan.passes * kKeys * kBlockQ);
-  plan.dkt = take(p.head_dim * kKeys);
-  plan.dvt = take(p.head_dim_v * kKeys);
-  plan.qs = take(kRowsPerTile * p.head_dim);
-  plan.s = take(kRowsPerTile * kKeys);
-  plan.dp = take(kRowsPerTile * kKeys);
-  plan.cap = take(kRowsPerTile * kKeys);
-  plan.pz = take(kRowsPerTile * kKeys);
-  plan.dqt = take(plan.passes * kRowsPerTile * kBlockQ);
-  plan.floats = at;
-  return plan;
-}
+using backward::kKeys;
+using backward::kRowsPerTile;
+using backward::Plan;
+using backward::RowTile;
 
 // Whether some row of [i0, i0 + rows) may attend some key of [j0, j1) under causal, window and
 // key lengths: the rows' allowed keys slide by one per row, so their union is one interval.
@@ -101,46 +72,15 @@ std::int64_t KeyLimit(const AttentionKernelParams& p, std::int64_t b) {
   return p.key_lengths != nullptr ? p.key_lengths[b] : p.seq_kv;
 }
 
-template <typename T>
-float Element(const void* base, std::int64_t offset) {
-  return tiles::WideElement(static_cast<const T*>(base)[offset]);
-}
-
-// The task's keys and values as the products read them (f32, zero past `num_k`):
-// kt[d][l] = k[j0 + l][d], vt[e][l] = v[j0 + l][e], kp[pass][l][x] = k[j0 + l][pass kBlockQ + x].
-template <typename T>
-void PackKeys(const AttentionKernelParams& p, const Plan& plan, std::int64_t b, std::int64_t hkv,
-              std::int64_t j0, std::int64_t num_k, float* w) {
-  float* kt = w + plan.kt;
-  float* vt = w + plan.vt;
-  float* kp = w + plan.kp;
-  std::fill(kt, kt + p.head_dim * kKeys, 0.0f);
-  std::fill(vt, vt + p.head_dim_v * kKeys, 0.0f);
-  std::fill(kp, kp + plan.passes * kKeys * kBlockQ, 0.0f);
-  for (std::int64_t l = 0; l < num_k; ++l) {
-    const std::int64_t k_row = b * p.k_stride[0] + (j0 + l) * p.k_stride[1] + hkv * p.k_stride[2];
-    const std::int64_t v_row = b * p.v_stride[0] + (j0 + l) * p.v_stride[1] + hkv * p.v_stride[2];
-    for (std::int64_t d = 0; d < p.head_dim; ++d) {
-      const float x = Element<T>(p.k, k_row + d * p.k_stride[3]);
-      kt[d * kKeys + l] = x;
-      kp[(d / kBlockQ) * kKeys * kBlockQ + l * kBlockQ + d % kBlockQ] = x;
-    }
-    for (std::int64_t e = 0; e < p.head_dim_v; ++e) {
-      vt[e * kKeys + l] = Element<T>(p.v, v_row + e * p.v_stride[3]);
-    }
-  }
-}
-
-// s[r][l] for rows [i0, i0 + rows) of head h against the task's keys: softcap (cap[r][l] =
-// 1 - tanh^2, its derivative), bias, every mask (not allowed: -inf); then p = exp(s - lse).
+// The scores s[r][l] (Products::Scores) of rows [i0, i0 + rows) of head h against the task's
+// keys, in place: softcap (cap[r][l] = 1 - tanh^2, its derivative), bias, every mask (not
+// allowed: -inf); then p = exp(s - lse).
 void Probabilities(const AttentionKernelParams& p, const Plan& plan, std::int64_t b,
                    std::int64_t h, std::int64_t i0, std::int64_t rows, std::int64_t j0,
                    std::int64_t num_k, float* w) {
   const DF df;
   float* s = w + plan.s;
   float* cap = w + plan.cap;
-  tiles::OuterProduct(w + plan.kt, w + plan.qs, rows, p.head_dim, 1, p.head_dim, s, nullptr,
-                      false);
   if (p.softcap > 0.0f) {
     const VF c = hn::Set(df, p.softcap), inv_c = hn::Set(df, 1.0f / p.softcap);
     const VF one = hn::Set(df, 1.0f);
@@ -215,7 +155,7 @@ void Dropout(const AttentionKernelParams& p, const Plan& plan, std::int64_t b, s
   }
 }
 
-template <typename T>
+template <class Products>
 void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, const float* delta,
                   std::atomic<std::int64_t>* turns, std::int64_t task, float* w) {
   const AttentionKernelParams& p = g.forward;
@@ -228,10 +168,9 @@ void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, cons
   const std::int64_t group = p.num_heads_q / p.num_heads_kv;
   float* dkt = w + plan.dkt;
   float* dvt = w + plan.dvt;
-  std::fill(dkt, dkt + p.head_dim * kKeys, 0.0f);
-  std::fill(dvt, dvt + p.head_dim_v * kKeys, 0.0f);
-  if (num_k > 0) PackKeys<T>(p, plan, b, hkv, j0, num_k, w);
-  float* qs = w + plan.qs;
+  std::fill(dkt, dkt + backward::RoundUp(p.head_dim, 16) * kKeys, 0.0f);
+  std::fill(dvt, dvt + backward::RoundUp(p.head_dim_v, 16) * kKeys, 0.0f);
+  if (num_k > 0) Products::PackKeys(p, plan, b, hkv, j0, num_k, w);
   float* s = w + plan.s;
   float* dp = w + plan.dp;
   const float* cap = w + plan.cap;
@@ -241,18 +180,14 @@ void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, cons
       const std::int64_t i0 = it * kRowsPerTile;
       const std::int64_t rows = std::min(kRowsPerTile, p.seq_q - i0);
       if (!Interacts(p, key_limit, i0, rows, j0, j0 + num_k)) continue;
-      // qs[r][d] = q[i0 + r][d] * scale.
-      for (std::int64_t r = 0; r < rows; ++r) {
-        const std::int64_t q_row = b * p.q_stride[0] + (i0 + r) * p.q_stride[1] + h * p.q_stride[2];
-        for (std::int64_t d = 0; d < p.head_dim; ++d) {
-          qs[r * p.head_dim + d] = Element<T>(p.q, q_row + d * p.q_stride[3]) * p.scale;
-        }
-      }
+      const RowTile tile{
+          b, h, i0, rows,
+          g.dout + b * g.dout_stride[0] + i0 * g.dout_stride[1] + h * g.dout_stride[2]};
+      Products::PackRows(g, plan, tile, w);
+      Products::Scores(p, plan, rows, w);
       Probabilities(p, plan, b, h, i0, rows, j0, num_k, w);
       // dp[r][l] = dout_r . v_l, then du = p (dp - D_r) (times the softcap's derivative).
-      const float* dout = g.dout + b * g.dout_stride[0] + i0 * g.dout_stride[1] + h * g.dout_stride[2];
-      tiles::OuterProduct(w + plan.vt, dout, rows, g.dout_stride[1], g.dout_stride[3],
-                          p.head_dim_v, dp, nullptr, false);
+      Products::DoutValues(g, plan, tile, w);
       // Dropout: pz = p z feeds dv, and dp becomes z dp (z = keep / (1 - p), the forward's).
       const float* p_for_dv = s;
       if (p.dropout_p > 0.0f) {
@@ -267,15 +202,8 @@ void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, cons
           hn::Store(du, df, dp + x);
         }
       }
-      // dv^T[e][l] += sum_r dout[r][e] p[r][l];  dk^T[d][l] += sum_r qs[r][d] du[r][l].
-      tiles::OuterProduct(p_for_dv, dout, p.head_dim_v, g.dout_stride[3], g.dout_stride[1], rows,
-                          dvt, nullptr, true);
-      tiles::OuterProduct(dp, qs, p.head_dim, 1, p.head_dim, rows, dkt, nullptr, true);
-      // dq tile: dqt[pass][r][x] = sum_l du[r][l] k[l][pass kBlockQ + x].
-      for (std::int64_t pass = 0; pass < plan.passes; ++pass) {
-        tiles::OuterProduct(w + plan.kp + pass * kKeys * kBlockQ, dp, rows, kKeys, 1, num_k,
-                            dqt + pass * kRowsPerTile * kBlockQ, nullptr, false);
-      }
+      // dv^T += dout^T p, dk^T += q^T du, and this key tile's dq rows.
+      Products::Gradients(g, plan, tile, num_k, p_for_dv, w);
       // Our turn on these dq rows: after every earlier key tile that touches them.
       std::atomic<std::int64_t>& turn = turns[(b * p.num_heads_q + h) * plan.row_tiles + it];
       for (int spins = 0; turn.load(std::memory_order_acquire) != jt; ++spins) {
@@ -285,27 +213,30 @@ void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, cons
       for (std::int64_t r = 0; r < rows; ++r) {
         float* dq = g.dq + b * g.dq_stride[0] + (i0 + r) * g.dq_stride[1] + h * g.dq_stride[2];
         for (std::int64_t pass = 0; pass < plan.passes; ++pass) {
-          const float* tile = dqt + pass * kRowsPerTile * kBlockQ + r * kBlockQ;
+          const float* tile_row = dqt + pass * kRowsPerTile * kBlockQ + r * kBlockQ;
           const std::int64_t d0 = pass * kBlockQ, width = std::min(kBlockQ, p.head_dim - d0);
           std::int64_t x = 0;
           if (g.dq_stride[3] == 1) {
             for (; x + kLanes <= width; x += kLanes) {
-              hn::StoreU(hn::MulAdd(hn::Load(df, tile + x), scale, hn::LoadU(df, dq + d0 + x)), df,
-                         dq + d0 + x);
+              hn::StoreU(hn::MulAdd(hn::Load(df, tile_row + x), scale, hn::LoadU(df, dq + d0 + x)),
+                         df, dq + d0 + x);
             }
           }
-          for (; x < width; ++x) dq[(d0 + x) * g.dq_stride[3]] += tile[x] * p.scale;
+          for (; x < width; ++x) dq[(d0 + x) * g.dq_stride[3]] += tile_row[x] * p.scale;
         }
       }
       turn.store(jt + 1, std::memory_order_release);
     }
   }
-  // dk = dk^T transposed, times scale (qs carried it already); rows past key_limit are 0.
+  // dk = dk^T transposed (times the scale q did not carry); rows past key_limit are 0.
+  const float dk_scale = Products::DkScale(p);
   const std::int64_t rows_out = std::min(kKeys, p.seq_kv - j0);
   for (std::int64_t l = 0; l < rows_out; ++l) {
     float* dk = g.dk + b * g.dk_stride[0] + (j0 + l) * g.dk_stride[1] + hkv * g.dk_stride[2];
     float* dv = g.dv + b * g.dv_stride[0] + (j0 + l) * g.dv_stride[1] + hkv * g.dv_stride[2];
-    for (std::int64_t d = 0; d < p.head_dim; ++d) dk[d * g.dk_stride[3]] = dkt[d * kKeys + l];
+    for (std::int64_t d = 0; d < p.head_dim; ++d) {
+      dk[d * g.dk_stride[3]] = dkt[d * kKeys + l] * dk_scale;
+    }
     for (std::int64_t e = 0; e < p.head_dim_v; ++e) dv[e * g.dv_stride[3]] = dvt[e * kKeys + l];
   }
 }
@@ -316,7 +247,7 @@ void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, cons
 // of its rows, or all rows when it broadcasts over them), so each element is summed by one task
 // in one fixed order (batch, head, row tile, key tile, row, key): the same bits on any thread
 // count. It recomputes p and dp tile by tile: two of the main pass's five products.
-template <typename T>
+template <class Products>
 void DbiasTask(const AttentionBackwardKernelParams& g, const Plan& plan, const float* delta,
                std::int64_t task, float* w) {
   const AttentionKernelParams& p = g.forward;
@@ -333,8 +264,8 @@ void DbiasTask(const AttentionBackwardKernelParams& g, const Plan& plan, const f
   const std::int64_t row_end = per_row ? std::min(p.seq_q, row_begin + kRowsPerTile) : 1;
   const std::int64_t cols = g.dbias_sizes[3];
   for (std::int64_t i = row_begin; i < row_end; ++i)
-    for (std::int64_t j = 0; j < cols; ++j) g.dbias[bb * st[0] + hb * st[1] + i * st[2] + j * st[3]] = 0.0f;
-  float* qs = w + plan.qs;
+    for (std::int64_t j = 0; j < cols; ++j)
+      g.dbias[bb * st[0] + hb * st[1] + i * st[2] + j * st[3]] = 0.0f;
   float* s = w + plan.s;
   float* dp = w + plan.dp;
   for (std::int64_t b = nb == 1 ? 0 : bb; b < (nb == 1 ? p.batch : bb + 1); ++b) {
@@ -344,22 +275,19 @@ void DbiasTask(const AttentionBackwardKernelParams& g, const Plan& plan, const f
       for (std::int64_t it = per_row ? cell : 0; it < (per_row ? cell + 1 : plan.row_tiles); ++it) {
         const std::int64_t i0 = it * kRowsPerTile;
         const std::int64_t rows = std::min(kRowsPerTile, p.seq_q - i0);
-        for (std::int64_t r = 0; r < rows; ++r) {
-          const std::int64_t q_row = b * p.q_stride[0] + (i0 + r) * p.q_stride[1] + h * p.q_stride[2];
-          for (std::int64_t d = 0; d < p.head_dim; ++d) {
-            qs[r * p.head_dim + d] = Element<T>(p.q, q_row + d * p.q_stride[3]) * p.scale;
-          }
-        }
-        const float* dout = g.dout + b * g.dout_stride[0] + i0 * g.dout_stride[1] + h * g.dout_stride[2];
+        const RowTile tile{
+            b, h, i0, rows,
+            g.dout + b * g.dout_stride[0] + i0 * g.dout_stride[1] + h * g.dout_stride[2]};
+        Products::PackRows(g, plan, tile, w);
         for (std::int64_t jt = 0; jt < plan.key_tiles; ++jt) {
           const std::int64_t j0 = jt * kKeys;
           const std::int64_t num_k =
               std::max<std::int64_t>(0, std::min({kKeys, p.seq_kv - j0, key_limit - j0}));
           if (num_k == 0 || !Interacts(p, key_limit, i0, rows, j0, j0 + num_k)) continue;
-          PackKeys<T>(p, plan, b, hkv, j0, num_k, w);
+          Products::PackKeys(p, plan, b, hkv, j0, num_k, w);
+          Products::Scores(p, plan, rows, w);
           Probabilities(p, plan, b, h, i0, rows, j0, num_k, w);
-          tiles::OuterProduct(w + plan.vt, dout, rows, g.dout_stride[1], g.dout_stride[3],
-                              p.head_dim_v, dp, nullptr, false);
+          Products::DoutValues(g, plan, tile, w);
           if (p.dropout_p > 0.0f) Dropout(p, plan, b, h, i0, rows, j0, w);
           for (std::int64_t r = 0; r < rows; ++r) {
             const VF d_r = hn::Set(df, delta[(b * p.num_heads_q + h) * p.seq_q + i0 + r]);
@@ -378,7 +306,9 @@ void DbiasTask(const AttentionBackwardKernelParams& g, const Plan& plan, const f
 
 void FlashBackward(const AttentionBackwardKernelParams& g) {
   const AttentionKernelParams& p = g.forward;
-  const Plan plan = MakePlan(p);
+  // The products, chosen once here (the instantiations: WithBackwardProducts).
+  const bool tiles_on = backward::BackwardOnTiles(p.dtype);
+  const Plan plan = backward::MakePlan(p, tiles_on);
   // D_r = dout_r . out_r per (b, h, row), and dq = 0, one (b, h) per task.
   AlignedBuffer delta(sizeof(float) * p.batch * p.num_heads_q * p.seq_q);
   const std::int64_t heads = p.batch * p.num_heads_q;
@@ -415,36 +345,30 @@ void FlashBackward(const AttentionBackwardKernelParams& g) {
   const std::int64_t tasks = p.batch * p.num_heads_kv * plan.key_tiles;
   const int threads = static_cast<int>(std::min<std::int64_t>(p.num_threads, tasks));
   AlignedBuffer scratch(sizeof(float) * plan.floats * threads);
-  parallel_for(tasks, threads, [&](std::int64_t task, int thread) {
-    float* w = scratch.as<float>() + thread * plan.floats;
-    if (p.dtype == DType::kBF16) {
-      BackwardTask<hwy::bfloat16_t>(g, plan, delta.as<float>(), turns.get(), task, w);
-    } else if (p.dtype == DType::kF16) {
-      BackwardTask<hwy::float16_t>(g, plan, delta.as<float>(), turns.get(), task, w);
-    } else {
-      BackwardTask<float>(g, plan, delta.as<float>(), turns.get(), task, w);
-    }
-  });
-  if (g.dbias == nullptr) return;
   const bool per_row = g.dbias_sizes[2] != 1 || p.seq_q == 1;
   const std::int64_t dbias_tasks =
-      g.dbias_sizes[0] * g.dbias_sizes[1] * (per_row ? plan.row_tiles : 1);
-  const int dbias_threads = static_cast<int>(std::min<std::int64_t>(threads, dbias_tasks));
-  parallel_for(dbias_tasks, dbias_threads, [&](std::int64_t task, int thread) {
-    float* w = scratch.as<float>() + thread * plan.floats;
-    if (p.dtype == DType::kBF16) {
-      DbiasTask<hwy::bfloat16_t>(g, plan, delta.as<float>(), task, w);
-    } else if (p.dtype == DType::kF16) {
-      DbiasTask<hwy::float16_t>(g, plan, delta.as<float>(), task, w);
-    } else {
-      DbiasTask<float>(g, plan, delta.as<float>(), task, w);
-    }
+      g.dbias == nullptr ? 0 : g.dbias_sizes[0] * g.dbias_sizes[1] * (per_row ? plan.row_tiles : 1);
+  backward::WithBackwardProducts(p.dtype, tiles_on, [&](auto products) {
+    using Products = decltype(products);
+    parallel_for(tasks, threads, [&](std::int64_t task, int thread) {
+      [[maybe_unused]] typename Products::TaskScope scope;
+      BackwardTask<Products>(g, plan, delta.as<float>(), turns.get(), task,
+                             scratch.as<float>() + thread * plan.floats);
+    });
+    if (dbias_tasks == 0) return;
+    parallel_for(dbias_tasks, static_cast<int>(std::min<std::int64_t>(threads, dbias_tasks)),
+                 [&](std::int64_t task, int thread) {
+                   [[maybe_unused]] typename Products::TaskScope scope;
+                   DbiasTask<Products>(g, plan, delta.as<float>(), task,
+                                       scratch.as<float>() + thread * plan.floats);
+                 });
   });
 }
 
 }  // namespace
 
 void FlashBackwardEntry(const AttentionBackwardKernelParams& g) { FlashBackward(g); }
+ProductPath BackwardPathOf(DType dtype) { return backward::BackwardProductPath(dtype); }
 
 }  // namespace HWY_NAMESPACE
 }  // namespace qkv
@@ -454,6 +378,11 @@ HWY_AFTER_NAMESPACE();
 namespace qkv {
 
 HWY_EXPORT(FlashBackwardEntry);
+HWY_EXPORT(BackwardPathOf);
+
+ProductPath attention_backward_flash_product_path(DType dtype) {
+  return HWY_DYNAMIC_DISPATCH(BackwardPathOf)(dtype);
+}
 
 void attention_backward_flash_cpu(const AttentionBackwardKernelParams& params) {
   HWY_DYNAMIC_DISPATCH(FlashBackwardEntry)(params);

@@ -1,0 +1,364 @@
+// The flash backward's five tile products (flash_backward.cc) as a policy, chosen once at the
+// kernel's entry (Highway, one copy per target). Per task (a key tile of kKeys keys) and row
+// tile (kRowsPerTile query rows of one head):
+//
+//   s  = q k^T * scale      dp = dout v^T      dv^T += dout^T p      dk^T += q^T du      dq = du k
+//
+// WideBackward<T>: the rank-1-update f32 micro-kernel (tile_products-inl.h) on operands widened
+// to f32, every target and dtype. AmxBackward: bf16 inputs on AMX tiles (kernels/cpu/amx.h; the
+// AVX3 targets of a CPU with AMX-BF16): q, k and v multiply as they are, dout, p and du are
+// rounded to bf16 (to nearest even) for the products that take them, as FlashAttention's
+// bf16 backward does; every sum accumulates in f32, and the softmax, masks and ds stay f32.
+// docs/training.md, "bf16 on AMX tiles".
+
+#if defined(QKV_KERNELS_CPU_BACKWARD_PRODUCTS_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef QKV_KERNELS_CPU_BACKWARD_PRODUCTS_INL_H_
+#undef QKV_KERNELS_CPU_BACKWARD_PRODUCTS_INL_H_
+#else
+#define QKV_KERNELS_CPU_BACKWARD_PRODUCTS_INL_H_
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "hwy/highway.h"
+#include "kernels/backward_kernel_params.h"
+#include "kernels/cpu/amx.h"
+#include "kernels/cpu/tile_geometry-inl.h"
+#include "kernels/cpu/tile_products-inl.h"
+#include "kernels/cpu/tile_staging-inl.h"
+#include "kernels/kernel_params.h"
+#include "kernels/product_path.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace qkv {
+namespace HWY_NAMESPACE {
+namespace backward {
+
+using tiles::DF;
+using tiles::kBlockQ;
+using tiles::kLanes;
+using tiles::VF;
+namespace hn = hwy::HWY_NAMESPACE;
+
+constexpr std::int64_t kKeys = kBlockQ;    // keys per task: the lanes of the products
+constexpr std::int64_t kRowsPerTile = 64;  // query rows per tile
+// The AMX products exist where a task's keys fill the tiles' 64 lanes (AVX3 targets).
+constexpr bool kAmxLanes = kKeys == amx::kLanes;
+
+inline std::int64_t RoundUp(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
+
+// The sizes every task shares, and its scratch layout (offsets in floats; every area starts
+// 64-byte aligned). f32: kt, vt, kp (the keys and values widened), qs, s, dp, cap, pz, dqt, dkt,
+// dvt. AMX (tiles only): the bf16 operands named in AmxBackward.
+struct Plan {
+  std::int64_t key_tiles, row_tiles, passes;  // passes: head_dim in kBlockQ-wide parts
+  std::int64_t kt, vt, kp, dkt, dvt, qs, s, dp, cap, pz, dqt;
+  std::int64_t depth, depth_v;  // AMX: D and Dv rounded up to the tiles' 32
+  std::int64_t k_pairs, v_pairs, k_cols, q_rows, q_cols, dout_rows, dout_cols, p_pairs, du_pairs,
+      du_rows;
+  std::int64_t floats;
+};
+
+inline Plan MakePlan(const AttentionKernelParams& p, bool tiles) {
+  Plan plan{};
+  plan.key_tiles = (p.seq_kv + kKeys - 1) / kKeys;
+  plan.row_tiles = (p.seq_q + kRowsPerTile - 1) / kRowsPerTile;
+  plan.passes = (p.head_dim + kBlockQ - 1) / kBlockQ;
+  std::int64_t at = 0;
+  auto take = [&](std::int64_t n) {
+    const std::int64_t start = at;
+    at += RoundUp(n, kBlockQ);
+    return start;
+  };
+  plan.kt = take(p.head_dim * kKeys);
+  plan.vt = take(p.head_dim_v * kKeys);
+  plan.kp = take(plan.passes * kKeys * kBlockQ);
+  // (rows past D / Dv up to 16: the tiles write them)
+  plan.dkt = take(RoundUp(p.head_dim, 16) * kKeys);
+  plan.dvt = take(RoundUp(p.head_dim_v, 16) * kKeys);
+  plan.qs = take(kRowsPerTile * p.head_dim);
+  plan.s = take(kRowsPerTile * kKeys);
+  plan.dp = take(kRowsPerTile * kKeys);
+  plan.cap = take(kRowsPerTile * kKeys);
+  plan.pz = take(kRowsPerTile * kKeys);
+  plan.dqt = take(plan.passes * kRowsPerTile * kBlockQ);
+  if (tiles) {  // (bf16 and pair words: two per float)
+    plan.depth = RoundUp(p.head_dim, amx::kDepthStep);
+    plan.depth_v = RoundUp(p.head_dim_v, amx::kDepthStep);
+    plan.k_pairs = take(plan.depth / 2 * kKeys);
+    plan.v_pairs = take(plan.depth_v / 2 * kKeys);
+    plan.k_cols = take(plan.passes * kKeys / 2 * kBlockQ);
+    plan.q_rows = take(kRowsPerTile * plan.depth / 2);
+    plan.q_cols = take(RoundUp(p.head_dim, 16) * tiles::kBlockK / 2);
+    plan.dout_rows = take(kRowsPerTile * plan.depth_v / 2);
+    plan.dout_cols = take(RoundUp(p.head_dim_v, 16) * tiles::kBlockK / 2);
+    plan.p_pairs = take(kRowsPerTile / 2 * kKeys);
+    plan.du_pairs = take(kRowsPerTile / 2 * kKeys);
+    plan.du_rows = take(kRowsPerTile * kKeys / 2);
+  }
+  plan.floats = at;
+  return plan;
+}
+
+template <typename T>
+float Element(const void* base, std::int64_t offset) {
+  return tiles::WideElement(static_cast<const T*>(base)[offset]);
+}
+
+// Where one row tile's rows start: q and dout of head h, rows from i0.
+struct RowTile {
+  std::int64_t b, h, i0, rows;
+  const float* dout;  // dout[b][i0][h][0]; rows g.dout_stride[1] apart
+};
+
+// A task scope that does nothing (the f32 products need no tile state).
+struct NoScope {};
+
+// The f32 products: the keys and values widened once per task, q * scale once per row tile.
+template <typename T>
+struct WideBackward {
+  using TaskScope = NoScope;
+
+  // kt[d][l] = k[j0 + l][d], vt[e][l] = v[j0 + l][e], kp[pass][l][x] = k[j0 + l][pass kBlockQ + x]
+  // (f32, zero past num_k).
+  static void PackKeys(const AttentionKernelParams& p, const Plan& plan, std::int64_t b,
+                       std::int64_t hkv, std::int64_t j0, std::int64_t num_k, float* w) {
+    float* kt = w + plan.kt;
+    float* vt = w + plan.vt;
+    float* kp = w + plan.kp;
+    std::fill(kt, kt + p.head_dim * kKeys, 0.0f);
+    std::fill(vt, vt + p.head_dim_v * kKeys, 0.0f);
+    std::fill(kp, kp + plan.passes * kKeys * kBlockQ, 0.0f);
+    for (std::int64_t l = 0; l < num_k; ++l) {
+      const std::int64_t k_row = b * p.k_stride[0] + (j0 + l) * p.k_stride[1] + hkv * p.k_stride[2];
+      const std::int64_t v_row = b * p.v_stride[0] + (j0 + l) * p.v_stride[1] + hkv * p.v_stride[2];
+      for (std::int64_t d = 0; d < p.head_dim; ++d) {
+        const float x = Element<T>(p.k, k_row + d * p.k_stride[3]);
+        kt[d * kKeys + l] = x;
+        kp[(d / kBlockQ) * kKeys * kBlockQ + l * kBlockQ + d % kBlockQ] = x;
+      }
+      for (std::int64_t e = 0; e < p.head_dim_v; ++e) {
+        vt[e * kKeys + l] = Element<T>(p.v, v_row + e * p.v_stride[3]);
+      }
+    }
+  }
+
+  // qs[r][d] = q[i0 + r][d] * scale.
+  static void PackRows(const AttentionBackwardKernelParams& g, const Plan& plan, const RowTile& t,
+                       float* w) {
+    const AttentionKernelParams& p = g.forward;
+    float* qs = w + plan.qs;
+    for (std::int64_t r = 0; r < t.rows; ++r) {
+      const std::int64_t q_row =
+          t.b * p.q_stride[0] + (t.i0 + r) * p.q_stride[1] + t.h * p.q_stride[2];
+      for (std::int64_t d = 0; d < p.head_dim; ++d) {
+        qs[r * p.head_dim + d] = Element<T>(p.q, q_row + d * p.q_stride[3]) * p.scale;
+      }
+    }
+  }
+
+  // s[r][l] = qs_r . k_l.
+  static void Scores(const AttentionKernelParams& p, const Plan& plan, std::int64_t rows,
+                     float* w) {
+    tiles::OuterProduct(w + plan.kt, w + plan.qs, rows, p.head_dim, 1, p.head_dim, w + plan.s,
+                        nullptr, false);
+  }
+
+  // dp[r][l] = dout_r . v_l.
+  static void DoutValues(const AttentionBackwardKernelParams& g, const Plan& plan, const RowTile& t,
+                         float* w) {
+    tiles::OuterProduct(w + plan.vt, t.dout, t.rows, g.dout_stride[1], g.dout_stride[3],
+                        g.forward.head_dim_v, w + plan.dp, nullptr, false);
+  }
+
+  // dv^T[e][l] += sum_r dout[r][e] pv[r][l];  dk^T[d][l] += sum_r qs[r][d] du[r][l] (du in dp);
+  // dqt[pass][r][x] = sum_l du[r][l] k[l][pass kBlockQ + x].
+  static void Gradients(const AttentionBackwardKernelParams& g, const Plan& plan, const RowTile& t,
+                        std::int64_t num_k, const float* pv, float* w) {
+    const AttentionKernelParams& p = g.forward;
+    tiles::OuterProduct(pv, t.dout, p.head_dim_v, g.dout_stride[3], g.dout_stride[1], t.rows,
+                        w + plan.dvt, nullptr, true);
+    tiles::OuterProduct(w + plan.dp, w + plan.qs, p.head_dim, 1, p.head_dim, t.rows, w + plan.dkt,
+                        nullptr, true);
+    for (std::int64_t pass = 0; pass < plan.passes; ++pass) {
+      tiles::OuterProduct(w + plan.kp + pass * kKeys * kBlockQ, w + plan.dp, t.rows, kKeys, 1,
+                          num_k, w + plan.dqt + pass * kRowsPerTile * kBlockQ, nullptr, false);
+    }
+  }
+
+  // What dk^T is multiplied by when written (qs carried the scale already).
+  static float DkScale(const AttentionKernelParams&) { return 1.0f; }
+};
+
+// The bf16 products on AMX tiles. Operands (bf16 or pair words, zero past their extent up to
+// the padded one, so padding adds exact zeros):
+//   k_pairs [depth / 2][kKeys]   (k[l][2t], k[l][2t + 1])        s's B, per task
+//   v_pairs [depth_v / 2][kKeys] (v[l][2t], v[l][2t + 1])        dp's B, per task
+//   k_cols  [passes][kKeys / 2][kBlockQ] (k[2t][x], k[2t + 1][x]) dq's B, per task
+//   q_rows  [kRowsPerTile][depth]      q rows                     s's A, per row tile
+//   q_cols  [round_up(D, 16)][kBlockK] q^T                        dk's A
+//   dout_rows [kRowsPerTile][depth_v]  bf16(dout) rows            dp's A
+//   dout_cols [round_up(Dv, 16)][kBlockK] bf16(dout)^T            dv's A
+//   p_pairs, du_pairs [kRowsPerTile / 2][kKeys] (x[2t][l], x[2t + 1][l])  dv's and dk's B
+//   du_rows [kRowsPerTile][kKeys]      bf16(du) rows              dq's A
+struct AmxBackward {
+  using TaskScope = amx::TileScope;
+
+  static std::uint16_t* Bf16(float* w, std::int64_t at) {
+    return reinterpret_cast<std::uint16_t*>(w + at);
+  }
+  static std::uint32_t* Words(float* w, std::int64_t at) {
+    return reinterpret_cast<std::uint32_t*>(w + at);
+  }
+
+  static void PackKeys(const AttentionKernelParams& p, const Plan& plan, std::int64_t b,
+                       std::int64_t hkv, std::int64_t j0, std::int64_t num_k, float* w) {
+    const std::uint16_t* k = static_cast<const std::uint16_t*>(p.k) + b * p.k_stride[0] +
+                             j0 * p.k_stride[1] + hkv * p.k_stride[2];
+    const std::uint16_t* v = static_cast<const std::uint16_t*>(p.v) + b * p.v_stride[0] +
+                             j0 * p.v_stride[1] + hkv * p.v_stride[2];
+    const auto k_at = [&](std::int64_t l, std::int64_t d) -> std::uint32_t {
+      return l < num_k && d < p.head_dim ? k[l * p.k_stride[1] + d * p.k_stride[3]] : 0u;
+    };
+    const auto v_at = [&](std::int64_t l, std::int64_t e) -> std::uint32_t {
+      return l < num_k && e < p.head_dim_v ? v[l * p.v_stride[1] + e * p.v_stride[3]] : 0u;
+    };
+    std::uint32_t* k_pairs = Words(w, plan.k_pairs);
+    for (std::int64_t l = 0; l < kKeys; ++l) {  // (row by row: each key's row is read in order)
+      for (std::int64_t t = 0; t < plan.depth / 2; ++t) {
+        k_pairs[t * kKeys + l] = k_at(l, 2 * t) | k_at(l, 2 * t + 1) << 16;
+      }
+    }
+    std::uint32_t* v_pairs = Words(w, plan.v_pairs);
+    for (std::int64_t l = 0; l < kKeys; ++l) {
+      for (std::int64_t t = 0; t < plan.depth_v / 2; ++t) {
+        v_pairs[t * kKeys + l] = v_at(l, 2 * t) | v_at(l, 2 * t + 1) << 16;
+      }
+    }
+    std::uint32_t* k_cols = Words(w, plan.k_cols);
+    for (std::int64_t pass = 0; pass < plan.passes; ++pass) {
+      for (std::int64_t t = 0; t < kKeys / 2; ++t) {
+        std::uint32_t* row = k_cols + (pass * kKeys / 2 + t) * kBlockQ;
+        for (std::int64_t x = 0; x < kBlockQ; ++x) {
+          const std::int64_t d = pass * kBlockQ + x;
+          row[x] = k_at(2 * t, d) | k_at(2 * t + 1, d) << 16;
+        }
+      }
+    }
+  }
+
+  static void PackRows(const AttentionBackwardKernelParams& g, const Plan& plan, const RowTile& t,
+                       float* w) {
+    const AttentionKernelParams& p = g.forward;
+    const std::int64_t padded = RoundUp(t.rows, amx::kTileRows);
+    // q rows as they are, and q^T.
+    const std::uint16_t* q = static_cast<const std::uint16_t*>(p.q) + t.b * p.q_stride[0] +
+                             t.i0 * p.q_stride[1] + t.h * p.q_stride[2];
+    std::uint16_t* q_rows = Bf16(w, plan.q_rows);
+    for (std::int64_t r = 0; r < t.rows; ++r) {
+      const std::uint16_t* src = q + r * p.q_stride[1];
+      std::uint16_t* dst = q_rows + r * plan.depth;
+      if (p.q_stride[3] == 1) {
+        std::memcpy(dst, src, p.head_dim * sizeof(std::uint16_t));
+      } else {
+        for (std::int64_t d = 0; d < p.head_dim; ++d) dst[d] = src[d * p.q_stride[3]];
+      }
+      std::fill(dst + p.head_dim, dst + plan.depth, std::uint16_t{0});
+    }
+    std::fill(q_rows + t.rows * plan.depth, q_rows + padded * plan.depth, std::uint16_t{0});
+    tiles::StageColumnsBf16(q, p.q_stride[1], p.q_stride[3], p.head_dim, t.rows,
+                            Bf16(w, plan.q_cols));
+    // dout rounded to bf16, rows and columns.
+    const DF df;
+    const std::int64_t dv = p.head_dim_v;
+    std::uint16_t* dout_rows = Bf16(w, plan.dout_rows);
+    for (std::int64_t r = 0; r < t.rows; ++r) {
+      const float* src = t.dout + r * g.dout_stride[1];
+      std::uint16_t* dst = dout_rows + r * plan.depth_v;
+      std::int64_t e = 0;
+      if (g.dout_stride[3] == 1) {
+        for (; e + kLanes <= dv; e += kLanes)
+          tiles::StoreHalfLanes(DType::kBF16, df, hn::LoadU(df, src + e), dst + e);
+      }
+      for (; e < dv; ++e) dst[e] = f32_to_bf16_bits(src[e * g.dout_stride[3]]);
+      std::fill(dst + dv, dst + plan.depth_v, std::uint16_t{0});
+    }
+    std::fill(dout_rows + t.rows * plan.depth_v, dout_rows + padded * plan.depth_v,
+              std::uint16_t{0});
+    tiles::StageColumnsBf16(dout_rows, plan.depth_v, 1, dv, t.rows, Bf16(w, plan.dout_cols));
+  }
+
+  static void Scores(const AttentionKernelParams& p, const Plan& plan, std::int64_t rows,
+                     float* w) {
+    amx::scores(Bf16(w, plan.q_rows), plan.depth, Words(w, plan.k_pairs), plan.depth, rows, p.scale,
+                w + plan.s);
+  }
+
+  static void DoutValues(const AttentionBackwardKernelParams&, const Plan& plan, const RowTile& t,
+                         float* w) {
+    amx::scores(Bf16(w, plan.dout_rows), plan.depth_v, Words(w, plan.v_pairs), plan.depth_v, t.rows,
+                1.0f, w + plan.dp);
+  }
+
+  static void Gradients(const AttentionBackwardKernelParams& g, const Plan& plan, const RowTile& t,
+                        std::int64_t num_k, const float* pv, float* w) {
+    const AttentionKernelParams& p = g.forward;
+    // dv^T += dout^T p and dk^T += q^T du: the rows are the reduction axis, paired.
+    amx::pack_probs(pv, t.rows, nullptr, Words(w, plan.p_pairs));
+    amx::values(Bf16(w, plan.dout_cols), tiles::kBlockK, Words(w, plan.p_pairs), t.rows,
+                p.head_dim_v, nullptr, nullptr, w + plan.dvt);
+    const float* du = w + plan.dp;
+    amx::pack_probs(du, t.rows, nullptr, Words(w, plan.du_pairs));
+    amx::values(Bf16(w, plan.q_cols), tiles::kBlockK, Words(w, plan.du_pairs), t.rows, p.head_dim,
+                nullptr, nullptr, w + plan.dkt);
+    // dq = du k: du's rows in bf16 (keys past num_k: du = 0 there, and k_cols too).
+    const DF df;
+    std::uint16_t* du_rows = Bf16(w, plan.du_rows);
+    for (std::int64_t r = 0; r < t.rows; ++r) {
+      for (std::int64_t x = 0; x < kKeys; x += kLanes) {
+        tiles::StoreHalfLanes(DType::kBF16, df, hn::Load(df, du + r * kKeys + x),
+                              du_rows + r * kKeys + x);
+      }
+    }
+    const std::int64_t depth = RoundUp(num_k, amx::kDepthStep);
+    for (std::int64_t pass = 0; pass < plan.passes; ++pass) {
+      amx::scores(du_rows, kKeys, Words(w, plan.k_cols) + pass * kKeys / 2 * kBlockQ, depth, t.rows,
+                  1.0f, w + plan.dqt + pass * kRowsPerTile * kBlockQ);
+    }
+  }
+
+  // q entered the products unscaled.
+  static float DkScale(const AttentionKernelParams& p) { return p.scale; }
+};
+
+// Whether the backward runs dtype on AMX tiles on this target and CPU (bf16 only: f16 widens).
+inline bool BackwardOnTiles(DType dtype) {
+  if constexpr (kAmxLanes) return dtype == DType::kBF16 && amx::available();
+  return false;
+}
+
+inline ProductPath BackwardProductPath(DType dtype) {
+  return BackwardOnTiles(dtype) ? ProductPath::kBf16Amx : WideningProductPath(dtype);
+}
+
+// Calls f(Products{}) with the products for dtype: the one switch of the backward's
+// instantiations.
+template <class F>
+void WithBackwardProducts(DType dtype, bool tiles, F&& f) {
+  if constexpr (kAmxLanes) {
+    if (tiles) return f(AmxBackward{});
+  }
+  (void)tiles;
+  if (dtype == DType::kBF16) return f(WideBackward<hwy::bfloat16_t>{});
+  if (dtype == DType::kF16) return f(WideBackward<hwy::float16_t>{});
+  return f(WideBackward<float>{});
+}
+
+}  // namespace backward
+}  // namespace HWY_NAMESPACE
+}  // namespace qkv
+HWY_AFTER_NAMESPACE();
+
+#endif  // QKV_KERNELS_CPU_BACKWARD_PRODUCTS_INL_H_
