@@ -56,8 +56,7 @@ struct Plan {
   std::int64_t key_tiles, row_tiles, passes;  // passes: head_dim in kBlockQ-wide parts
   std::int64_t kt, vt, kp, dkt, dvt, qs, s, dp, cap, pz, dqt;
   std::int64_t depth, depth_v;  // AMX: D and Dv rounded up to the tiles' 32
-  std::int64_t k_pairs, v_pairs, k_cols, q_rows, q_cols, dout_rows, dout_cols, p_pairs, du_pairs,
-      du_rows;
+  std::int64_t k_pairs, v_pairs, k_cols, q_cols, dout_cols, p_pairs, du_pairs, du_rows;
   std::int64_t floats;
 };
 
@@ -90,9 +89,7 @@ inline Plan MakePlan(const AttentionKernelParams& p, bool tiles) {
     plan.k_pairs = take(plan.depth / 2 * kKeys);
     plan.v_pairs = take(plan.depth_v / 2 * kKeys);
     plan.k_cols = take(plan.passes * kKeys / 2 * kBlockQ);
-    plan.q_rows = take(kRowsPerTile * plan.depth / 2);
     plan.q_cols = take(RoundUp(p.head_dim, 16) * tiles::kBlockK / 2);
-    plan.dout_rows = take(kRowsPerTile * plan.depth_v / 2);
     plan.dout_cols = take(RoundUp(p.head_dim_v, 16) * tiles::kBlockK / 2);
     plan.p_pairs = take(kRowsPerTile / 2 * kKeys);
     plan.du_pairs = take(kRowsPerTile / 2 * kKeys);
@@ -111,7 +108,92 @@ float Element(const void* base, std::int64_t offset) {
 struct RowTile {
   std::int64_t b, h, i0, rows;
   const float* dout;  // dout[b][i0][h][0]; rows g.dout_stride[1] apart
+  // AMX: CopyRows' q rows (depth apart) and bf16(dout) rows (depth_v apart) of (b, h) from i0 on;
+  // null for f32.
+  const std::uint16_t* q16;
+  const std::uint16_t* dout16;
 };
+
+// AMX: every row of q (bf16 as stored) and bf16(dout) (to nearest even), zero past D / Dv up
+// to depth / depth_v, rows (b, h, i) in that order, and 16 zero rows past the last (which the
+// tiles of a last, partial row tile read). Made once per row in the pass that computes D_r,
+// where every key tile would otherwise gather them again (BSHD's rows lie Hq * D elements
+// apart): q rows are s's A operand and dout rows dp's, both transposed per row tile for dk
+// and dv. q's size plus half of dout's.
+struct RowCopies {
+  std::uint16_t* q = nullptr;
+  std::uint16_t* dout = nullptr;
+};
+
+inline void CopyRows(const AttentionBackwardKernelParams& g, const Plan& plan, std::int64_t b,
+                     std::int64_t h, const RowCopies& copies) {
+  const AttentionKernelParams& p = g.forward;
+  const DF df;
+  const std::int64_t d = p.head_dim, dv = p.head_dim_v;
+  const std::int64_t first = (b * p.num_heads_q + h) * p.seq_q;
+  for (std::int64_t i = 0; i < p.seq_q; ++i) {
+    const std::uint16_t* q = static_cast<const std::uint16_t*>(p.q) + b * p.q_stride[0] +
+                             i * p.q_stride[1] + h * p.q_stride[2];
+    std::uint16_t* q_dst = copies.q + (first + i) * plan.depth;
+    if (p.q_stride[3] == 1) {
+      std::memcpy(q_dst, q, d * sizeof(std::uint16_t));
+    } else {
+      for (std::int64_t e = 0; e < d; ++e) q_dst[e] = q[e * p.q_stride[3]];
+    }
+    std::fill(q_dst + d, q_dst + plan.depth, std::uint16_t{0});
+    const float* src = g.dout + b * g.dout_stride[0] + i * g.dout_stride[1] + h * g.dout_stride[2];
+    std::uint16_t* dst = copies.dout + (first + i) * plan.depth_v;
+    std::int64_t e = 0;
+    if (g.dout_stride[3] == 1) {
+      for (; e + kLanes <= dv; e += kLanes) {
+        tiles::StoreHalfLanes(DType::kBF16, df, hn::LoadU(df, src + e), dst + e);
+      }
+    }
+    for (; e < dv; ++e) dst[e] = f32_to_bf16_bits(src[e * g.dout_stride[3]]);
+    std::fill(dst + dv, dst + plan.depth_v, std::uint16_t{0});
+  }
+}
+
+// pairs[t][l] = (x[l][2t], x[l][2t + 1]) for t < half_depth, l < kKeys, from `dim` elements of
+// num_k bf16 rows (rows row_stride, elements elem_stride apart), zero past them. With unit
+// stride along an even dim a row already is its pair words: squares of kLanes words x kLanes
+// rows are transposed in registers (as PackQueryPairs does), the rest word by word.
+inline void PairRows(const std::uint16_t* x, std::int64_t row_stride, std::int64_t elem_stride,
+                     std::int64_t dim, std::int64_t num_k, std::int64_t half_depth,
+                     std::uint32_t* pairs) {
+  const auto at = [&](std::int64_t l, std::int64_t d) -> std::uint32_t {
+    return l < num_k && d < dim ? x[l * row_stride + d * elem_stride] : 0u;
+  };
+  std::int64_t squares = 0;
+#if HWY_TARGET != HWY_SCALAR
+  using DU = hn::RebindToUnsigned<DF>;
+  const DU du;
+  const hn::Repartition<std::uint16_t, DU> du16;
+  if (elem_stride == 1 && dim % 2 == 0) {
+    squares = dim / 2 / kLanes * kLanes;
+    for (std::int64_t l0 = 0; l0 < kKeys; l0 += kLanes) {
+      for (std::int64_t t0 = 0; t0 < squares; t0 += kLanes) {
+        hn::Vec<DU> v[kLanes];
+        HWY_UNROLL(16)
+        for (std::int64_t r = 0; r < kLanes; ++r) {
+          v[r] = l0 + r < num_k
+                     ? hn::BitCast(du, hn::LoadU(du16, x + (l0 + r) * row_stride + 2 * t0))
+                     : hn::Zero(du);
+        }
+        TransposeSquare(du, v);
+        HWY_UNROLL(16)
+        for (std::int64_t c = 0; c < kLanes; ++c)
+          hn::Store(v[c], du, pairs + (t0 + c) * kKeys + l0);
+      }
+    }
+  }
+#endif
+  for (std::int64_t l = 0; l < kKeys; ++l) {
+    for (std::int64_t t = squares; t < half_depth; ++t) {
+      pairs[t * kKeys + l] = at(l, 2 * t) | at(l, 2 * t + 1) << 16;
+    }
+  }
+}
 
 // A task scope that does nothing (the f32 products need no tile state).
 struct NoScope {};
@@ -160,9 +242,8 @@ struct WideBackward {
   }
 
   // s[r][l] = qs_r . k_l.
-  static void Scores(const AttentionKernelParams& p, const Plan& plan, std::int64_t rows,
-                     float* w) {
-    tiles::OuterProduct(w + plan.kt, w + plan.qs, rows, p.head_dim, 1, p.head_dim, w + plan.s,
+  static void Scores(const AttentionKernelParams& p, const Plan& plan, const RowTile& t, float* w) {
+    tiles::OuterProduct(w + plan.kt, w + plan.qs, t.rows, p.head_dim, 1, p.head_dim, w + plan.s,
                         nullptr, false);
   }
 
@@ -197,9 +278,9 @@ struct WideBackward {
 //   k_pairs [depth / 2][kKeys]   (k[l][2t], k[l][2t + 1])        s's B, per task
 //   v_pairs [depth_v / 2][kKeys] (v[l][2t], v[l][2t + 1])        dp's B, per task
 //   k_cols  [passes][kKeys / 2][kBlockQ] (k[2t][x], k[2t + 1][x]) dq's B, per task
-//   q_rows  [kRowsPerTile][depth]      q rows                     s's A, per row tile
+//   q16     [Lq][depth]                q rows (CopyRows)          s's A, per (b, h)
 //   q_cols  [round_up(D, 16)][kBlockK] q^T                        dk's A
-//   dout_rows [kRowsPerTile][depth_v]  bf16(dout) rows            dp's A
+//   dout16  [Lq][depth_v]              bf16(dout) rows (CopyRows) dp's A, per (b, h)
 //   dout_cols [round_up(Dv, 16)][kBlockK] bf16(dout)^T            dv's A
 //   p_pairs, du_pairs [kRowsPerTile / 2][kKeys] (x[2t][l], x[2t + 1][l])  dv's and dk's B
 //   du_rows [kRowsPerTile][kKeys]      bf16(du) rows              dq's A
@@ -219,87 +300,49 @@ struct AmxBackward {
                              j0 * p.k_stride[1] + hkv * p.k_stride[2];
     const std::uint16_t* v = static_cast<const std::uint16_t*>(p.v) + b * p.v_stride[0] +
                              j0 * p.v_stride[1] + hkv * p.v_stride[2];
-    const auto k_at = [&](std::int64_t l, std::int64_t d) -> std::uint32_t {
-      return l < num_k && d < p.head_dim ? k[l * p.k_stride[1] + d * p.k_stride[3]] : 0u;
-    };
-    const auto v_at = [&](std::int64_t l, std::int64_t e) -> std::uint32_t {
-      return l < num_k && e < p.head_dim_v ? v[l * p.v_stride[1] + e * p.v_stride[3]] : 0u;
-    };
-    std::uint32_t* k_pairs = Words(w, plan.k_pairs);
-    for (std::int64_t l = 0; l < kKeys; ++l) {  // (row by row: each key's row is read in order)
-      for (std::int64_t t = 0; t < plan.depth / 2; ++t) {
-        k_pairs[t * kKeys + l] = k_at(l, 2 * t) | k_at(l, 2 * t + 1) << 16;
-      }
-    }
-    std::uint32_t* v_pairs = Words(w, plan.v_pairs);
-    for (std::int64_t l = 0; l < kKeys; ++l) {
-      for (std::int64_t t = 0; t < plan.depth_v / 2; ++t) {
-        v_pairs[t * kKeys + l] = v_at(l, 2 * t) | v_at(l, 2 * t + 1) << 16;
-      }
-    }
+    PairRows(k, p.k_stride[1], p.k_stride[3], p.head_dim, num_k, plan.depth / 2,
+             Words(w, plan.k_pairs));
+    PairRows(v, p.v_stride[1], p.v_stride[3], p.head_dim_v, num_k, plan.depth_v / 2,
+             Words(w, plan.v_pairs));
+    // k_cols: two key rows interleaved, kBlockQ dims per pass.
     std::uint32_t* k_cols = Words(w, plan.k_cols);
     for (std::int64_t pass = 0; pass < plan.passes; ++pass) {
+      const std::int64_t d0 = pass * kBlockQ, width = std::min(kBlockQ, p.head_dim - d0);
       for (std::int64_t t = 0; t < kKeys / 2; ++t) {
         std::uint32_t* row = k_cols + (pass * kKeys / 2 + t) * kBlockQ;
-        for (std::int64_t x = 0; x < kBlockQ; ++x) {
-          const std::int64_t d = pass * kBlockQ + x;
-          row[x] = k_at(2 * t, d) | k_at(2 * t + 1, d) << 16;
+        const std::uint16_t* lo = k + 2 * t * p.k_stride[1] + d0 * p.k_stride[3];
+        const std::uint16_t* hi = lo + p.k_stride[1];
+        std::int64_t x = 0;
+        if (2 * t + 1 < num_k && p.k_stride[3] == 1) {  // (a loop the compiler vectorises)
+          for (; x < width; ++x) row[x] = lo[x] | static_cast<std::uint32_t>(hi[x]) << 16;
+        } else if (2 * t < num_k) {
+          for (; x < width; ++x) {
+            const std::uint32_t h = 2 * t + 1 < num_k ? hi[x * p.k_stride[3]] : 0u;
+            row[x] = lo[x * p.k_stride[3]] | h << 16;
+          }
         }
+        std::fill(row + x, row + kBlockQ, 0u);
       }
     }
   }
 
+  // q^T and bf16(dout)^T from CopyRows' rows.
   static void PackRows(const AttentionBackwardKernelParams& g, const Plan& plan, const RowTile& t,
                        float* w) {
     const AttentionKernelParams& p = g.forward;
-    const std::int64_t padded = RoundUp(t.rows, amx::kTileRows);
-    // q rows as they are, and q^T.
-    const std::uint16_t* q = static_cast<const std::uint16_t*>(p.q) + t.b * p.q_stride[0] +
-                             t.i0 * p.q_stride[1] + t.h * p.q_stride[2];
-    std::uint16_t* q_rows = Bf16(w, plan.q_rows);
-    for (std::int64_t r = 0; r < t.rows; ++r) {
-      const std::uint16_t* src = q + r * p.q_stride[1];
-      std::uint16_t* dst = q_rows + r * plan.depth;
-      if (p.q_stride[3] == 1) {
-        std::memcpy(dst, src, p.head_dim * sizeof(std::uint16_t));
-      } else {
-        for (std::int64_t d = 0; d < p.head_dim; ++d) dst[d] = src[d * p.q_stride[3]];
-      }
-      std::fill(dst + p.head_dim, dst + plan.depth, std::uint16_t{0});
-    }
-    std::fill(q_rows + t.rows * plan.depth, q_rows + padded * plan.depth, std::uint16_t{0});
-    tiles::StageColumnsBf16(q, p.q_stride[1], p.q_stride[3], p.head_dim, t.rows,
-                            Bf16(w, plan.q_cols));
-    // dout rounded to bf16, rows and columns.
-    const DF df;
-    const std::int64_t dv = p.head_dim_v;
-    std::uint16_t* dout_rows = Bf16(w, plan.dout_rows);
-    for (std::int64_t r = 0; r < t.rows; ++r) {
-      const float* src = t.dout + r * g.dout_stride[1];
-      std::uint16_t* dst = dout_rows + r * plan.depth_v;
-      std::int64_t e = 0;
-      if (g.dout_stride[3] == 1) {
-        for (; e + kLanes <= dv; e += kLanes)
-          tiles::StoreHalfLanes(DType::kBF16, df, hn::LoadU(df, src + e), dst + e);
-      }
-      for (; e < dv; ++e) dst[e] = f32_to_bf16_bits(src[e * g.dout_stride[3]]);
-      std::fill(dst + dv, dst + plan.depth_v, std::uint16_t{0});
-    }
-    std::fill(dout_rows + t.rows * plan.depth_v, dout_rows + padded * plan.depth_v,
-              std::uint16_t{0});
-    tiles::StageColumnsBf16(dout_rows, plan.depth_v, 1, dv, t.rows, Bf16(w, plan.dout_cols));
+    tiles::StageColumnsBf16(t.q16, plan.depth, 1, p.head_dim, t.rows, Bf16(w, plan.q_cols));
+    tiles::StageColumnsBf16(t.dout16, plan.depth_v, 1, p.head_dim_v, t.rows,
+                            Bf16(w, plan.dout_cols));
   }
 
-  static void Scores(const AttentionKernelParams& p, const Plan& plan, std::int64_t rows,
-                     float* w) {
-    amx::scores(Bf16(w, plan.q_rows), plan.depth, Words(w, plan.k_pairs), plan.depth, rows, p.scale,
-                w + plan.s);
+  static void Scores(const AttentionKernelParams& p, const Plan& plan, const RowTile& t, float* w) {
+    amx::scores(t.q16, plan.depth, Words(w, plan.k_pairs), plan.depth, t.rows, p.scale, w + plan.s);
   }
 
   static void DoutValues(const AttentionBackwardKernelParams&, const Plan& plan, const RowTile& t,
                          float* w) {
-    amx::scores(Bf16(w, plan.dout_rows), plan.depth_v, Words(w, plan.v_pairs), plan.depth_v, t.rows,
-                1.0f, w + plan.dp);
+    amx::scores(t.dout16, plan.depth_v, Words(w, plan.v_pairs), plan.depth_v, t.rows, 1.0f,
+                w + plan.dp);
   }
 
   static void Gradients(const AttentionBackwardKernelParams& g, const Plan& plan, const RowTile& t,

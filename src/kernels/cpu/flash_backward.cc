@@ -155,9 +155,25 @@ void Dropout(const AttentionKernelParams& p, const Plan& plan, std::int64_t b, s
   }
 }
 
+// The row tile [i0, i0 + rows) of head h in batch entry b.
+RowTile MakeRowTile(const AttentionBackwardKernelParams& g, const Plan& plan,
+                    const backward::RowCopies& copies, std::int64_t b, std::int64_t h,
+                    std::int64_t i0, std::int64_t rows) {
+  const AttentionKernelParams& p = g.forward;
+  const std::int64_t first = (b * p.num_heads_q + h) * p.seq_q + i0;
+  return {b,
+          h,
+          i0,
+          rows,
+          g.dout + b * g.dout_stride[0] + i0 * g.dout_stride[1] + h * g.dout_stride[2],
+          copies.q == nullptr ? nullptr : copies.q + first * plan.depth,
+          copies.dout == nullptr ? nullptr : copies.dout + first * plan.depth_v};
+}
+
 template <class Products>
 void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, const float* delta,
-                  std::atomic<std::int64_t>* turns, std::int64_t task, float* w) {
+                  const backward::RowCopies& copies, std::atomic<std::int64_t>* turns,
+                  std::int64_t task, float* w) {
   const AttentionKernelParams& p = g.forward;
   const DF df;
   const std::int64_t per_batch = p.num_heads_kv * plan.key_tiles;
@@ -180,11 +196,9 @@ void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, cons
       const std::int64_t i0 = it * kRowsPerTile;
       const std::int64_t rows = std::min(kRowsPerTile, p.seq_q - i0);
       if (!Interacts(p, key_limit, i0, rows, j0, j0 + num_k)) continue;
-      const RowTile tile{
-          b, h, i0, rows,
-          g.dout + b * g.dout_stride[0] + i0 * g.dout_stride[1] + h * g.dout_stride[2]};
+      const RowTile tile = MakeRowTile(g, plan, copies, b, h, i0, rows);
       Products::PackRows(g, plan, tile, w);
-      Products::Scores(p, plan, rows, w);
+      Products::Scores(p, plan, tile, w);
       Probabilities(p, plan, b, h, i0, rows, j0, num_k, w);
       // dp[r][l] = dout_r . v_l, then du = p (dp - D_r) (times the softcap's derivative).
       Products::DoutValues(g, plan, tile, w);
@@ -249,7 +263,7 @@ void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, cons
 // count. It recomputes p and dp tile by tile: two of the main pass's five products.
 template <class Products>
 void DbiasTask(const AttentionBackwardKernelParams& g, const Plan& plan, const float* delta,
-               std::int64_t task, float* w) {
+               const backward::RowCopies& copies, std::int64_t task, float* w) {
   const AttentionKernelParams& p = g.forward;
   const DF df;
   const std::int64_t nb = g.dbias_sizes[0], nh = g.dbias_sizes[1];
@@ -275,9 +289,7 @@ void DbiasTask(const AttentionBackwardKernelParams& g, const Plan& plan, const f
       for (std::int64_t it = per_row ? cell : 0; it < (per_row ? cell + 1 : plan.row_tiles); ++it) {
         const std::int64_t i0 = it * kRowsPerTile;
         const std::int64_t rows = std::min(kRowsPerTile, p.seq_q - i0);
-        const RowTile tile{
-            b, h, i0, rows,
-            g.dout + b * g.dout_stride[0] + i0 * g.dout_stride[1] + h * g.dout_stride[2]};
+        const RowTile tile = MakeRowTile(g, plan, copies, b, h, i0, rows);
         Products::PackRows(g, plan, tile, w);
         for (std::int64_t jt = 0; jt < plan.key_tiles; ++jt) {
           const std::int64_t j0 = jt * kKeys;
@@ -285,7 +297,7 @@ void DbiasTask(const AttentionBackwardKernelParams& g, const Plan& plan, const f
               std::max<std::int64_t>(0, std::min({kKeys, p.seq_kv - j0, key_limit - j0}));
           if (num_k == 0 || !Interacts(p, key_limit, i0, rows, j0, j0 + num_k)) continue;
           Products::PackKeys(p, plan, b, hkv, j0, num_k, w);
-          Products::Scores(p, plan, rows, w);
+          Products::Scores(p, plan, tile, w);
           Probabilities(p, plan, b, h, i0, rows, j0, num_k, w);
           Products::DoutValues(g, plan, tile, w);
           if (p.dropout_p > 0.0f) Dropout(p, plan, b, h, i0, rows, j0, w);
@@ -312,6 +324,18 @@ void FlashBackward(const AttentionBackwardKernelParams& g) {
   // D_r = dout_r . out_r per (b, h, row), and dq = 0, one (b, h) per task.
   AlignedBuffer delta(sizeof(float) * p.batch * p.num_heads_q * p.seq_q);
   const std::int64_t heads = p.batch * p.num_heads_q;
+  // AMX: q and bf16(dout) row by row (backward::CopyRows), with 16 zero rows after each.
+  const std::int64_t copy_rows = tiles_on ? heads * p.seq_q + amx::kTileRows : 0;
+  AlignedBuffer copy_buffer(sizeof(std::uint16_t) * copy_rows * (plan.depth + plan.depth_v));
+  backward::RowCopies copies;
+  if (tiles_on) {
+    copies.q = copy_buffer.as<std::uint16_t>();
+    copies.dout = copies.q + copy_rows * plan.depth;
+    std::fill(copies.q + heads * p.seq_q * plan.depth, copies.q + copy_rows * plan.depth,
+              std::uint16_t{0});
+    std::fill(copies.dout + heads * p.seq_q * plan.depth_v, copies.dout + copy_rows * plan.depth_v,
+              std::uint16_t{0});
+  }
   parallel_for(heads, static_cast<int>(std::min<std::int64_t>(p.num_threads, heads)),
                [&](std::int64_t task, int) {
                  const std::int64_t b = task / p.num_heads_q, h = task % p.num_heads_q;
@@ -326,6 +350,7 @@ void FlashBackward(const AttentionBackwardKernelParams& g) {
                    float* dq = g.dq + b * g.dq_stride[0] + i * g.dq_stride[1] + h * g.dq_stride[2];
                    for (std::int64_t d = 0; d < p.head_dim; ++d) dq[d * g.dq_stride[3]] = 0.0f;
                  }
+                 if (tiles_on) backward::CopyRows(g, plan, b, h, copies);
                });
   // Each row tile's turn starts at the first key tile that touches it.
   const std::int64_t num_turns = heads * plan.row_tiles;
@@ -352,14 +377,14 @@ void FlashBackward(const AttentionBackwardKernelParams& g) {
     using Products = decltype(products);
     parallel_for(tasks, threads, [&](std::int64_t task, int thread) {
       [[maybe_unused]] typename Products::TaskScope scope;
-      BackwardTask<Products>(g, plan, delta.as<float>(), turns.get(), task,
+      BackwardTask<Products>(g, plan, delta.as<float>(), copies, turns.get(), task,
                              scratch.as<float>() + thread * plan.floats);
     });
     if (dbias_tasks == 0) return;
     parallel_for(dbias_tasks, static_cast<int>(std::min<std::int64_t>(threads, dbias_tasks)),
                  [&](std::int64_t task, int thread) {
                    [[maybe_unused]] typename Products::TaskScope scope;
-                   DbiasTask<Products>(g, plan, delta.as<float>(), task,
+                   DbiasTask<Products>(g, plan, delta.as<float>(), copies, task,
                                        scratch.as<float>() + thread * plan.floats);
                  });
   });
