@@ -21,6 +21,7 @@
 #define HWY_TARGET_INCLUDE "kernels/cpu/flash_backward.cc"
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -155,6 +156,17 @@ void Dropout(const AttentionKernelParams& p, const Plan& plan, std::int64_t b, s
   }
 }
 
+// What the tasks share: D_r per (b, h, row); the AMX path's row copies; dq's sums, rows (b, h, i)
+// D floats apart (contiguous: the user's dq rows may lie Hq * D floats apart, a multiple of
+// 4 KiB that puts every row of a tile in the same L1 sets), copied out at the end; and each row
+// tile's turn on them.
+struct Shared {
+  const float* delta;
+  backward::RowCopies copies;
+  float* dq_sum;
+  std::atomic<std::int64_t>* turns;
+};
+
 // The row tile [i0, i0 + rows) of head h in batch entry b.
 RowTile MakeRowTile(const AttentionBackwardKernelParams& g, const Plan& plan,
                     const backward::RowCopies& copies, std::int64_t b, std::int64_t h,
@@ -171,8 +183,7 @@ RowTile MakeRowTile(const AttentionBackwardKernelParams& g, const Plan& plan,
 }
 
 template <class Products>
-void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, const float* delta,
-                  const backward::RowCopies& copies, std::atomic<std::int64_t>* turns,
+void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, const Shared& shared,
                   std::int64_t task, float* w) {
   const AttentionKernelParams& p = g.forward;
   const DF df;
@@ -196,7 +207,7 @@ void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, cons
       const std::int64_t i0 = it * kRowsPerTile;
       const std::int64_t rows = std::min(kRowsPerTile, p.seq_q - i0);
       if (!Interacts(p, key_limit, i0, rows, j0, j0 + num_k)) continue;
-      const RowTile tile = MakeRowTile(g, plan, copies, b, h, i0, rows);
+      const RowTile tile = MakeRowTile(g, plan, shared.copies, b, h, i0, rows);
       Products::PackRows(g, plan, tile, w);
       Products::Scores(p, plan, tile, w);
       Probabilities(p, plan, b, h, i0, rows, j0, num_k, w);
@@ -209,7 +220,7 @@ void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, cons
         p_for_dv = w + plan.pz;
       }
       for (std::int64_t r = 0; r < rows; ++r) {
-        const VF d_r = hn::Set(df, delta[(b * p.num_heads_q + h) * p.seq_q + i0 + r]);
+        const VF d_r = hn::Set(df, shared.delta[(b * p.num_heads_q + h) * p.seq_q + i0 + r]);
         for (std::int64_t x = r * kKeys; x < (r + 1) * kKeys; x += kLanes) {
           VF du = hn::Mul(hn::Load(df, s + x), hn::Sub(hn::Load(df, dp + x), d_r));
           if (p.softcap > 0.0f) du = hn::Mul(du, hn::Load(df, cap + x));
@@ -219,24 +230,23 @@ void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, cons
       // dv^T += dout^T p, dk^T += q^T du, and this key tile's dq rows.
       Products::Gradients(g, plan, tile, num_k, p_for_dv, w);
       // Our turn on these dq rows: after every earlier key tile that touches them.
-      std::atomic<std::int64_t>& turn = turns[(b * p.num_heads_q + h) * plan.row_tiles + it];
+      std::atomic<std::int64_t>& turn = shared.turns[(b * p.num_heads_q + h) * plan.row_tiles + it];
       for (int spins = 0; turn.load(std::memory_order_acquire) != jt; ++spins) {
         if (spins > 64) std::this_thread::yield();
       }
       const VF scale = hn::Set(df, p.scale);
+      float* dq_rows = shared.dq_sum + ((b * p.num_heads_q + h) * p.seq_q + i0) * p.head_dim;
       for (std::int64_t r = 0; r < rows; ++r) {
-        float* dq = g.dq + b * g.dq_stride[0] + (i0 + r) * g.dq_stride[1] + h * g.dq_stride[2];
+        float* dq = dq_rows + r * p.head_dim;
         for (std::int64_t pass = 0; pass < plan.passes; ++pass) {
           const float* tile_row = dqt + pass * kRowsPerTile * kBlockQ + r * kBlockQ;
           const std::int64_t d0 = pass * kBlockQ, width = std::min(kBlockQ, p.head_dim - d0);
           std::int64_t x = 0;
-          if (g.dq_stride[3] == 1) {
-            for (; x + kLanes <= width; x += kLanes) {
-              hn::StoreU(hn::MulAdd(hn::Load(df, tile_row + x), scale, hn::LoadU(df, dq + d0 + x)),
-                         df, dq + d0 + x);
-            }
+          for (; x + kLanes <= width; x += kLanes) {
+            hn::StoreU(hn::MulAdd(hn::Load(df, tile_row + x), scale, hn::LoadU(df, dq + d0 + x)),
+                       df, dq + d0 + x);
           }
-          for (; x < width; ++x) dq[(d0 + x) * g.dq_stride[3]] += tile_row[x] * p.scale;
+          for (; x < width; ++x) dq[d0 + x] += tile_row[x] * p.scale;
         }
       }
       turn.store(jt + 1, std::memory_order_release);
@@ -262,8 +272,8 @@ void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, cons
 // in one fixed order (batch, head, row tile, key tile, row, key): the same bits on any thread
 // count. It recomputes p and dp tile by tile: two of the main pass's five products.
 template <class Products>
-void DbiasTask(const AttentionBackwardKernelParams& g, const Plan& plan, const float* delta,
-               const backward::RowCopies& copies, std::int64_t task, float* w) {
+void DbiasTask(const AttentionBackwardKernelParams& g, const Plan& plan, const Shared& shared,
+               std::int64_t task, float* w) {
   const AttentionKernelParams& p = g.forward;
   const DF df;
   const std::int64_t nb = g.dbias_sizes[0], nh = g.dbias_sizes[1];
@@ -289,7 +299,7 @@ void DbiasTask(const AttentionBackwardKernelParams& g, const Plan& plan, const f
       for (std::int64_t it = per_row ? cell : 0; it < (per_row ? cell + 1 : plan.row_tiles); ++it) {
         const std::int64_t i0 = it * kRowsPerTile;
         const std::int64_t rows = std::min(kRowsPerTile, p.seq_q - i0);
-        const RowTile tile = MakeRowTile(g, plan, copies, b, h, i0, rows);
+        const RowTile tile = MakeRowTile(g, plan, shared.copies, b, h, i0, rows);
         Products::PackRows(g, plan, tile, w);
         for (std::int64_t jt = 0; jt < plan.key_tiles; ++jt) {
           const std::int64_t j0 = jt * kKeys;
@@ -302,7 +312,7 @@ void DbiasTask(const AttentionBackwardKernelParams& g, const Plan& plan, const f
           Products::DoutValues(g, plan, tile, w);
           if (p.dropout_p > 0.0f) Dropout(p, plan, b, h, i0, rows, j0, w);
           for (std::int64_t r = 0; r < rows; ++r) {
-            const VF d_r = hn::Set(df, delta[(b * p.num_heads_q + h) * p.seq_q + i0 + r]);
+            const VF d_r = hn::Set(df, shared.delta[(b * p.num_heads_q + h) * p.seq_q + i0 + r]);
             for (std::int64_t x = r * kKeys; x < (r + 1) * kKeys; x += kLanes) {
               hn::Store(hn::Mul(hn::Load(df, s + x), hn::Sub(hn::Load(df, dp + x), d_r)), df,
                         dp + x);
@@ -321,9 +331,10 @@ void FlashBackward(const AttentionBackwardKernelParams& g) {
   // The products, chosen once here (the instantiations: WithBackwardProducts).
   const bool tiles_on = backward::BackwardOnTiles(p.dtype);
   const Plan plan = backward::MakePlan(p, tiles_on);
-  // D_r = dout_r . out_r per (b, h, row), and dq = 0, one (b, h) per task.
+  // D_r = dout_r . out_r per (b, h, row), and dq's sums = 0, one (b, h) per task.
   AlignedBuffer delta(sizeof(float) * p.batch * p.num_heads_q * p.seq_q);
   const std::int64_t heads = p.batch * p.num_heads_q;
+  AlignedBuffer dq_sum(sizeof(float) * heads * p.seq_q * p.head_dim);
   // AMX: q and bf16(dout) row by row (backward::CopyRows), with 16 zero rows after each.
   const std::int64_t copy_rows = tiles_on ? heads * p.seq_q + amx::kTileRows : 0;
   AlignedBuffer copy_buffer(sizeof(std::uint16_t) * copy_rows * (plan.depth + plan.depth_v));
@@ -347,9 +358,9 @@ void FlashBackward(const AttentionBackwardKernelParams& g) {
                      sum += static_cast<double>(out[e * p.out_stride[3]]) * dout[e * g.dout_stride[3]];
                    }
                    delta.as<float>()[task * p.seq_q + i] = static_cast<float>(sum);
-                   float* dq = g.dq + b * g.dq_stride[0] + i * g.dq_stride[1] + h * g.dq_stride[2];
-                   for (std::int64_t d = 0; d < p.head_dim; ++d) dq[d * g.dq_stride[3]] = 0.0f;
                  }
+                 float* sums = dq_sum.as<float>() + task * p.seq_q * p.head_dim;
+                 std::fill(sums, sums + p.seq_q * p.head_dim, 0.0f);
                  if (tiles_on) backward::CopyRows(g, plan, b, h, copies);
                });
   // Each row tile's turn starts at the first key tile that touches it.
@@ -373,18 +384,34 @@ void FlashBackward(const AttentionBackwardKernelParams& g) {
   const bool per_row = g.dbias_sizes[2] != 1 || p.seq_q == 1;
   const std::int64_t dbias_tasks =
       g.dbias == nullptr ? 0 : g.dbias_sizes[0] * g.dbias_sizes[1] * (per_row ? plan.row_tiles : 1);
+  const Shared shared{delta.as<float>(), copies, dq_sum.as<float>(), turns.get()};
   backward::WithBackwardProducts(p.dtype, tiles_on, [&](auto products) {
     using Products = decltype(products);
     parallel_for(tasks, threads, [&](std::int64_t task, int thread) {
       [[maybe_unused]] typename Products::TaskScope scope;
-      BackwardTask<Products>(g, plan, delta.as<float>(), copies, turns.get(), task,
-                             scratch.as<float>() + thread * plan.floats);
+      BackwardTask<Products>(g, plan, shared, task, scratch.as<float>() + thread * plan.floats);
     });
+    // dq: the sums copied out, one (b, h) per task.
+    parallel_for(heads, static_cast<int>(std::min<std::int64_t>(p.num_threads, heads)),
+                 [&](std::int64_t task, int) {
+                   const std::int64_t b = task / p.num_heads_q, h = task % p.num_heads_q;
+                   const float* sums = dq_sum.as<float>() + task * p.seq_q * p.head_dim;
+                   for (std::int64_t i = 0; i < p.seq_q; ++i, sums += p.head_dim) {
+                     float* dq =
+                         g.dq + b * g.dq_stride[0] + i * g.dq_stride[1] + h * g.dq_stride[2];
+                     if (g.dq_stride[3] == 1) {
+                       std::memcpy(dq, sums, p.head_dim * sizeof(float));
+                     } else {
+                       for (std::int64_t d = 0; d < p.head_dim; ++d)
+                         dq[d * g.dq_stride[3]] = sums[d];
+                     }
+                   }
+                 });
     if (dbias_tasks == 0) return;
     parallel_for(dbias_tasks, static_cast<int>(std::min<std::int64_t>(threads, dbias_tasks)),
                  [&](std::int64_t task, int thread) {
                    [[maybe_unused]] typename Products::TaskScope scope;
-                   DbiasTask<Products>(g, plan, delta.as<float>(), copies, task,
+                   DbiasTask<Products>(g, plan, shared, task,
                                        scratch.as<float>() + thread * plan.floats);
                  });
   });
