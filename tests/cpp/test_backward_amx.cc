@@ -141,9 +141,10 @@ void expect_backward_matches_reference(const Case& c, bool tiles) {
     const double tol = tiles ? tolerance(*b, *yardstick) : 2e-5 * std::max(1.0, max_abs(*b));
     EXPECT_LE(error, tol) << name;
     // The path rounds as the plain loops do, so it lies far closer to them than they lie to
-    // the oracle (measured: at most 2% of their error, where a rounded p flips to a neighbour).
+    // the oracle: within half their error (measured: at most 6.8% of it, where a rounded p
+    // flips to a neighbour; a dk scaled 0.1% wrong breaks this, not the tolerance).
     if (tiles) {
-      EXPECT_LE(max_abs_diff(*a, *yardstick), 0.25 * tol) << name << " vs the plain loops";
+      EXPECT_LE(max_abs_diff(*a, *yardstick), 0.125 * tol) << name << " vs the plain loops";
     }
     char buf[128];
     std::snprintf(buf, sizeof(buf), " %s %.3g/%.3g=%.2f (vs plain %.3g)", name, error, tol,
