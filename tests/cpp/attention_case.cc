@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "core/float16.h"
+#include "kernels/dropout_mask.h"
 #include "qkv/attention_backward.h"
 
 namespace qkv::testing {
@@ -389,10 +390,15 @@ Result Problem::plain(ProductPath path, const std::vector<std::uint8_t>* keep) c
   return r;
 }
 
-Grads plain_backward_bf16(Problem& pr, const std::vector<float>& dout, bool with_dbias) {
+Grads plain_backward_bf16(Problem& pr, const AttentionParams& params,
+                          const std::vector<float>& dout, bool with_dbias) {
   const Case& c = pr.spec();
   const std::int64_t dv = pr.head_dim_v();
-  const Result f = pr.run(Kernel::kReference, false);
+  AttentionParams forward = params;
+  forward.kernel = Kernel::kReference;
+  const Result f = pr.run_with(forward, false);
+  const std::uint32_t threshold = dropout_threshold(params.dropout_p);
+  const float z_kept = params.dropout_p > 0.0f ? 1.0f / (1.0f - params.dropout_p) : 1.0f;
   auto& out = const_cast<std::vector<float>&>(f.out);
   auto& dout_values = const_cast<std::vector<float>&>(dout);
   const TensorView qv = pr.view(pr.q, c.seq_q, c.num_heads_q, c.head_dim);
@@ -426,15 +432,19 @@ Grads plain_backward_bf16(Problem& pr, const std::vector<float>& dout, bool with
           delta += at(gv, b, i, h, e) * at(ov, b, i, h, e);
           dout_r[e] = round_to_bf16(at(gv, b, i, h, e));
         }
+        const std::uint64_t row =
+            dropout_row(params.seed, params.offset, b, h, i, c.num_heads_q, c.seq_q);
         for (std::int64_t j = 0; j < c.seq_kv; ++j) {
           if (s[j] == kNegInf) continue;
           const float p = std::exp(std::min(s[j] - lse, 0.0f));
+          const float z =
+              params.dropout_p > 0.0f ? (dropout_bits(row, j) >= threshold ? z_kept : 0.0f) : 1.0f;
           float dp = 0.0f;
           for (std::int64_t e = 0; e < dv; ++e) dp += dout_r[e] * at(vv, b, j, hk, e);
-          const float ds = p * (dp - delta);
+          const float ds = p * (z * dp - delta);
           if (with_dbias) g.dbias[pr.bias_offset(b, h, i, j)] += ds;
           const float du = round_to_bf16(ds * cap[j]);
-          const float pb = round_to_bf16(p);
+          const float pb = round_to_bf16(p * z);
           for (std::int64_t e = 0; e < dv; ++e) at(dvv, b, j, hk, e) += pb * dout_r[e];
           for (std::int64_t d = 0; d < c.head_dim; ++d) {
             at(dkv, b, j, hk, d) += scale * du * at(qv, b, i, h, d);

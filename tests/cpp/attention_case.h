@@ -126,8 +126,10 @@ Grads run_backward(Problem& pr, const AttentionParams& params, std::vector<float
 // with the reference forward's lse and out, dout rounded to bf16 where it multiplies v (dp) and
 // p (dv), p rounded to bf16 where it weights dout (dv), du = p (dp - D) (times the softcap's
 // derivative) rounded to bf16 where it weights q (dk) and k (dq); D = dout . out and every sum in
-// f32. dbias sums ds = p (dp - D) unrounded. No sparsity, no dropout.
-Grads plain_backward_bf16(Problem& pr, const std::vector<float>& dout, bool with_dbias);
+// f32. dbias sums ds = p (dp - D) unrounded. params: pr.params() or with dropout (then
+// dv takes bf16(p z) and ds = p (z dp - D), z = keep / (1 - dropout_p)); no sparsity.
+Grads plain_backward_bf16(Problem& pr, const AttentionParams& params,
+                          const std::vector<float>& dout, bool with_dbias);
 
 // The loss sum(dout * out) of the reference forward with `params`, in f64.
 double reference_loss(const Problem& pr, const AttentionParams& params,

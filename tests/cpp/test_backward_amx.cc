@@ -120,17 +120,20 @@ std::vector<Case> backward_amx_cases() {
 
 // The flash backward of `c` on the path the switches leave (tiles or widened), against the
 // oracle: within the plain bf16 implementation's tolerance on the tiles, 2e-5 widened.
-void expect_backward_matches_reference(const Case& c, bool tiles) {
-  SCOPED_TRACE(c.name());
+void expect_backward_matches_reference(const Case& c, bool tiles, float dropout_p = 0.0f) {
+  SCOPED_TRACE(c.name() + (dropout_p > 0.0f ? " dropout" : ""));
   Problem pr(c);
-  const AttentionParams params = pr.params();
+  AttentionParams params = pr.params();
+  params.dropout_p = dropout_p;
+  params.seed = 11;
+  params.offset = 5;
   ASSERT_STREQ(backward_product_path(params, DType::kBF16),
                tiles ? "bf16-amx" : "bf16-widened-fma");
   std::vector<float> dout = normal_values(pr.q.size() / c.head_dim * pr.head_dim_v(), 8);
   const bool with_dbias = !pr.bias.empty();
   const Grads ref = run_backward(pr, params, dout, with_dbias, 0, Kernel::kReference);
   const Grads flash = run_backward(pr, params, dout, with_dbias, 0, Kernel::kFlash);
-  const Grads plain = tiles ? plain_backward_bf16(pr, dout, with_dbias) : Grads{};
+  const Grads plain = tiles ? plain_backward_bf16(pr, params, dout, with_dbias) : Grads{};
   std::string ratios;
   for (auto [name, a, b, yardstick] : {std::tuple{"dq", &flash.dq, &ref.dq, &plain.dq},
                                        {"dk", &flash.dk, &ref.dk, &plain.dk},
@@ -151,13 +154,22 @@ void expect_backward_matches_reference(const Case& c, bool tiles) {
                   error / tol, tiles ? max_abs_diff(*a, *yardstick) : 0.0);
     ratios += buf;
   }
-  std::printf("[ backward %s ] %s:%s\n", tiles ? "bf16-amx" : "bf16-widened", c.name().c_str(),
-              ratios.c_str());
+  std::printf("[ backward %s ] %s%s:%s\n", tiles ? "bf16-amx" : "bf16-widened", c.name().c_str(),
+              dropout_p > 0.0f ? " dropout" : "", ratios.c_str());
 }
 
 TEST(BackwardAmx, MatchesReferenceWithinThePlainBf16Error) {
   QKV_SKIP_WITHOUT_AMX();
   for (const Case& c : backward_amx_cases()) expect_backward_matches_reference(c, true);
+}
+
+// Dropout: p z weights dout in dv, z dp enters ds (the forward's mask, rebuilt by the kernel).
+TEST(BackwardAmx, DropoutMatchesReferenceWithinThePlainBf16Error) {
+  QKV_SKIP_WITHOUT_AMX();
+  const std::vector<Case> cases = backward_amx_cases();
+  for (const std::size_t i : {std::size_t{1}, std::size_t{3}, std::size_t{4}, std::size_t{9}}) {
+    expect_backward_matches_reference(cases[i], true, 0.2f);
+  }
 }
 
 TEST(BackwardAmx, WidenedWhereTheTilesAreOff) {
