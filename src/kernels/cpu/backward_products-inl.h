@@ -46,6 +46,10 @@ constexpr std::int64_t kKeys = kBlockQ;    // keys per task: the lanes of the pr
 constexpr std::int64_t kRowsPerTile = 64;  // query rows per tile
 // The AMX products exist where a task's keys fill the tiles' 64 lanes (AVX3 targets).
 constexpr bool kAmxLanes = kKeys == amx::kLanes;
+// Key tiles per task: on the tiles, two, so that each row tile's dq adds and q^T / dout^T
+// transposes serve two key tiles (f32: one, the order its bits were defined with).
+constexpr std::int64_t kAmxTilesPerTask = 4;
+constexpr std::int64_t kMaxTilesPerTask = 4;
 
 inline std::int64_t RoundUp(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
 
@@ -54,6 +58,9 @@ inline std::int64_t RoundUp(std::int64_t x, std::int64_t m) { return (x + m - 1)
 // dvt. AMX (tiles only): the bf16 operands named in AmxBackward.
 struct Plan {
   std::int64_t key_tiles, row_tiles, passes;  // passes: head_dim in kBlockQ-wide parts
+  // A task takes tiles_per_task consecutive key tiles (groups of them: key_groups per kv head),
+  // each with a scratch of its own (`floats` apart).
+  std::int64_t tiles_per_task, key_groups;
   std::int64_t kt, vt, kp, dkt, dvt, qs, s, dp, cap, pz, dqt;
   std::int64_t depth, depth_v;  // AMX: D and Dv rounded up to the tiles' 32
   std::int64_t k_pairs, v_pairs, k_cols, q_cols, dout_cols, p_pairs, du_pairs, du_rows;
@@ -65,6 +72,8 @@ inline Plan MakePlan(const AttentionKernelParams& p, bool tiles) {
   plan.key_tiles = (p.seq_kv + kKeys - 1) / kKeys;
   plan.row_tiles = (p.seq_q + kRowsPerTile - 1) / kRowsPerTile;
   plan.passes = (p.head_dim + kBlockQ - 1) / kBlockQ;
+  plan.tiles_per_task = tiles ? kAmxTilesPerTask : 1;
+  plan.key_groups = (plan.key_tiles + plan.tiles_per_task - 1) / plan.tiles_per_task;
   std::int64_t at = 0;
   auto take = [&](std::int64_t n) {
     const std::int64_t start = at;
@@ -112,6 +121,9 @@ struct RowTile {
   // null for f32.
   const std::uint16_t* q16;
   const std::uint16_t* dout16;
+  // The scratch whose row-tile areas PackRows fills (qs; AMX: q_cols, dout_cols), read by the
+  // products of every key tile of the task.
+  float* row_scratch;
 };
 
 // AMX: every row of q (bf16 as stored) and bf16(dout) (to nearest even), zero past D / Dv up
@@ -228,10 +240,9 @@ struct WideBackward {
   }
 
   // qs[r][d] = q[i0 + r][d] * scale.
-  static void PackRows(const AttentionBackwardKernelParams& g, const Plan& plan, const RowTile& t,
-                       float* w) {
+  static void PackRows(const AttentionBackwardKernelParams& g, const Plan& plan, const RowTile& t) {
     const AttentionKernelParams& p = g.forward;
-    float* qs = w + plan.qs;
+    float* qs = t.row_scratch + plan.qs;
     for (std::int64_t r = 0; r < t.rows; ++r) {
       const std::int64_t q_row =
           t.b * p.q_stride[0] + (t.i0 + r) * p.q_stride[1] + t.h * p.q_stride[2];
@@ -243,8 +254,8 @@ struct WideBackward {
 
   // s[r][l] = qs_r . k_l.
   static void Scores(const AttentionKernelParams& p, const Plan& plan, const RowTile& t, float* w) {
-    tiles::OuterProduct(w + plan.kt, w + plan.qs, t.rows, p.head_dim, 1, p.head_dim, w + plan.s,
-                        nullptr, false);
+    tiles::OuterProduct(w + plan.kt, t.row_scratch + plan.qs, t.rows, p.head_dim, 1, p.head_dim,
+                        w + plan.s, nullptr, false);
   }
 
   // dp[r][l] = dout_r . v_l.
@@ -257,15 +268,16 @@ struct WideBackward {
   // dv^T[e][l] += sum_r dout[r][e] pv[r][l];  dk^T[d][l] += sum_r qs[r][d] du[r][l] (du in dp);
   // dqt[pass][r][x] = sum_l du[r][l] k[l][pass kBlockQ + x].
   static void Gradients(const AttentionBackwardKernelParams& g, const Plan& plan, const RowTile& t,
-                        std::int64_t num_k, const float* pv, float* w) {
+                        std::int64_t num_k, const float* pv, float* w, float* dqt,
+                        bool add_to_dqt) {
     const AttentionKernelParams& p = g.forward;
     tiles::OuterProduct(pv, t.dout, p.head_dim_v, g.dout_stride[3], g.dout_stride[1], t.rows,
                         w + plan.dvt, nullptr, true);
-    tiles::OuterProduct(w + plan.dp, w + plan.qs, p.head_dim, 1, p.head_dim, t.rows, w + plan.dkt,
-                        nullptr, true);
+    tiles::OuterProduct(w + plan.dp, t.row_scratch + plan.qs, p.head_dim, 1, p.head_dim, t.rows,
+                        w + plan.dkt, nullptr, true);
     for (std::int64_t pass = 0; pass < plan.passes; ++pass) {
       tiles::OuterProduct(w + plan.kp + pass * kKeys * kBlockQ, w + plan.dp, t.rows, kKeys, 1,
-                          num_k, w + plan.dqt + pass * kRowsPerTile * kBlockQ, nullptr, false);
+                          num_k, dqt + pass * kRowsPerTile * kBlockQ, nullptr, add_to_dqt);
     }
   }
 
@@ -327,12 +339,12 @@ struct AmxBackward {
   }
 
   // q^T and bf16(dout)^T from CopyRows' rows.
-  static void PackRows(const AttentionBackwardKernelParams& g, const Plan& plan, const RowTile& t,
-                       float* w) {
+  static void PackRows(const AttentionBackwardKernelParams& g, const Plan& plan, const RowTile& t) {
     const AttentionKernelParams& p = g.forward;
-    tiles::StageColumnsBf16(t.q16, plan.depth, 1, p.head_dim, t.rows, Bf16(w, plan.q_cols));
+    tiles::StageColumnsBf16(t.q16, plan.depth, 1, p.head_dim, t.rows,
+                            Bf16(t.row_scratch, plan.q_cols));
     tiles::StageColumnsBf16(t.dout16, plan.depth_v, 1, p.head_dim_v, t.rows,
-                            Bf16(w, plan.dout_cols));
+                            Bf16(t.row_scratch, plan.dout_cols));
   }
 
   static void Scores(const AttentionKernelParams& p, const Plan& plan, const RowTile& t, float* w) {
@@ -346,16 +358,17 @@ struct AmxBackward {
   }
 
   static void Gradients(const AttentionBackwardKernelParams& g, const Plan& plan, const RowTile& t,
-                        std::int64_t num_k, const float* pv, float* w) {
+                        std::int64_t num_k, const float* pv, float* w, float* dqt,
+                        bool add_to_dqt) {
     const AttentionKernelParams& p = g.forward;
     // dv^T += dout^T p and dk^T += q^T du: the rows are the reduction axis, paired.
     amx::pack_probs(pv, t.rows, nullptr, Words(w, plan.p_pairs));
-    amx::values(Bf16(w, plan.dout_cols), tiles::kBlockK, Words(w, plan.p_pairs), t.rows,
+    amx::values(Bf16(t.row_scratch, plan.dout_cols), tiles::kBlockK, Words(w, plan.p_pairs), t.rows,
                 p.head_dim_v, nullptr, nullptr, w + plan.dvt);
     const float* du = w + plan.dp;
     amx::pack_probs(du, t.rows, nullptr, Words(w, plan.du_pairs));
-    amx::values(Bf16(w, plan.q_cols), tiles::kBlockK, Words(w, plan.du_pairs), t.rows, p.head_dim,
-                nullptr, nullptr, w + plan.dkt);
+    amx::values(Bf16(t.row_scratch, plan.q_cols), tiles::kBlockK, Words(w, plan.du_pairs), t.rows,
+                p.head_dim, nullptr, nullptr, w + plan.dkt);
     // dq = du k: du's rows in bf16 (keys past num_k: du = 0 there, and k_cols too).
     const DF df;
     std::uint16_t* du_rows = Bf16(w, plan.du_rows);
@@ -367,8 +380,13 @@ struct AmxBackward {
     }
     const std::int64_t depth = RoundUp(num_k, amx::kDepthStep);
     for (std::int64_t pass = 0; pass < plan.passes; ++pass) {
-      amx::scores(du_rows, kKeys, Words(w, plan.k_cols) + pass * kKeys / 2 * kBlockQ, depth, t.rows,
-                  1.0f, w + plan.dqt + pass * kRowsPerTile * kBlockQ);
+      const std::uint32_t* k_cols = Words(w, plan.k_cols) + pass * kKeys / 2 * kBlockQ;
+      float* out = dqt + pass * kRowsPerTile * kBlockQ;
+      if (add_to_dqt) {  // (the values' product: out += A B, A's rows the dq rows)
+        amx::values(du_rows, kKeys, k_cols, num_k, t.rows, nullptr, nullptr, out);
+      } else {
+        amx::scores(du_rows, kKeys, k_cols, depth, t.rows, 1.0f, out);
+      }
     }
   }
 

@@ -171,7 +171,7 @@ struct Shared {
 // The row tile [i0, i0 + rows) of head h in batch entry b.
 RowTile MakeRowTile(const AttentionBackwardKernelParams& g, const Plan& plan,
                     const backward::RowCopies& copies, std::int64_t b, std::int64_t h,
-                    std::int64_t i0, std::int64_t rows) {
+                    std::int64_t i0, std::int64_t rows, float* row_scratch) {
   const AttentionKernelParams& p = g.forward;
   const std::int64_t first = (b * p.num_heads_q + h) * p.seq_q + i0;
   return {b,
@@ -180,59 +180,78 @@ RowTile MakeRowTile(const AttentionBackwardKernelParams& g, const Plan& plan,
           rows,
           g.dout + b * g.dout_stride[0] + i0 * g.dout_stride[1] + h * g.dout_stride[2],
           copies.q == nullptr ? nullptr : copies.q + first * plan.depth,
-          copies.dout == nullptr ? nullptr : copies.dout + first * plan.depth_v};
+          copies.dout == nullptr ? nullptr : copies.dout + first * plan.depth_v,
+          row_scratch};
 }
 
+// One task: the key tiles [kt0, kt0 + plan.tiles_per_task) of kv head hkv in batch entry b, each
+// with its own scratch (w + t * plan.floats; the first also holds the row tiles' packed
+// operands and dq tile), walking every query head of the group and every row tile that
+// attends one of them.
 template <class Products>
 void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, const Shared& shared,
                   std::int64_t task, float* w) {
   const AttentionKernelParams& p = g.forward;
   const DF df;
-  const std::int64_t per_batch = p.num_heads_kv * plan.key_tiles;
-  const std::int64_t b = task / per_batch, hkv = task % per_batch / plan.key_tiles;
-  const std::int64_t jt = task % plan.key_tiles, j0 = jt * kKeys;
+  const std::int64_t per_batch = p.num_heads_kv * plan.key_groups;
+  const std::int64_t b = task / per_batch, hkv = task % per_batch / plan.key_groups;
+  const std::int64_t kg = task % plan.key_groups;  // (dq's turns count these groups)
   const std::int64_t key_limit = KeyLimit(p, b);
-  const std::int64_t num_k = std::max<std::int64_t>(0, std::min({kKeys, p.seq_kv - j0, key_limit - j0}));
   const std::int64_t group = p.num_heads_q / p.num_heads_kv;
-  float* dkt = w + plan.dkt;
-  float* dvt = w + plan.dvt;
-  std::fill(dkt, dkt + backward::RoundUp(p.head_dim, 16) * kKeys, 0.0f);
-  std::fill(dvt, dvt + backward::RoundUp(p.head_dim_v, 16) * kKeys, 0.0f);
-  if (num_k > 0) Products::PackKeys(p, plan, b, hkv, j0, num_k, w);
-  float* s = w + plan.s;
-  float* dp = w + plan.dp;
-  const float* cap = w + plan.cap;
+  std::int64_t j0[backward::kMaxTilesPerTask], num_k[backward::kMaxTilesPerTask];
+  float* tw[backward::kMaxTilesPerTask];
+  bool any_keys = false;
+  for (std::int64_t t = 0; t < plan.tiles_per_task; ++t) {
+    j0[t] = (kg * plan.tiles_per_task + t) * kKeys;
+    num_k[t] = std::max<std::int64_t>(0, std::min({kKeys, p.seq_kv - j0[t], key_limit - j0[t]}));
+    tw[t] = w + t * plan.floats;
+    std::fill(tw[t] + plan.dkt, tw[t] + plan.dkt + backward::RoundUp(p.head_dim, 16) * kKeys, 0.0f);
+    std::fill(tw[t] + plan.dvt, tw[t] + plan.dvt + backward::RoundUp(p.head_dim_v, 16) * kKeys,
+              0.0f);
+    if (num_k[t] > 0) Products::PackKeys(p, plan, b, hkv, j0[t], num_k[t], tw[t]);
+    any_keys = any_keys || num_k[t] > 0;
+  }
   float* dqt = w + plan.dqt;
-  for (std::int64_t h = hkv * group; num_k > 0 && h < (hkv + 1) * group; ++h) {
+  for (std::int64_t h = hkv * group; any_keys && h < (hkv + 1) * group; ++h) {
     for (std::int64_t it = 0; it < plan.row_tiles; ++it) {
       const std::int64_t i0 = it * kRowsPerTile;
       const std::int64_t rows = std::min(kRowsPerTile, p.seq_q - i0);
-      if (!Interacts(p, key_limit, i0, rows, j0, j0 + num_k)) continue;
-      const RowTile tile = MakeRowTile(g, plan, shared.copies, b, h, i0, rows);
-      Products::PackRows(g, plan, tile, w);
-      Products::Scores(p, plan, tile, w);
-      Probabilities(p, plan, b, h, i0, rows, j0, num_k, w);
-      // dp[r][l] = dout_r . v_l, then du = p (dp - D_r) (times the softcap's derivative).
-      Products::DoutValues(g, plan, tile, w);
-      // Dropout: pz = p z feeds dv, and dp becomes z dp (z = keep / (1 - p), the forward's).
-      const float* p_for_dv = s;
-      if (p.dropout_p > 0.0f) {
-        Dropout(p, plan, b, h, i0, rows, j0, w);
-        p_for_dv = w + plan.pz;
-      }
-      for (std::int64_t r = 0; r < rows; ++r) {
-        const VF d_r = hn::Set(df, shared.delta[(b * p.num_heads_q + h) * p.seq_q + i0 + r]);
-        for (std::int64_t x = r * kKeys; x < (r + 1) * kKeys; x += kLanes) {
-          VF du = hn::Mul(hn::Load(df, s + x), hn::Sub(hn::Load(df, dp + x), d_r));
-          if (p.softcap > 0.0f) du = hn::Mul(du, hn::Load(df, cap + x));
-          hn::Store(du, df, dp + x);
+      const RowTile tile = MakeRowTile(g, plan, shared.copies, b, h, i0, rows, w);
+      bool packed = false;
+      for (std::int64_t t = 0; t < plan.tiles_per_task; ++t) {
+        if (num_k[t] == 0 || !Interacts(p, key_limit, i0, rows, j0[t], j0[t] + num_k[t])) continue;
+        if (!packed) Products::PackRows(g, plan, tile);
+        float* ws = tw[t];
+        float* s = ws + plan.s;
+        float* dp = ws + plan.dp;
+        const float* cap = ws + plan.cap;
+        Products::Scores(p, plan, tile, ws);
+        Probabilities(p, plan, b, h, i0, rows, j0[t], num_k[t], ws);
+        // dp[r][l] = dout_r . v_l, then du = p (dp - D_r) (times the softcap's derivative).
+        Products::DoutValues(g, plan, tile, ws);
+        // Dropout: pz = p z feeds dv, and dp becomes z dp (z = keep / (1 - p), the forward's).
+        const float* p_for_dv = s;
+        if (p.dropout_p > 0.0f) {
+          Dropout(p, plan, b, h, i0, rows, j0[t], ws);
+          p_for_dv = ws + plan.pz;
         }
+        for (std::int64_t r = 0; r < rows; ++r) {
+          const VF d_r = hn::Set(df, shared.delta[(b * p.num_heads_q + h) * p.seq_q + i0 + r]);
+          for (std::int64_t x = r * kKeys; x < (r + 1) * kKeys; x += kLanes) {
+            VF du = hn::Mul(hn::Load(df, s + x), hn::Sub(hn::Load(df, dp + x), d_r));
+            if (p.softcap > 0.0f) du = hn::Mul(du, hn::Load(df, cap + x));
+            hn::Store(du, df, dp + x);
+          }
+        }
+        // dv^T += dout^T p, dk^T += q^T du, and the key tile's share of the dq rows (the
+        // task's first key tile with these rows sets dqt, a second adds to it).
+        Products::Gradients(g, plan, tile, num_k[t], p_for_dv, ws, dqt, packed);
+        packed = true;
       }
-      // dv^T += dout^T p, dk^T += q^T du, and this key tile's dq rows.
-      Products::Gradients(g, plan, tile, num_k, p_for_dv, w);
-      // Our turn on these dq rows: after every earlier key tile that touches them.
+      if (!packed) continue;
+      // Our turn on these dq rows: after every earlier key group that touches them.
       std::atomic<std::int64_t>& turn = shared.turns[(b * p.num_heads_q + h) * plan.row_tiles + it];
-      for (int spins = 0; turn.load(std::memory_order_acquire) != jt; ++spins) {
+      for (int spins = 0; turn.load(std::memory_order_acquire) != kg; ++spins) {
         if (spins > 64) std::this_thread::yield();
       }
       const VF scale = hn::Set(df, p.scale);
@@ -257,19 +276,23 @@ void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, cons
           for (; x < width; ++x) dq[(d0 + x) * dq_step] += tile_row[x] * p.scale;
         }
       }
-      turn.store(jt + 1, std::memory_order_release);
+      turn.store(kg + 1, std::memory_order_release);
     }
   }
   // dk = dk^T transposed (times the scale q did not carry); rows past key_limit are 0.
   const float dk_scale = Products::DkScale(p);
-  const std::int64_t rows_out = std::min(kKeys, p.seq_kv - j0);
-  for (std::int64_t l = 0; l < rows_out; ++l) {
-    float* dk = g.dk + b * g.dk_stride[0] + (j0 + l) * g.dk_stride[1] + hkv * g.dk_stride[2];
-    float* dv = g.dv + b * g.dv_stride[0] + (j0 + l) * g.dv_stride[1] + hkv * g.dv_stride[2];
-    for (std::int64_t d = 0; d < p.head_dim; ++d) {
-      dk[d * g.dk_stride[3]] = dkt[d * kKeys + l] * dk_scale;
+  for (std::int64_t t = 0; t < plan.tiles_per_task; ++t) {
+    const float* dkt = tw[t] + plan.dkt;
+    const float* dvt = tw[t] + plan.dvt;
+    const std::int64_t rows_out = std::min(kKeys, p.seq_kv - j0[t]);
+    for (std::int64_t l = 0; l < rows_out; ++l) {
+      float* dk = g.dk + b * g.dk_stride[0] + (j0[t] + l) * g.dk_stride[1] + hkv * g.dk_stride[2];
+      float* dv = g.dv + b * g.dv_stride[0] + (j0[t] + l) * g.dv_stride[1] + hkv * g.dv_stride[2];
+      for (std::int64_t d = 0; d < p.head_dim; ++d) {
+        dk[d * g.dk_stride[3]] = dkt[d * kKeys + l] * dk_scale;
+      }
+      for (std::int64_t e = 0; e < p.head_dim_v; ++e) dv[e * g.dv_stride[3]] = dvt[e * kKeys + l];
     }
-    for (std::int64_t e = 0; e < p.head_dim_v; ++e) dv[e * g.dv_stride[3]] = dvt[e * kKeys + l];
   }
 }
 
@@ -307,8 +330,8 @@ void DbiasTask(const AttentionBackwardKernelParams& g, const Plan& plan, const S
       for (std::int64_t it = per_row ? cell : 0; it < (per_row ? cell + 1 : plan.row_tiles); ++it) {
         const std::int64_t i0 = it * kRowsPerTile;
         const std::int64_t rows = std::min(kRowsPerTile, p.seq_q - i0);
-        const RowTile tile = MakeRowTile(g, plan, shared.copies, b, h, i0, rows);
-        Products::PackRows(g, plan, tile, w);
+        const RowTile tile = MakeRowTile(g, plan, shared.copies, b, h, i0, rows, w);
+        Products::PackRows(g, plan, tile);
         for (std::int64_t jt = 0; jt < plan.key_tiles; ++jt) {
           const std::int64_t j0 = jt * kKeys;
           const std::int64_t num_k =
@@ -380,24 +403,25 @@ void FlashBackward(const AttentionBackwardKernelParams& g) {
                  std::fill(sums, sums + p.seq_q * p.head_dim, 0.0f);
                  backward::CopyRows(g, plan, b, h, copies);
                });
-  // Each row tile's turn starts at the first key tile that touches it.
+  // Each row tile's turn starts at the first key group that touches it.
   const std::int64_t num_turns = heads * plan.row_tiles;
   std::unique_ptr<std::atomic<std::int64_t>[]> turns(new std::atomic<std::int64_t>[num_turns]);
   for (std::int64_t t = 0; t < num_turns; ++t) {
     const std::int64_t b = t / (p.num_heads_q * plan.row_tiles), it = t % plan.row_tiles;
     const std::int64_t i0 = it * kRowsPerTile, rows = std::min(kRowsPerTile, p.seq_q - i0);
     const std::int64_t key_limit = KeyLimit(p, b);
+    const std::int64_t group_keys = plan.tiles_per_task * kKeys;
     std::int64_t first = 0;
-    while (first < plan.key_tiles &&
-           !Interacts(p, key_limit, i0, rows, first * kKeys,
-                      std::min(p.seq_kv, (first + 1) * kKeys))) {
+    while (first < plan.key_groups && !Interacts(p, key_limit, i0, rows, first * group_keys,
+                                                 std::min(p.seq_kv, (first + 1) * group_keys))) {
       ++first;
     }
     turns[t].store(first, std::memory_order_relaxed);
   }
-  const std::int64_t tasks = p.batch * p.num_heads_kv * plan.key_tiles;
+  const std::int64_t tasks = p.batch * p.num_heads_kv * plan.key_groups;
   const int threads = static_cast<int>(std::min<std::int64_t>(p.num_threads, tasks));
-  AlignedBuffer scratch(sizeof(float) * plan.floats * threads);
+  const std::int64_t thread_floats = plan.floats * plan.tiles_per_task;
+  AlignedBuffer scratch(sizeof(float) * thread_floats * threads);
   const bool per_row = g.dbias_sizes[2] != 1 || p.seq_q == 1;
   const std::int64_t dbias_tasks =
       g.dbias == nullptr ? 0 : g.dbias_sizes[0] * g.dbias_sizes[1] * (per_row ? plan.row_tiles : 1);
@@ -407,7 +431,7 @@ void FlashBackward(const AttentionBackwardKernelParams& g) {
     using Products = decltype(products);
     parallel_for(tasks, threads, [&](std::int64_t task, int thread) {
       [[maybe_unused]] typename Products::TaskScope scope;
-      BackwardTask<Products>(g, plan, shared, task, scratch.as<float>() + thread * plan.floats);
+      BackwardTask<Products>(g, plan, shared, task, scratch.as<float>() + thread * thread_floats);
     });
     // dq: the sums copied out, one (b, h) per task.
     if (shared.dq_sum != nullptr) {
@@ -432,7 +456,7 @@ void FlashBackward(const AttentionBackwardKernelParams& g) {
                  [&](std::int64_t task, int thread) {
                    [[maybe_unused]] typename Products::TaskScope scope;
                    DbiasTask<Products>(g, plan, shared, task,
-                                       scratch.as<float>() + thread * plan.floats);
+                                       scratch.as<float>() + thread * thread_floats);
                  });
   });
 }
