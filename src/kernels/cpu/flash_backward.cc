@@ -198,8 +198,8 @@ void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, cons
   const std::int64_t kg = task % plan.key_groups;  // (dq's turns count these groups)
   const std::int64_t key_limit = KeyLimit(p, b);
   const std::int64_t group = p.num_heads_q / p.num_heads_kv;
-  std::int64_t j0[backward::kMaxTilesPerTask], num_k[backward::kMaxTilesPerTask];
-  float* tw[backward::kMaxTilesPerTask];
+  std::int64_t j0[backward::kTilesPerTask], num_k[backward::kTilesPerTask];
+  float* tw[backward::kTilesPerTask];
   bool any_keys = false;
   for (std::int64_t t = 0; t < plan.tiles_per_task; ++t) {
     j0[t] = (kg * plan.tiles_per_task + t) * kKeys;
