@@ -99,7 +99,12 @@ ProductPath attention_backward_flash_product_path(DType dtype);
 // kernel results of each path are its own (the paths round differently).
 std::vector<ProductPath> flash_product_paths(DType dtype);
 bool pin_flash_product_path(DType dtype, ProductPath path);
-// The switches back at their defaults: the flash kernel's own choice again.
+// The same for the flash backward (attention_backward_flash_product_path): bf16-amx and
+// bf16-widened-fma for bf16 on a CPU with AMX, the widened path alone otherwise.
+std::vector<ProductPath> backward_product_paths(DType dtype);
+bool pin_backward_product_path(DType dtype, ProductPath path);
+// The switches back at their defaults: the flash kernel's own choice again (forward and
+// backward).
 void unpin_flash_product_path();
 
 }  // namespace qkv

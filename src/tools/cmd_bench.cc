@@ -72,8 +72,10 @@ constexpr const char* kBenchUsage =
     "                   AVX512-BF16), bf16-amx; f16-widened-fma, f16-amx-split. Several paths\n"
     "                   give a row each per case, on the same inputs, their timed repeats taking\n"
     "                   turns (a change in the machine's load reaches them alike). A path this\n"
-    "                   CPU cannot run is an error that lists the ones it can. Flash forward only\n"
-    "                   (not with --backward, --linear or --kernel chunked/reference)\n"
+    "                   CPU cannot run is an error that lists the ones it can. The flash\n"
+    "                   kernel only (not with --linear or --kernel chunked/reference); with\n"
+    "                   --backward its backward's paths: bf16-amx, bf16-widened-fma, f32-fma,\n"
+    "                   f16-widened-fma\n"
     "  --threads N      threads for the kernels and the FMA probe (default 0 = OpenMP's default)\n"
     "  --layout bshd|bhsd\n"
     "                   how q, k, v and out (and --backward's arrays) are stored: bshd (default)\n"
@@ -177,17 +179,19 @@ void parse_products(const std::string& text, BenchOptions& options) {
   }
 }
 
-// --products: pins the flash kernel's path (for the warm-up, memory call and each timed repeat
-// of that path's row), or says which paths this CPU runs instead.
-void pin_products(ProductPath path, DType dtype) {
-  if (pin_flash_product_path(dtype, path)) return;
+// --products: pins the flash kernel's path, or its backward's (for the warm-up, memory call and
+// each timed repeat of that path's row), or says which paths this CPU runs instead.
+void pin_products(ProductPath path, DType dtype, bool backward) {
+  if (backward ? pin_backward_product_path(dtype, path) : pin_flash_product_path(dtype, path)) {
+    return;
+  }
   std::string names;
-  for (ProductPath p : flash_product_paths(dtype)) {
+  for (ProductPath p : backward ? backward_product_paths(dtype) : flash_product_paths(dtype)) {
     names += std::string(names.empty() ? "" : ", ") + product_path_name(p);
   }
   throw UsageError(std::string("--products ") + product_path_name(path) +
-                   ": not available on this CPU (" + dtype_name(dtype) + " runs on: " + names +
-                   ")");
+                   ": not available on this CPU (" + dtype_name(dtype) +
+                   (backward ? "'s backward" : "") + " runs on: " + names + ")");
 }
 
 BenchCase parse_shape(const std::string& text) {
@@ -284,9 +288,8 @@ BenchOptions parse_options(std::vector<std::string> argv, bool* help) {
     }
   }
   if (!options.products.empty() || options.all_products) {
-    if (options.linear || options.backward) {
-      throw UsageError(std::string("--products: pins the flash forward's products; not with ") +
-                       (options.linear ? "--linear" : "--backward"));
+    if (options.linear) {
+      throw UsageError("--products: pins the flash kernel's products; not with --linear");
     }
     for (Kernel kernel : options.kernels) {
       if (kernel == Kernel::kChunked || kernel == Kernel::kReference) {
@@ -467,14 +470,16 @@ std::vector<BenchResult> run_case(const BenchCase& c, Kernel kernel, const Bench
 
   const std::size_t rows = std::max<std::size_t>(1, paths.size());
   const auto pin = [&](std::size_t row) {
-    if (!paths.empty()) pin_products(paths[row], options.dtype);
+    if (!paths.empty()) pin_products(paths[row], options.dtype, options.backward);
   };
   std::vector<BenchResult> results(rows, result);
   double slowest = 0.0;
   for (std::size_t row = 0; row < rows; ++row) {
     pin(row);
     if (!paths.empty()) {
-      results[row].products = resolved_product_path(q_view, k_view, v_view, outputs, params);
+      results[row].products = options.backward
+                                  ? backward_product_path(params, options.dtype)
+                                  : resolved_product_path(q_view, k_view, v_view, outputs, params);
     }
     const auto warm_start = std::chrono::steady_clock::now();
     call();
@@ -706,9 +711,10 @@ int run_bench(std::vector<std::string> args) {
   const int threads = resolve_num_threads(options.threads);
   // --products: each path must run here (a usage error names those that do); the probes then
   // run with nothing pinned, so every peak a row may be measured against is there.
-  const std::vector<ProductPath> paths =
-      options.all_products ? flash_product_paths(options.dtype) : options.products;
-  for (ProductPath path : paths) pin_products(path, options.dtype);
+  const std::vector<ProductPath> paths = !options.all_products ? options.products
+                                         : options.backward ? backward_product_paths(options.dtype)
+                                                            : flash_product_paths(options.dtype);
+  for (ProductPath path : paths) pin_products(path, options.dtype, options.backward);
   unpin_flash_product_path();
 
   std::fprintf(stderr,

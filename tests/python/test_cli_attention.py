@@ -534,6 +534,35 @@ def test_bench_products_all_gives_a_row_per_path(cli, dtype):
     assert [json.loads(line)["products"] for line in result.stdout.splitlines()] == listed
 
 
+def backward_paths(dtype):
+    """The product paths the flash backward runs for dtype on this CPU (docs/kernels.md,
+    "Backward"): bf16 on AMX tiles where lscpu has amx_bf16 and amx_tile, else widened."""
+    flags = cpu_flags()
+    amx = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_bf16",
+           "amx_tile"} <= flags
+    if dtype == "bf16":
+        return {"bf16-widened-fma"} | ({"bf16-amx"} if amx else set())
+    return {f"{dtype}-widened-fma" if dtype != "f32" else "f32-fma"}
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
+def test_bench_backward_products_pins_the_backward_path(cli, dtype):
+    # --products with --backward: the backward's own paths, one row each, each the path that ran
+    # (bf16 on an AMX CPU: the tiles and the widened FMA products, to compare on one CPU).
+    import json
+    args = ["bench", "--json", "--backward", "--shape", "1,2,1,70,90,16", "--repeats", "1",
+            "--threads", "1", "--dtype", dtype]
+    result = cli.run(*args, "--products", "all")
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert sorted(r["products"] for r in records) == sorted(backward_paths(dtype))
+    assert all(r["kernel"] == "flash-backward" and r["gflops"] > 0 for r in records)
+    for path in backward_paths(dtype):
+        one = cli.run(*args, "--products", path)
+        assert one.returncode == 0, one.stderr
+        assert json.loads(one.stdout)["products"] == path
+
+
 BENCH_PRODUCTS_ERRORS = {
     "unknown": (["--products", "fma"],
                 ["--products: unknown path 'fma' (expected auto, all, f32-fma"]),
@@ -544,7 +573,10 @@ BENCH_PRODUCTS_ERRORS = {
               ["--products bf16-widened-fma: a bf16 path, but --dtype is f32"]),
     "chunked": (["--products", "f32-fma", "--kernel", "flash,chunked"],
                 ["--products: pins the flash kernel's products; --kernel chunked"]),
-    "backward": (["--products", "f32-fma", "--backward"], ["not with --backward"]),
+    "backward, a forward path": (["--products", "bf16-vdpbf16ps", "--backward", "--dtype",
+                                  "bf16"],
+                                 ["--products bf16-vdpbf16ps: not available on this CPU "
+                                  "(bf16's backward runs on: "]),
     "linear": (["--products", "f32-fma", "--linear", "elu"], ["not with --linear"]),
 }
 

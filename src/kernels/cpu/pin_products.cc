@@ -1,6 +1,7 @@
 // flash_product_paths() and pin_flash_product_path() (kernels/product_path.h): the flash kernel
-// picks its products from the CPU (FlashProductPath in products-inl.h); these walk the switches
-// that steer that choice and read back what it became.
+// picks its products from the CPU (FlashProductPath in products-inl.h), and so does its backward
+// (backward_products-inl.h); these walk the switches that steer that choice and read back what
+// it became.
 #include <algorithm>
 #include <vector>
 
@@ -26,13 +27,13 @@ void set(const Switches& s) {
   amx::set_enabled(s.amx_enabled);
 }
 
-}  // namespace
-
-std::vector<ProductPath> flash_product_paths(DType dtype) {
+// The distinct paths `path_of(dtype)` takes over the settings, the defaults' first.
+template <class PathOf>
+std::vector<ProductPath> PathsOf(DType dtype, PathOf path_of) {
   std::vector<ProductPath> paths;
   for (const Switches& s : kSettings) {
     set(s);
-    const ProductPath path = attention_flash_product_path(dtype);
+    const ProductPath path = path_of(dtype);
     if (std::find(paths.begin(), paths.end(), path) == paths.end()) paths.push_back(path);
   }
   set(kSettings[0]);
@@ -43,13 +44,31 @@ std::vector<ProductPath> flash_product_paths(DType dtype) {
 // flash kernel would widen by itself (FlashProductPath(params)) run on the pairs too.
 constexpr Switches kPinOrder[] = {kSettings[1], kSettings[0], kSettings[2], kSettings[3]};
 
-bool pin_flash_product_path(DType dtype, ProductPath path) {
+template <class PathOf>
+bool Pin(DType dtype, ProductPath path, PathOf path_of) {
   for (const Switches& s : kPinOrder) {
     set(s);
-    if (attention_flash_product_path(dtype) == path) return true;
+    if (path_of(dtype) == path) return true;
   }
   set(kSettings[0]);
   return false;
+}
+
+ProductPath ForwardPath(DType dtype) { return attention_flash_product_path(dtype); }
+ProductPath BackwardPath(DType dtype) { return attention_backward_flash_product_path(dtype); }
+
+}  // namespace
+
+std::vector<ProductPath> flash_product_paths(DType dtype) { return PathsOf(dtype, ForwardPath); }
+
+bool pin_flash_product_path(DType dtype, ProductPath path) { return Pin(dtype, path, ForwardPath); }
+
+std::vector<ProductPath> backward_product_paths(DType dtype) {
+  return PathsOf(dtype, BackwardPath);
+}
+
+bool pin_backward_product_path(DType dtype, ProductPath path) {
+  return Pin(dtype, path, BackwardPath);
 }
 
 void unpin_flash_product_path() { set(kSettings[0]); }
