@@ -390,6 +390,19 @@ Result Problem::plain(ProductPath path, const std::vector<std::uint8_t>* keep) c
   return r;
 }
 
+void expect_same_grads_on_any_thread_count(Problem& pr, const AttentionParams& params,
+                                           std::vector<float>& dout,
+                                           const std::vector<int>& threads) {
+  const bool with_dbias = !pr.bias.empty();
+  const Grads one = run_backward(pr, params, dout, with_dbias, 1, Kernel::kFlash);
+  for (int n : threads) {
+    const Grads many = run_backward(pr, params, dout, with_dbias, n, Kernel::kFlash);
+    EXPECT_TRUE(bit_equal(one.dq, many.dq) && bit_equal(one.dk, many.dk) &&
+                bit_equal(one.dv, many.dv) && bit_equal(one.dbias, many.dbias))
+        << n << " threads";
+  }
+}
+
 Grads plain_backward_bf16(Problem& pr, const AttentionParams& params,
                           const std::vector<float>& dout, bool with_dbias) {
   const Case& c = pr.spec();

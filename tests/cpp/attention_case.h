@@ -131,6 +131,12 @@ Grads run_backward(Problem& pr, const AttentionParams& params, std::vector<float
 Grads plain_backward_bf16(Problem& pr, const AttentionParams& params,
                           const std::vector<float>& dout, bool with_dbias);
 
+// Runs the flash backward of pr with params and dout (and dbias where pr has a bias) on 1 thread,
+// then on each of `threads`: dq, dk, dv and dbias must keep the same bits.
+void expect_same_grads_on_any_thread_count(Problem& pr, const AttentionParams& params,
+                                           std::vector<float>& dout,
+                                           const std::vector<int>& threads);
+
 // The loss sum(dout * out) of the reference forward with `params`, in f64.
 double reference_loss(const Problem& pr, const AttentionParams& params,
                       const std::vector<float>& dout);

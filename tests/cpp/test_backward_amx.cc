@@ -187,14 +187,7 @@ TEST(BackwardAmx, SameBitsOnAnyThreadCount) {
     Problem pr(c);
     const AttentionParams params = pr.params();
     std::vector<float> dout = normal_values(pr.q.size() / c.head_dim * pr.head_dim_v(), 9);
-    const bool with_dbias = !pr.bias.empty();
-    const Grads one = run_backward(pr, params, dout, with_dbias, 1, Kernel::kFlash);
-    for (int threads : {2, 3}) {
-      const Grads many = run_backward(pr, params, dout, with_dbias, threads, Kernel::kFlash);
-      EXPECT_TRUE(bit_equal(one.dq, many.dq) && bit_equal(one.dk, many.dk) &&
-                  bit_equal(one.dv, many.dv) && bit_equal(one.dbias, many.dbias))
-          << threads << " threads";
-    }
+    expect_same_grads_on_any_thread_count(pr, params, dout, {2, 3});
   }
 }
 
