@@ -2,7 +2,10 @@
 // strides and layout, causal / alignment / window, key lengths, a broadcast mask and bias,
 // softcap, sparsity) and the values in it; the flash and chunked kernels must agree with the
 // reference kernel within DESIGN.md's tolerance (loosened for bf16/f16), give the same lse,
-// never NaN, or all three must refuse the problem with the same qkv::Error.
+// never NaN, or all three must refuse the problem with the same qkv::Error. Then the backward
+// of the same problem for a dout from the input: the flash backward (bf16 on AMX tiles where
+// the CPU has them) against the reference's, finite, within a bound from the problem's sizes,
+// or both refuse it alike and leave the gradients untouched.
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <algorithm>
@@ -12,10 +15,12 @@
 #include <limits>
 #include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/float16.h"
 #include "qkv/attention.h"
+#include "qkv/attention_backward.h"
 #include "qkv/error.h"
 
 namespace {
@@ -211,6 +216,96 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       if (!both_empty && !(std::abs(a - b) <= lse_tolerance)) {
         std::fprintf(stderr, "kernel %d: lse[%zu] = %g, reference %g (tolerance %g)\n",
                      static_cast<int>(kernel), i, a, b, lse_tolerance);
+        std::abort();
+      }
+    }
+  }
+  if (!reference.error.empty()) return 0;
+
+  // The backward, with the reference forward's out and lse.
+  std::vector<float> dout(reference.out.size());
+  for (float& x : dout)
+    x = (static_cast<float>(in.ConsumeIntegral<std::uint8_t>()) - 127.5f) / 64.0f;
+  std::vector<float> out = reference.out, lse = reference.lse;
+  struct Grads {
+    std::vector<float> dq, dk, dv, dbias;
+    std::string error;
+  };
+  // (clang 14's lambdas cannot capture the structured bindings q32, k32, v32)
+  const std::size_t q_size = q32.size(), k_size = k32.size(), v_size = v32.size();
+  auto backward = [&](Kernel kernel) {
+    Grads g;
+    g.dq.assign(q_size, 7.0f);
+    g.dk.assign(k_size, 7.0f);
+    g.dv.assign(v_size, 7.0f);
+    if (!bias.empty()) g.dbias.assign(bias.size(), 7.0f);
+    AttentionParams p = params;
+    p.kernel = kernel;
+    try {
+      AttentionGrads grads{.dq = view(g.dq.data(), seq_q, heads_q, dim, DType::kF32),
+                           .dk = view(g.dk.data(), seq_kv, heads_kv, dim, DType::kF32),
+                           .dv = view(g.dv.data(), seq_kv, heads_kv, dim_v, DType::kF32)};
+      if (!bias.empty()) {
+        grads.dbias = TensorView::contiguous(g.dbias.data(), DType::kF32, {1, 1, seq_q, seq_kv});
+      }
+      attention_backward(
+          q, k, v, view(out.data(), seq_q, heads_q, dim_v, DType::kF32),
+          TensorView::contiguous(lse.data(), DType::kF32, {batch, heads_q, seq_q, 1}),
+          view(dout.data(), seq_q, heads_q, dim_v, DType::kF32), grads, p);
+    } catch (const Error& e) {
+      g.error = e.what();
+      for (const auto* grad : {&g.dq, &g.dk, &g.dv, &g.dbias}) {
+        for (float x : *grad) {
+          if (x != 7.0f) std::abort();  // an error must leave the gradients untouched
+        }
+      }
+    }
+    return g;
+  };
+  const Grads ref_grads = backward(Kernel::kReference);
+  const Grads flash_grads = backward(Kernel::kFlash);
+  if (flash_grads.error != ref_grads.error) {
+    std::fprintf(stderr, "backward: error '%s', reference '%s'\n", flash_grads.error.c_str(),
+                 ref_grads.error.c_str());
+    std::abort();
+  }
+  if (!ref_grads.error.empty()) return 0;
+  // A bound on each gradient's error: a score off by score_error moves p by that much
+  // relatively, and the bf16 AMX path rounds dout, p and du (2^-8 relative each). With
+  // B = max|dout_i| |v_j| (row norms) bounding dp and D, |ds| <= 2 p B, so dq's error is at most
+  // scale * max|k| * B * (4 score_error + 3 r) summed over p (1 per row), dk's the same with
+  // max|q| over up to Lq rows, dv's Lq * max|dout| * (2 score_error + 2 r), r = 2^-8 on the
+  // tiles and 0 otherwise; times 4, plus DESIGN.md's floor.
+  auto max_rows = [](const std::vector<float>& x, std::int64_t d) {
+    double best = 0;
+    for (std::size_t row = 0; row + static_cast<std::size_t>(d) <= x.size(); row += d) {
+      double sum = 0;
+      for (std::int64_t e = 0; e < d; ++e) sum += double{x[row + e]} * x[row + e];
+      best = std::max(best, std::sqrt(sum));
+    }
+    return best;
+  };
+  const bool tiles = std::string(backward_product_path(params, dtype)) == "bf16-amx";
+  const double r = tiles ? 1.0 / 256.0 : 0.0;
+  const double max_dout = max_rows(dout, dim_v), bound_dp = max_dout * max_rows(v32, dim_v);
+  const double se = score_error + (dtype == DType::kF16 ? split_error : 0.0);
+  const double dq_bound = scale * max_rows(k32, dim) * bound_dp * (4 * se + 3 * r);
+  const double dk_bound = static_cast<double>(seq_q) * heads_q / heads_kv * scale *
+                          max_rows(q32, dim) * bound_dp * (4 * se + 3 * r);
+  const double dv_bound =
+      static_cast<double>(seq_q) * heads_q / heads_kv * max_dout * (2 * se + 2 * r);
+  const double dbias_bound = static_cast<double>(batch) * heads_q * 2 * bound_dp * (4 * se + r);
+  for (auto [name, a, b, bound] : {std::tuple{"dq", &flash_grads.dq, &ref_grads.dq, dq_bound},
+                                   {"dk", &flash_grads.dk, &ref_grads.dk, dk_bound},
+                                   {"dv", &flash_grads.dv, &ref_grads.dv, dv_bound},
+                                   {"dbias", &flash_grads.dbias, &ref_grads.dbias, dbias_bound}}) {
+    double max_ref = 1.0;
+    for (float x : *b) max_ref = std::max(max_ref, static_cast<double>(std::abs(x)));
+    const double tolerance = 4.0 * bound + 2e-5 * max_ref;
+    for (std::size_t i = 0; i < a->size(); ++i) {
+      if (!std::isfinite((*a)[i]) || std::abs((*a)[i] - (*b)[i]) > tolerance) {
+        std::fprintf(stderr, "backward (%s): %s[%zu] = %g, reference %g (tolerance %g)\n",
+                     tiles ? "bf16-amx" : "widened", name, i, (*a)[i], (*b)[i], tolerance);
         std::abort();
       }
     }
