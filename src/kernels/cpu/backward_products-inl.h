@@ -289,13 +289,13 @@ struct WideBackward {
 
 // The bf16 products on AMX tiles. Operands (bf16 or pair words, zero past their extent up to
 // the padded one, so padding adds exact zeros):
-//   k_pairs [depth / 2][kKeys]   (k[l][2t], k[l][2t + 1])        s's B, per task
-//   v_pairs [depth_v / 2][kKeys] (v[l][2t], v[l][2t + 1])        dp's B, per task
-//   k_cols  [passes][kKeys / 2][kBlockQ] (k[2t][x], k[2t + 1][x]) dq's B, per task
+//   k_pairs [depth / 2][kKeys]   (k[l][2t], k[l][2t + 1])        s's B, per key tile
+//   v_pairs [depth_v / 2][kKeys] (v[l][2t], v[l][2t + 1])        dp's B, per key tile
+//   k_cols  [passes][kKeys / 2][kBlockQ] (k[2t][x], k[2t + 1][x]) dq's B, per key tile
 //   q16     [Lq][depth]                q rows (CopyRows)          s's A, per (b, h)
-//   q_cols  [round_up(D, 16)][kBlockK] q^T                        dk's A
 //   dout16  [Lq][depth_v]              bf16(dout) rows (CopyRows) dp's A, per (b, h)
-//   dout_cols [round_up(Dv, 16)][kBlockK] bf16(dout)^T            dv's A
+//   q_cols  [round_up(D, 16)][kBlockK] q^T                        dk's A, per row tile (PackRows)
+//   dout_cols [round_up(Dv, 16)][kBlockK] bf16(dout)^T            dv's A, per row tile (PackRows)
 //   p_pairs, du_pairs [kRowsPerTile / 2][kKeys] (x[2t][l], x[2t + 1][l])  dv's and dk's B
 //   du_rows [kRowsPerTile][kKeys]      bf16(du) rows              dq's A
 struct AmxBackward {
