@@ -27,6 +27,17 @@ namespace {
 
 using namespace qkv;
 
+// The largest Euclidean norm of x's rows of `width` elements.
+double MaxRowNorm(const std::vector<float>& x, std::int64_t width) {
+  double best = 0;
+  for (std::size_t row = 0; row + static_cast<std::size_t>(width) <= x.size(); row += width) {
+    double sum = 0;
+    for (std::int64_t e = 0; e < width; ++e) sum += double{x[row + e]} * x[row + e];
+    best = std::max(best, std::sqrt(sum));
+  }
+  return best;
+}
+
 struct Run {
   std::vector<float> out, lse;
   std::string error;
@@ -155,16 +166,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // floor 2e-5 x max(1, max|out|) on top.
   const float scale = params.scale.value_or(1.0f / std::sqrt(static_cast<float>(dim)));
   // sum_d |q_d k_d| <= |q| |k| (Cauchy-Schwarz): the largest row norms bound every score.
-  auto max_row_norm = [&](const std::vector<float>& x) {
-    double best = 0;
-    for (std::size_t row = 0; row + static_cast<std::size_t>(dim) <= x.size(); row += dim) {
-      double sum = 0;
-      for (std::int64_t d = 0; d < dim; ++d) sum += double{x[row + d]} * x[row + d];
-      best = std::max(best, std::sqrt(sum));
-    }
-    return best;
-  };
-  const double score_abs = scale * max_row_norm(q32) * max_row_norm(k32);
+  const double score_abs = scale * MaxRowNorm(q32, dim) * MaxRowNorm(k32, dim);
   double max_v = 0;
   for (float x : v32) max_v = std::max(max_v, static_cast<double>(std::abs(x)));
   const double score_error = 4.0 * static_cast<double>(dim) * 6e-8 * score_abs + 1e-6;
@@ -275,26 +277,18 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // B = max|dout_i| |v_j| (row norms) bounding dp and D, |ds| <= 2 p B, so dq's error is at most
   // scale * max|k| * B * (4 score_error + 3 r) summed over p (1 per row), dk's the same with
   // max|q| over up to Lq rows, dv's Lq * max|dout| * (2 score_error + 2 r), r = 2^-8 on the
-  // tiles and 0 otherwise; times 4, plus DESIGN.md's floor.
-  auto max_rows = [](const std::vector<float>& x, std::int64_t d) {
-    double best = 0;
-    for (std::size_t row = 0; row + static_cast<std::size_t>(d) <= x.size(); row += d) {
-      double sum = 0;
-      for (std::int64_t e = 0; e < d; ++e) sum += double{x[row + e]} * x[row + e];
-      best = std::max(best, std::sqrt(sum));
-    }
-    return best;
-  };
+  // tiles and 0 otherwise (f16 widens in the backward: no hi + lo split); times 4, plus
+  // DESIGN.md's floor.
   const bool tiles = std::string(backward_product_path(params, dtype)) == "bf16-amx";
   const double r = tiles ? 1.0 / 256.0 : 0.0;
-  const double max_dout = max_rows(dout, dim_v), bound_dp = max_dout * max_rows(v32, dim_v);
-  const double se = score_error + (dtype == DType::kF16 ? split_error : 0.0);
-  const double dq_bound = scale * max_rows(k32, dim) * bound_dp * (4 * se + 3 * r);
+  const double max_dout = MaxRowNorm(dout, dim_v), bound_dp = max_dout * MaxRowNorm(v32, dim_v);
+  const double dq_bound = scale * MaxRowNorm(k32, dim) * bound_dp * (4 * score_error + 3 * r);
   const double dk_bound = static_cast<double>(seq_q) * heads_q / heads_kv * scale *
-                          max_rows(q32, dim) * bound_dp * (4 * se + 3 * r);
+                          MaxRowNorm(q32, dim) * bound_dp * (4 * score_error + 3 * r);
   const double dv_bound =
-      static_cast<double>(seq_q) * heads_q / heads_kv * max_dout * (2 * se + 2 * r);
-  const double dbias_bound = static_cast<double>(batch) * heads_q * 2 * bound_dp * (4 * se + r);
+      static_cast<double>(seq_q) * heads_q / heads_kv * max_dout * (2 * score_error + 2 * r);
+  const double dbias_bound =
+      static_cast<double>(batch) * heads_q * 2 * bound_dp * (4 * score_error + r);
   for (auto [name, a, b, bound] : {std::tuple{"dq", &flash_grads.dq, &ref_grads.dq, dq_bound},
                                    {"dk", &flash_grads.dk, &ref_grads.dk, dk_bound},
                                    {"dv", &flash_grads.dv, &ref_grads.dv, dv_bound},

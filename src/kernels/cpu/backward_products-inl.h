@@ -56,8 +56,8 @@ constexpr std::int64_t kTilesPerTask = 4;
 inline std::int64_t RoundUp(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
 
 // The sizes every task shares, and its scratch layout (offsets in floats; every area starts
-// 64-byte aligned). f32: kt, vt, kp (the keys and values widened), qs, s, dp, cap, pz, dqt, dkt,
-// dvt. AMX (tiles only): the bf16 operands named in AmxBackward.
+// 64-byte aligned). Both: s, dp, cap, pz, dqt, dkt, dvt. Widened only: kt, vt, kp (the keys and
+// values in f32), qs. AMX only: the bf16 operands named in AmxBackward.
 struct Plan {
   std::int64_t key_tiles, row_tiles, passes;  // passes: head_dim in kBlockQ-wide parts
   // A task takes tiles_per_task consecutive key tiles (groups of them: key_groups per kv head),
@@ -82,13 +82,15 @@ inline Plan MakePlan(const AttentionKernelParams& p, bool tiles) {
     at += RoundUp(n, kBlockQ);
     return start;
   };
-  plan.kt = take(p.head_dim * kKeys);
-  plan.vt = take(p.head_dim_v * kKeys);
-  plan.kp = take(plan.passes * kKeys * kBlockQ);
+  if (!tiles) {  // (the widened operands; the tiles read the AMX ones below)
+    plan.kt = take(p.head_dim * kKeys);
+    plan.vt = take(p.head_dim_v * kKeys);
+    plan.kp = take(plan.passes * kKeys * kBlockQ);
+    plan.qs = take(kRowsPerTile * p.head_dim);
+  }
   // (rows past D / Dv up to 16: the tiles write them)
   plan.dkt = take(RoundUp(p.head_dim, 16) * kKeys);
   plan.dvt = take(RoundUp(p.head_dim_v, 16) * kKeys);
-  plan.qs = take(kRowsPerTile * p.head_dim);
   plan.s = take(kRowsPerTile * kKeys);
   plan.dp = take(kRowsPerTile * kKeys);
   plan.cap = take(kRowsPerTile * kKeys);
