@@ -367,7 +367,7 @@ void FlashBackward(const AttentionBackwardKernelParams& g) {
   const std::int64_t heads = p.batch * p.num_heads_q;
   // AMX: dq summed in a contiguous buffer, copied out at the end (Shared).
   AlignedBuffer dq_sum(tiles_on ? sizeof(float) * heads * p.seq_q * p.head_dim : 0);
-  // AMX: q and bf16(dout) row by row (backward::CopyRows), with 16 zero rows after each.
+  // AMX: q and bf16(dout) row by row (backward::CopyRows), and 16 zero rows after the last.
   const std::int64_t copy_rows = tiles_on ? heads * p.seq_q + amx::kTileRows : 0;
   AlignedBuffer copy_buffer(sizeof(std::uint16_t) * copy_rows * (plan.depth + plan.depth_v));
   backward::RowCopies copies;
