@@ -185,6 +185,30 @@ RowTile MakeRowTile(const AttentionBackwardKernelParams& g, const Plan& plan,
           row_scratch};
 }
 
+// D_i = out_i . dout_i, summed in f64 (each product exact) and rounded once to f32; on unit
+// strides in f64 vectors (element by element, one dependent add per element, it took 7% of the
+// AMX backward's time at L = 2048, D = 128).
+float RowDelta(const float* out, std::int64_t out_step, const float* dout, std::int64_t dout_step,
+               std::int64_t n) {
+  const hn::ScalableTag<double> dd;
+  const hn::Rebind<float, decltype(dd)> dh;  // (as many f32 lanes as dd has f64 lanes)
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(dd));
+  std::int64_t e = 0;
+  double sum = 0.0;
+  if (out_step == 1 && dout_step == 1) {
+    auto acc0 = hn::Zero(dd), acc1 = hn::Zero(dd);
+    for (; e + 2 * lanes <= n; e += 2 * lanes) {
+      acc0 = hn::MulAdd(hn::PromoteTo(dd, hn::LoadU(dh, out + e)),
+                        hn::PromoteTo(dd, hn::LoadU(dh, dout + e)), acc0);
+      acc1 = hn::MulAdd(hn::PromoteTo(dd, hn::LoadU(dh, out + e + lanes)),
+                        hn::PromoteTo(dd, hn::LoadU(dh, dout + e + lanes)), acc1);
+    }
+    sum = hn::GetLane(hn::SumOfLanes(dd, hn::Add(acc0, acc1)));
+  }
+  for (; e < n; ++e) sum += static_cast<double>(out[e * out_step]) * dout[e * dout_step];
+  return static_cast<float>(sum);
+}
+
 // A key tile's gradient rows: dst[l * row_stride + d * step] = src[d * kKeys + l] * scale for
 // keys l < rows and d < depth (src's rows padded to a multiple of 16). Squares of kLanes x
 // kLanes are transposed in registers so that each key's row is stored in whole vectors (element
@@ -414,11 +438,8 @@ void FlashBackward(const AttentionBackwardKernelParams& g) {
                  for (std::int64_t i = 0; i < p.seq_q; ++i) {
                    const float* out = p.out + b * p.out_stride[0] + i * p.out_stride[1] + h * p.out_stride[2];
                    const float* dout = g.dout + b * g.dout_stride[0] + i * g.dout_stride[1] + h * g.dout_stride[2];
-                   double sum = 0.0;
-                   for (std::int64_t e = 0; e < p.head_dim_v; ++e) {
-                     sum += static_cast<double>(out[e * p.out_stride[3]]) * dout[e * g.dout_stride[3]];
-                   }
-                   delta.as<float>()[task * p.seq_q + i] = static_cast<float>(sum);
+                   delta.as<float>()[task * p.seq_q + i] =
+                       RowDelta(out, p.out_stride[3], dout, g.dout_stride[3], p.head_dim_v);
                  }
                  if (!tiles_on) {
                    for (std::int64_t i = 0; i < p.seq_q; ++i) {
