@@ -231,6 +231,32 @@ void RoundToBf16Kernel(const float* x, std::int64_t n, std::uint16_t* bits, floa
   }
 }
 
+void ColumnSumsKernel(const float* x, std::int64_t rows, std::int64_t cols, std::int64_t begin,
+                      std::int64_t end, float* sums) {
+  const hn::ScalableTag<double> dd;
+  const hn::Rebind<float, decltype(dd)> dh;  // (as many f32 lanes as dd has f64 lanes)
+  constexpr std::int64_t kVecs = 4;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(dd));
+  std::int64_t j = begin;
+  for (; j + kVecs * lanes <= end; j += kVecs * lanes) {
+    hn::Vec<decltype(dd)> acc[kVecs];
+    for (auto& a : acc) a = hn::Zero(dd);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (std::int64_t v = 0; v < kVecs; ++v) {
+        acc[v] = hn::Add(acc[v], hn::PromoteTo(dd, hn::LoadU(dh, x + r * cols + j + v * lanes)));
+      }
+    }
+    HWY_ALIGN double lane[kVecs * HWY_MAX_BYTES / sizeof(double)];
+    for (std::int64_t v = 0; v < kVecs; ++v) hn::Store(acc[v], dd, lane + v * lanes);
+    for (std::int64_t c = 0; c < kVecs * lanes; ++c) sums[j + c] += static_cast<float>(lane[c]);
+  }
+  for (; j < end; ++j) {
+    double sum = 0.0;
+    for (std::int64_t r = 0; r < rows; ++r) sum += x[r * cols + j];
+    sums[j] += static_cast<float>(sum);
+  }
+}
+
 const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
 
 }  // namespace HWY_NAMESPACE
@@ -244,6 +270,7 @@ namespace qkv::layers {
 HWY_EXPORT(ActivationKernel);
 HWY_EXPORT(LayerNormKernel);
 HWY_EXPORT(RoundToBf16Kernel);
+HWY_EXPORT(ColumnSumsKernel);
 HWY_EXPORT(TargetName);
 
 void activation_kernel(Activation act, float* x, std::int64_t n) {
@@ -262,6 +289,11 @@ void round_to_bf16_kernel(const float* x, std::int64_t n, std::uint16_t* bits) {
 
 void round_to_bf16_kernel(const float* x, std::int64_t n, float* values) {
   HWY_DYNAMIC_DISPATCH(RoundToBf16Kernel)(x, n, nullptr, values);
+}
+
+void column_sums_kernel(const float* x, std::int64_t rows, std::int64_t cols, std::int64_t begin,
+                        std::int64_t end, float* sums) {
+  HWY_DYNAMIC_DISPATCH(ColumnSumsKernel)(x, rows, cols, begin, end, sums);
 }
 
 const char* layer_kernels_target_name() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }

@@ -24,6 +24,11 @@ void layer_norm_kernel(const float* x, const float* residual, std::int64_t rows,
 void round_to_bf16_kernel(const float* x, std::int64_t n, std::uint16_t* bits);
 void round_to_bf16_kernel(const float* x, std::int64_t n, float* values);
 
+// sums[j] += the sum of x[r][j] over rows r = 0, 1, ..., rows - 1 in that order, in f64, rounded
+// once to f32, for columns j in [begin, end). x: [rows, cols] contiguous.
+void column_sums_kernel(const float* x, std::int64_t rows, std::int64_t cols, std::int64_t begin,
+                        std::int64_t end, float* sums);
+
 // Name of the Highway target the kernels dispatch to on this CPU ("AVX3", "AVX2", ...).
 const char* layer_kernels_target_name();
 

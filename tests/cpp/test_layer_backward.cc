@@ -53,6 +53,25 @@ TEST(LayerBackward, LinearMatchesFiniteDifferences) {
   }
 }
 
+// dbias is each column of dy summed in f64 in row order and added once as f32 (the vectorised
+// column sums: 64 columns per task, blocks of vectors, a scalar tail): bit for bit.
+TEST(LayerBackward, LinearDbiasIsTheRowOrderColumnSum) {
+  const std::int64_t rows = 37, in = 3;
+  for (const std::int64_t out : {1, 31, 64, 133}) {
+    const auto w = random_floats(out * in, 30), b = random_floats(out, 31);
+    const auto x = random_floats(rows * in, 32), dy = random_floats(rows * out, 33);
+    const Linear linear({.weight = w, .bias = b, .in_features = in, .out_features = out});
+    std::vector<float> dw(out * in), db(out, 0.5f), want(out);
+    linear.backward(x.data(), rows, dy.data(), nullptr, dw.data(), db.data());
+    for (std::int64_t j = 0; j < out; ++j) {
+      double sum = 0.0;
+      for (std::int64_t r = 0; r < rows; ++r) sum += dy[r * out + j];
+      want[j] = 0.5f + static_cast<float>(sum);
+    }
+    EXPECT_EQ(db, want) << "out = " << out;
+  }
+}
+
 TEST(LayerBackward, LinearSetWeightsAndWeightRoundTrip) {
   const std::int64_t in = 9, out = 6, rows = 3;
   const auto w = random_floats(out * in, 5), b = random_floats(out, 6);
