@@ -92,10 +92,6 @@ void EncoderLayer::forward_train(float* x, std::int64_t batch, std::int64_t seq,
   }
   const std::int64_t rows = batch * seq, E = m.config.embed_dim, F = m.config.d_ff;
   if (rows > 0 && x == nullptr) throw Error("EncoderLayer::forward_train: x is null");
-  if (m.config.matmul_dtype != DType::kF32) {
-    throw Error(std::string("EncoderLayer::forward_train: matmul_dtype ") +
-                dtype_name(m.config.matmul_dtype) + " is for inference only; training needs f32");
-  }
   t.batch = batch;
   t.seq = seq;
   t.step = m.step;

@@ -394,26 +394,54 @@ void Linear::backward(const float* x, std::int64_t rows, const float* dy, float*
   if (dbias != nullptr && m.bias.empty()) {
     throw Error("Linear::backward: dbias given, but the layer has no bias");
   }
-  if (m.dtype != DType::kF32) {
-    throw Error(std::string("Linear::backward: the layer computes in ") + dtype_name(m.dtype) +
-                " (inference only); training needs dtype f32");
-  }
   try {
-    dnnl::primitive_attr attr, linear_attr;  // with the activation post-op; without it
+    dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    // The operands as the products take them: f32 as given, or for a bf16 Linear dy, W and x
+    // rounded to bf16 (nearest even, as the forward rounds x and W; dense copies in this
+    // thread's buffers), as bf16 bits or, on f32 storage, as the f32 values of those bits.
+    const bool bf16 = m.dtype == DType::kBF16;
+    const memory::data_type type = bf16 ? m.storage : memory::data_type::f32;
+    const bool bits = type == memory::data_type::bf16;
+    thread_local std::vector<std::uint16_t> bits_buffer;
+    thread_local std::vector<float> values_buffer;
+    const std::int64_t dy_at = 0, w_at = rows * out, x_at = w_at + out * in;
+    if (bf16) {
+      const auto need = static_cast<std::size_t>(x_at + rows * in);
+      if (bits && bits_buffer.size() < need) bits_buffer.resize(need);
+      if (!bits && values_buffer.size() < need) values_buffer.resize(need);
+    }
+    std::uint16_t* const bits_base = bits_buffer.data();
+    float* const values_base = values_buffer.data();
+    // src [n, cols] (row stride src_stride) rounded into the buffer at `at`: its address.
+    auto rounded = [&](const float* src, std::int64_t n, std::int64_t cols, std::int64_t src_stride,
+                       std::int64_t at) -> void* {
+      parallel_for(n, resolve_num_threads(0), [&](std::int64_t r, int) {
+        if (bits) {
+          layers::round_to_bf16_kernel(src + r * src_stride, cols, bits_base + at + r * cols);
+        } else {
+          layers::round_to_bf16_kernel(src + r * src_stride, cols, values_base + at + r * cols);
+        }
+      });
+      return bits ? static_cast<void*>(bits_base + at) : static_cast<void*>(values_base + at);
+    };
+    const float* plain = nullptr;
+    if (dx != nullptr) {
+      const std::lock_guard<std::mutex> lock(m.mutex);
+      plain = m.plain_weight().data();
+    }
+    void* dy_op = bf16 ? rounded(dy, rows, out, out, dy_at) : const_cast<float*>(dy);
+    void* x_op = bf16 ? rounded(x, rows, in, x_stride, x_at) : const_cast<float*>(x);
+    const std::int64_t x_op_stride = bf16 ? in : x_stride;
     if (dx != nullptr) {  // dx[rows, in] = dy[rows, out] W[out, in]
-      const float* plain = nullptr;
-      {
-        const std::lock_guard<std::mutex> lock(m.mutex);
-        plain = m.plain_weight().data();
-      }
-      const memory::desc dy_md(Dims{rows, out}, memory::data_type::f32, memory::format_tag::ab);
-      const memory::desc w_md(Dims{out, in}, memory::data_type::f32, memory::format_tag::ab);
+      void* w_op = bf16 ? rounded(plain, out, in, in, w_at) : const_cast<float*>(plain);
+      const memory::desc dy_md(Dims{rows, out}, type, memory::format_tag::ab);
+      const memory::desc w_md(Dims{out, in}, type, memory::format_tag::ab);
       const memory::desc dx_md(Dims{rows, in}, memory::data_type::f32, memory::format_tag::ab);
       const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(dy_md, w_md, dx_md), attr,
                                             cpu_engine());
-      execute(pd, {{DNNL_ARG_SRC, memory(dy_md, cpu_engine(), const_cast<float*>(dy))},
-                   {DNNL_ARG_WEIGHTS, memory(w_md, cpu_engine(), const_cast<float*>(plain))},
+      execute(pd, {{DNNL_ARG_SRC, memory(dy_md, cpu_engine(), dy_op)},
+                   {DNNL_ARG_WEIGHTS, memory(w_md, cpu_engine(), w_op)},
                    {DNNL_ARG_DST, memory(dx_md, cpu_engine(), dx)}});
     }
     {  // dW[out, in] += dy^T[out, rows] x[rows, in]
@@ -421,13 +449,13 @@ void Linear::backward(const float* x, std::int64_t rows, const float* dy, float*
       sum.append_sum(1.0f);
       dnnl::primitive_attr accumulate = attr;
       accumulate.set_post_ops(sum);
-      const memory::desc dyt_md(Dims{out, rows}, memory::data_type::f32, Dims{1, out});
-      const memory::desc x_md(Dims{rows, in}, memory::data_type::f32, Dims{x_stride, 1});
+      const memory::desc dyt_md(Dims{out, rows}, type, Dims{1, out});
+      const memory::desc x_md(Dims{rows, in}, type, Dims{x_op_stride, 1});
       const memory::desc dw_md(Dims{out, in}, memory::data_type::f32, memory::format_tag::ab);
       const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(dyt_md, x_md, dw_md), accumulate,
                                             cpu_engine());
-      execute(pd, {{DNNL_ARG_SRC, memory(dyt_md, cpu_engine(), const_cast<float*>(dy))},
-                   {DNNL_ARG_WEIGHTS, memory(x_md, cpu_engine(), const_cast<float*>(x))},
+      execute(pd, {{DNNL_ARG_SRC, memory(dyt_md, cpu_engine(), dy_op)},
+                   {DNNL_ARG_WEIGHTS, memory(x_md, cpu_engine(), x_op)},
                    {DNNL_ARG_DST, memory(dw_md, cpu_engine(), dweight)}});
     }
   } catch (const dnnl::error& e) {

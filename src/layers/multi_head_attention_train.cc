@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "core/parallel.h"
+#include "layers/layer_kernels.h"
 #include "layers/multi_head_attention_impl.h"
 #include "qkv/attention_backward.h"
 #include "qkv/error.h"
@@ -19,6 +21,24 @@ std::span<const float> span_of(const std::vector<float>& v) { return {v.data(), 
 
 void add_to(std::vector<float>& dst, const float* src, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
+// The tape's projection rows [B * L, width] as the attention core takes them: f32 as they are,
+// or for a bf16 core rounded to bf16 bits in `bits` (nearest even: the bits the inference
+// forward's bf16 projection hands its core).
+layers::ProjectedRows core_rows(const std::vector<float>& qkv, DType core, std::int64_t batch,
+                                std::int64_t seq, std::int64_t width,
+                                std::vector<std::uint16_t>& bits) {
+  layers::ProjectedRows rows{
+      .data = qkv.data(), .dtype = DType::kF32, .batch = batch, .seq = seq, .row_stride = width};
+  if (core != DType::kBF16) return rows;
+  bits.resize(qkv.size());
+  parallel_for(batch * seq, resolve_num_threads(0), [&](std::int64_t r, int) {
+    layers::round_to_bf16_kernel(qkv.data() + r * width, width, bits.data() + r * width);
+  });
+  rows.data = bits.data();
+  rows.dtype = DType::kBF16;
+  return rows;
 }
 
 }  // namespace
@@ -122,10 +142,6 @@ void MultiHeadAttention::forward_train(const float* x, std::int64_t batch, std::
   Impl& m = *impl_;
   m.check_self("forward_train");
   m.check_call("forward_train", x, out, batch, seq);
-  if (m.matmul_dtype != DType::kF32) {
-    throw Error(std::string("MultiHeadAttention::forward_train: matmul_dtype ") +
-                dtype_name(m.matmul_dtype) + " is for inference only; training needs f32");
-  }
   if (options.attn_weights != nullptr || !options.mask.empty() || !options.bias.empty()) {
     throw Error("MultiHeadAttention::forward_train: attn_weights, mask and bias are not "
                 "available in training (causal, window and key_lengths are)");
@@ -141,8 +157,8 @@ void MultiHeadAttention::forward_train(const float* x, std::int64_t batch, std::
   tape.lse.resize(static_cast<std::size_t>(batch * m.num_heads * seq));
   if (rows == 0) return;
   m.qkv_proj->forward(x, rows, tape.qkv.data());
-  const layers::ProjectedRows qkv{
-      .data = tape.qkv.data(), .batch = batch, .seq = seq, .row_stride = F};
+  std::vector<std::uint16_t> bits;
+  const layers::ProjectedRows qkv = core_rows(tape.qkv, m.core_dtype(), batch, seq, F, bits);
   const AttentionParams params = layers::core_params(options, tape.key_lengths);
   attention(
       qkv.heads(0, m.num_heads, m.head_dim), qkv.heads(m.embed_dim, m.num_kv_heads, m.head_dim),
@@ -179,8 +195,8 @@ void MultiHeadAttention::backward(const MhaTape& tape, const float* x, const flo
   std::vector<float> dq(static_cast<std::size_t>(rows * E)), dk(static_cast<std::size_t>(rows * kvw)),
       dv(dk.size());
   const AttentionParams params = layers::core_params(tape.options, tape.key_lengths);
-  const layers::ProjectedRows qkv{
-      .data = tape.qkv.data(), .batch = batch, .seq = seq, .row_stride = F};
+  std::vector<std::uint16_t> bits;
+  const layers::ProjectedRows qkv = core_rows(tape.qkv, m.core_dtype(), batch, seq, F, bits);
   attention_backward(
       qkv.heads(0, m.num_heads, hd), qkv.heads(E, m.num_kv_heads, hd),
       qkv.heads(E + kvw, m.num_kv_heads, hd),

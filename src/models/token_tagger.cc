@@ -42,6 +42,10 @@ void check_config(const TokenTaggerConfig& c) {
   if (!(c.dropout >= 0.0f && c.dropout < 1.0f)) {
     throw Error("TokenTagger: dropout = " + std::to_string(c.dropout) + " must be in [0, 1)");
   }
+  if (c.matmul_dtype != DType::kF32 && c.matmul_dtype != DType::kBF16) {
+    throw Error(std::string("TokenTagger: matmul_dtype ") + dtype_name(c.matmul_dtype) +
+                " is not a product type (f32 or bf16)");
+  }
 }
 
 EncoderLayerConfig layer_config(const TokenTaggerConfig& c) {
@@ -50,7 +54,8 @@ EncoderLayerConfig layer_config(const TokenTaggerConfig& c) {
           .d_ff = c.d_ff,
           .activation = Activation::kGeluErf,
           .norm_first = true,
-          .dropout = c.dropout};
+          .dropout = c.dropout,
+          .matmul_dtype = c.matmul_dtype};
 }
 
 // The model's metadata keys, in the file.
@@ -309,7 +314,7 @@ void TokenTagger::save(const std::string& path) const {
   io::write_safetensors(path, entries, metadata);
 }
 
-TokenTagger TokenTagger::load(const std::string& path) {
+TokenTagger TokenTagger::load(const std::string& path, DType matmul_dtype) {
   const io::SafetensorsFile file(path);
   const auto& metadata = file.metadata();
   auto value = [&](const char* key) -> std::int64_t {
@@ -330,6 +335,7 @@ TokenTagger TokenTagger::load(const std::string& path) {
   c.vocab = value("vocab"), c.num_classes = value("num_classes"), c.max_seq = value("max_seq");
   c.embed_dim = value("embed_dim"), c.num_heads = value("num_heads");
   c.num_layers = value("num_layers"), c.d_ff = value("d_ff"), c.causal = value("causal") != 0;
+  c.matmul_dtype = matmul_dtype;
   try {
     check_config(c);
   } catch (const Error& e) {

@@ -25,8 +25,8 @@ constexpr const char* kUsage =
     R"(usage: qkv train-demo [--task sort|copy] [--seq N] [--batch B] [--lr LR] [--steps N]
                       [--time-limit S] [--target A] [--eval-every N] [--eval-size N]
                       [--embed E] [--heads H] [--layers N] [--ff F] [--dropout P] [--seed S]
-                      [--threads N] [--save FILE] [--load FILE] [--eval-only] [--log FILE]
-                      [--quiet]
+                      [--dtype T] [--threads N] [--save FILE] [--load FILE] [--eval-only]
+                      [--log FILE] [--quiet]
 
 Trains a small transformer encoder (token + position embeddings, Pre-LN encoder layers with
 GELU, a final LayerNorm, a linear head; default 2 layers, embed 128, 4 heads, d_ff 512) on a
@@ -53,6 +53,10 @@ options:
   --embed E, --heads H, --layers N, --ff F   the model (defaults 128, 4, 2, 512)
   --dropout P       dropout in every layer while training (default 0)
   --seed S          weights and data (default 1)
+  --dtype T         f32 (default) or bf16: the encoder layers' matrix products, forward and
+                    backward (mixed precision: bf16 operands, on AMX tiles where the CPU has
+                    AMX-BF16; the weights, AdamW, LayerNorm, softmax and every sum stay f32;
+                    docs/training.md). Applies to --load's model too
   --threads N       OpenMP threads (default: OpenMP's default)
   --save FILE       write the trained weights (.safetensors, the config in its metadata)
   --load FILE       start from saved weights (their config replaces --embed ... --ff)
@@ -70,6 +74,7 @@ struct Options {
   double lr = 0.002, time_limit = 180, target = 0.95, dropout = 0;
   std::uint64_t seed = 1;
   bool eval_only = false, quiet = false;
+  DType dtype = DType::kF32;
 };
 
 // A batch of the task: tokens and targets [batch, length], -100 where nothing is scored.
@@ -195,6 +200,12 @@ Options parse(std::vector<std::string> argv, bool& help) {
       const std::int64_t s = parse_int(name, args.value(name));
       if (s < 0) throw UsageError("--seed: expected >= 0");
       o.seed = static_cast<std::uint64_t>(s);
+    } else if (name == "--dtype") {
+      const std::string t = args.value(name);
+      if (t != "f32" && t != "bf16") {
+        throw UsageError("--dtype: expected f32 or bf16, got '" + t + "'");
+      }
+      o.dtype = t == "bf16" ? DType::kBF16 : DType::kF32;
     } else if (name == "--threads") {
       o.threads = positive(name, parse_int(name, args.value(name)), 4096);
     } else if (name == "--save") {
@@ -232,11 +243,17 @@ int run_train_demo(std::vector<std::string> argv) {
   const Task task(o.task, o.seq);
   const std::int64_t L = task.length();
   TokenTagger model = [&] {
-    if (!o.load.empty()) return TokenTagger::load(o.load);
-    return TokenTagger({.vocab = task.vocab(), .num_classes = 10, .max_seq = L,
-                        .embed_dim = o.embed, .num_heads = o.heads, .num_layers = o.layers,
-                        .d_ff = o.ff, .causal = task.causal(),
-                        .dropout = static_cast<float>(o.dropout)},
+    if (!o.load.empty()) return TokenTagger::load(o.load, o.dtype);
+    return TokenTagger({.vocab = task.vocab(),
+                        .num_classes = 10,
+                        .max_seq = L,
+                        .embed_dim = o.embed,
+                        .num_heads = o.heads,
+                        .num_layers = o.layers,
+                        .d_ff = o.ff,
+                        .causal = task.causal(),
+                        .dropout = static_cast<float>(o.dropout),
+                        .matmul_dtype = o.dtype},
                        o.seed);
   }();
   const TokenTaggerConfig& c = model.config();
@@ -246,11 +263,13 @@ int run_train_demo(std::vector<std::string> argv) {
                 ") does not fit task " + o.task + " with --seq " + std::to_string(o.seq) +
                 " (vocab " + std::to_string(task.vocab()) + ", length " + std::to_string(L) + ")");
   }
-  std::printf("qkv train-demo: task %s, %lld digits (sequence length %lld), batch %lld; model: "
-              "%lld layers, embed %lld, %lld heads, d_ff %lld, %lld parameters; %d threads\n",
-              o.task.c_str(), (long long)o.seq, (long long)L, (long long)o.batch,
-              (long long)c.num_layers, (long long)c.embed_dim, (long long)c.num_heads,
-              (long long)c.d_ff, (long long)model.num_parameters(), omp_get_max_threads());
+  std::printf(
+      "qkv train-demo: task %s, %lld digits (sequence length %lld), batch %lld; model: "
+      "%lld layers, embed %lld, %lld heads, d_ff %lld, %lld parameters, %s products; "
+      "%d threads\n",
+      o.task.c_str(), (long long)o.seq, (long long)L, (long long)o.batch, (long long)c.num_layers,
+      (long long)c.embed_dim, (long long)c.num_heads, (long long)c.d_ff,
+      (long long)model.num_parameters(), dtype_name(c.matmul_dtype), omp_get_max_threads());
   std::mt19937_64 data_rng(o.seed * 7919 + 1), eval_rng(o.seed * 104729 + 2);
   const Batch eval_batch = task.make(o.eval_size, eval_rng);  // held out: never trained on
   auto evaluate = [&] { return accuracy(model, eval_batch, o.eval_size, L); };

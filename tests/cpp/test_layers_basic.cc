@@ -305,12 +305,57 @@ TEST(LayersLinear, Bf16HandOffGivesTheBitsOfTheF32One) {
                "Linear::forward_from_bf16: needs a bf16 Linear, this one has dtype f32");
 }
 
-TEST(LayersLinear, Bf16IsInferenceOnly) {
-  const std::vector<float> w(12, 0.5f), x(6, 1.0f), dy(8, 1.0f);
-  std::vector<float> dx(6), dw(12);
-  const Linear linear({.weight = w, .in_features = 3, .out_features = 4, .dtype = DType::kBF16});
-  expect_error([&] { linear.backward(x.data(), 2, dy.data(), dx.data(), dw.data(), nullptr); },
-               "the layer computes in bf16 (inference only); training needs dtype f32");
+// A bf16 Linear's backward (mixed-precision training) multiplies dy, W and x rounded to bf16
+// (nearest even, as its forward rounds x and W) and accumulates in f32: dx and dweight against
+// float64 products of the rounded operands, and further from the f32 layer's (so the rounding
+// happened); dbias sums dy as given, the f32 layer's bits; odd sizes, a strided x, the weights
+// of an optimizer's step (set_weights). f16 is no product type.
+TEST(LayersLinear, Bf16BackwardMultipliesTheRoundedOperands) {
+  const auto rounded = [](std::vector<float> v) {
+    for (float& e : v) e = round_to_bf16(e);
+    return v;
+  };
+  for (const auto [rows, in, out, x_stride] : {std::array<std::int64_t, 4>{37, 45, 29, 0},
+                                               {300, 384, 1536, 0},
+                                               {5, 7, 3, 11},
+                                               {1, 5, 7, 0}}) {
+    const std::int64_t stride = std::max(in, x_stride);
+    std::vector<float> w = random_floats(out * in, 40);
+    const auto b = random_floats(out, 41), x = random_floats(rows * stride, 42, -2.0f, 2.0f);
+    const auto dy = random_floats(rows * out, 43);
+    const std::string what = "rows=" + std::to_string(rows) + " in=" + std::to_string(in) +
+                             " out=" + std::to_string(out) + " stride=" + std::to_string(stride);
+    Linear bf16({.weight = random_floats(out * in, 44),
+                 .bias = b,
+                 .in_features = in,
+                 .out_features = out,
+                 .dtype = DType::kBF16});
+    bf16.set_weights(w, b);  // (an optimizer's step: the backward takes these)
+    const Linear f32({.weight = w, .bias = b, .in_features = in, .out_features = out});
+    std::vector<float> dx(rows * in, 7.0f), dw(out * in, 0.5f), db(out, 0.5f);
+    std::vector<float> dx32(rows * in), dw32(out * in, 0.5f), db32(out, 0.5f);
+    bf16.backward(x.data(), rows, dy.data(), dx.data(), dw.data(), db.data(), x_stride);
+    f32.backward(x.data(), rows, dy.data(), dx32.data(), dw32.data(), db32.data(), x_stride);
+    const Vec rx = to_f64(rounded(x)), rw = to_f64(rounded(w)), rdy = to_f64(rounded(dy));
+    Vec dx_ref(rows * in, 0.0), dw_ref(out * in, 0.5);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (std::int64_t j = 0; j < out; ++j) {
+        for (std::int64_t i = 0; i < in; ++i) {
+          dx_ref[r * in + i] += rdy[r * out + j] * rw[j * in + i];
+          dw_ref[j * in + i] += rdy[r * out + j] * rx[r * stride + i];
+        }
+      }
+    }
+    expect_close(dx, dx_ref, 2e-6 * std::sqrt(static_cast<double>(out)) + 1e-6, "dx " + what);
+    expect_close(dw, dw_ref, 2e-6 * std::sqrt(static_cast<double>(rows)) + 1e-6, "dw " + what);
+    EXPECT_EQ(db, db32) << what;
+    double f32_err = 0;
+    for (std::size_t i = 0; i < dw_ref.size(); ++i) {
+      f32_err = std::max(f32_err, std::abs(dw32[i] - dw_ref[i]));
+    }
+    EXPECT_GT(f32_err, 1e-4) << what << ": the f32 layer is as close to the rounded operands";
+  }
+  const std::vector<float> w(12, 0.5f);
   expect_error([&] { Linear({.weight = w, .in_features = 3, .out_features = 4, .dtype = DType::kF16}); },
                "dtype f16 is not a product type (f32 or bf16)");
 }

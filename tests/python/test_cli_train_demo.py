@@ -1,6 +1,7 @@
 """`qkv train-demo`: the model learns both tasks past the target within a few hundred steps,
 prints a line per step and per evaluation, logs a CSV, saves weights that --load --eval-only
-evaluates to the same accuracy; bad options fail per DESIGN.md section 4."""
+evaluates to the same accuracy; --dtype bf16 (mixed precision) learns both tasks too; bad
+options fail per DESIGN.md section 4."""
 
 import csv
 import re
@@ -40,6 +41,26 @@ def test_copy_under_a_causal_mask_learns(cli):
     assert not any(line.startswith("step ") for line in out.splitlines())  # --quiet
 
 
+def test_bf16_products_learn_both_tasks(cli):
+    """--dtype bf16 (mixed precision) reaches the targets too, and says so in its header; a
+    model saved from it loads as f32 or bf16 to accuracies within a few hundredths."""
+    out = cli.ok("train-demo", "--dtype", "bf16", "--task", "sort", "--steps", "400",
+                 "--time-limit", "100", "--target", "0.9", "--threads", "2", "--quiet",
+                 "--save", "bf16.safetensors")
+    assert "bf16 products" in out.splitlines()[0], out
+    _, accuracy = final_accuracy(out)
+    assert "reached the target" in out and accuracy >= 0.9, out
+    as_f32 = cli.ok("train-demo", "--load", "bf16.safetensors", "--eval-only")
+    again = float(re.search(r"token accuracy ([\d.]+)", as_f32).group(1))
+    assert abs(again - accuracy) < 0.03, (again, accuracy)
+    as_bf16 = cli.ok("train-demo", "--load", "bf16.safetensors", "--eval-only", "--dtype", "bf16")
+    assert f"token accuracy {accuracy:.4f}" in as_bf16, as_bf16
+    out = cli.ok("train-demo", "--dtype", "bf16", "--task", "copy", "--seq", "8", "--steps",
+                 "400", "--time-limit", "100", "--quiet")
+    _, accuracy = final_accuracy(out)
+    assert "reached the target" in out and accuracy >= 0.95, out
+
+
 def test_bad_options(cli):
     cli.fails("train-demo", "--task", "reverse", expect=["--task: expected sort or copy"])
     cli.fails("train-demo", "--eval-only", expect=["--eval-only: needs --load FILE"])
@@ -47,4 +68,5 @@ def test_bad_options(cli):
               expect=["--embed 100 is not a multiple of --heads 3"])
     cli.fails("train-demo", "--load", "missing.safetensors", expect=["missing.safetensors"])
     cli.fails("train-demo", "--lr", "2", expect=["--lr"])
+    cli.fails("train-demo", "--dtype", "f16", expect=["--dtype: expected f32 or bf16, got 'f16'"])
     assert "usage: qkv train-demo" in cli.ok("train-demo", "--help")

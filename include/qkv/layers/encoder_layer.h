@@ -33,8 +33,9 @@ struct EncoderLayerConfig {
   float eps = 1e-5f;
   float dropout = 0.1f;  // used only when training; in [0, 1)
   // The products of the attention (its projections and its core: MultiHeadAttentionConfig's
-  // matmul_dtype) and of the FFN: kF32, or kBF16 for inference (LayerNorm, softmax, GELU and
-  // accumulation stay f32).
+  // matmul_dtype) and of the FFN: kF32, or kBF16 (LayerNorm, softmax, GELU and accumulation
+  // stay f32). kBF16 also trains (mixed precision): backward runs its products in bf16 too
+  // (Linear::backward, attention_backward), the gradients are f32.
   DType matmul_dtype = DType::kF32;
 };
 

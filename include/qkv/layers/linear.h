@@ -9,13 +9,14 @@
 // forward() may be called on one object from several threads at once (the primitive cache is
 // guarded; each thread passes oneDNN a scratchpad of its own).
 //
-// dtype kBF16 (inference): W is stored as bf16 and x is rounded to bf16 (nearest even) before
+// dtype kBF16: W is stored as bf16 and x is rounded to bf16 (nearest even) before
 // each product; oneDNN accumulates in f32 and adds the f32 bias, and y stays f32. oneDNN runs
 // it on AMX where the CPU has it, else on AVX512-BF16 or AVX-512 by conversion; on a CPU for
 // which oneDNN has no bf16 matmul (Debian's 2.6 without AVX-512, e.g. AVX2 only), W and x are
 // rounded to bf16 values held in f32 and multiplied in f32 (products of bf16 values are exact
 // in f32, accumulation f32: the same result up to summation order, at f32 speed). backward()
-// needs kF32.
+// of a bf16 Linear (mixed-precision training: the caller keeps the f32 weights and hands each
+// step's to set_weights) rounds dy, W and x to bf16 the same way for its two products.
 #pragma once
 
 #include <cstdint>
@@ -79,6 +80,8 @@ class Linear {
   // Parameter gradients accumulate, as torch's .grad does. dbias sums rows in row order (the
   // same bits on any thread count); dx and dweight are oneDNN's (its sgemm may split the sum
   // differently for another thread count). None of the outputs may overlap x or dy.
+  // dtype kBF16: dy, W and x enter both products rounded to bf16 (nearest even), the sums and
+  // dx, dweight stay f32 (on AMX where the CPU has it); dbias sums dy as given.
   void backward(const float* x, std::int64_t rows, const float* dy, float* dx, float* dweight,
                 float* dbias, std::int64_t x_stride = 0) const;
 

@@ -36,12 +36,14 @@ struct MultiHeadAttentionConfig {
   std::int64_t num_kv_heads = 0;  // 0 = num_heads (GQA when smaller; must divide num_heads)
   std::int64_t kdim = 0;          // 0 = embed_dim: feature size of the key memory
   std::int64_t vdim = 0;          // 0 = embed_dim: feature size of the value memory
-  // The layer's matrix products: kF32, or kBF16 for inference (forward_train refuses it). With
+  // The layer's matrix products: kF32, or kBF16 (inference and mixed-precision training). With
   // kBF16 the projections run in bf16 (LinearParams::dtype) and hand the attention core q, k
   // and v as bf16 (their f32 results rounded to nearest even), so its two products run in bf16
   // too (AMX tiles or vdpbf16ps where the CPU has them); its softmax and accumulation stay f32,
   // and its output goes to the output projection as bf16 (the rounding that projection applies
-  // to its input anyway). forward_cached keeps an f32 or f16 cache's f32 path.
+  // to its input anyway). forward_cached keeps an f32 or f16 cache's f32 path. Training with
+  // kBF16: forward_train computes what forward() does, and backward runs every product in bf16
+  // too (Linear::backward; attention_backward on the bf16 q, k, v), gradients f32.
   DType matmul_dtype = DType::kF32;
 };
 

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "qkv/layers/adamw.h"
+#include "qkv/tensor.h"
 
 namespace qkv {
 
@@ -24,6 +25,11 @@ struct TokenTaggerConfig {
   std::int64_t embed_dim = 128, num_heads = 4, num_layers = 2, d_ff = 512;
   bool causal = false;   // causal self-attention (the copy task)
   float dropout = 0.0f;  // in every layer when training
+  // The encoder layers' matrix products: kF32, or kBF16 (mixed precision: every projection,
+  // FFN and attention product in bf16, forward and backward, on AMX where the CPU has it;
+  // the parameters, the optimizer, LayerNorm, softmax and every sum stay f32). Not saved: a
+  // run-time choice (load takes it).
+  DType matmul_dtype = DType::kF32;
 };
 
 // What one training step did.
@@ -38,7 +44,7 @@ class TokenTagger {
   // Random initial weights from `seed` (normal, std 0.02; LayerNorm gamma 1, beta 0).
   TokenTagger(const TokenTaggerConfig& config, std::uint64_t seed);
   // A file written by save(); throws qkv::Error naming the path and the tensor or key.
-  static TokenTagger load(const std::string& path);
+  static TokenTagger load(const std::string& path, DType matmul_dtype = DType::kF32);
   ~TokenTagger();
   TokenTagger(TokenTagger&&) noexcept;
   TokenTagger& operator=(TokenTagger&&) noexcept;
