@@ -1,8 +1,12 @@
 #include "qkv/layers/adamw.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "core/parallel.h"
 #include "qkv/error.h"
 
 namespace qkv {
@@ -50,18 +54,30 @@ void AdamW::step(std::span<std::vector<float>* const> params,
   const float step_size = static_cast<float>(a.lr / c1);
   const float root_c2 = static_cast<float>(std::sqrt(c2));
   const float decay = 1.0f - a.lr * a.weight_decay;
+  // Element by element (each element's update is independent: the same bits on any thread
+  // count), in chunks of every tensor spread over the threads.
+  constexpr std::int64_t kChunk = 1 << 14;
+  std::vector<std::pair<std::size_t, std::int64_t>> chunks;  // (tensor, first element)
   for (std::size_t i = 0; i < params.size(); ++i) {
-    float* p = params[i]->data();
-    const float* g = grads[i]->data();
-    float* m = m_[i].data();
-    float* v = v_[i].data();
-    for (std::size_t e = 0; e < params[i]->size(); ++e) {
-      p[e] *= decay;
-      m[e] = a.beta1 * m[e] + (1.0f - a.beta1) * g[e];
-      v[e] = a.beta2 * v[e] + (1.0f - a.beta2) * g[e] * g[e];
-      p[e] -= step_size * m[e] / (std::sqrt(v[e]) / root_c2 + a.eps);
-    }
+    const auto n = static_cast<std::int64_t>(params[i]->size());
+    for (std::int64_t e = 0; e < n; e += kChunk) chunks.emplace_back(i, e);
   }
+  parallel_for(static_cast<std::int64_t>(chunks.size()), resolve_num_threads(0),
+               [&](std::int64_t c, int) {
+                 const auto [i, first] = chunks[static_cast<std::size_t>(c)];
+                 float* p = params[i]->data();
+                 const float* g = grads[i]->data();
+                 float* m = m_[i].data();
+                 float* v = v_[i].data();
+                 const std::int64_t end =
+                     std::min(first + kChunk, static_cast<std::int64_t>(params[i]->size()));
+                 for (std::int64_t e = first; e < end; ++e) {
+                   p[e] *= decay;
+                   m[e] = a.beta1 * m[e] + (1.0f - a.beta1) * g[e];
+                   v[e] = a.beta2 * v[e] + (1.0f - a.beta2) * g[e] * g[e];
+                   p[e] -= step_size * m[e] / (std::sqrt(v[e]) / root_c2 + a.eps);
+                 }
+               });
 }
 
 }  // namespace qkv

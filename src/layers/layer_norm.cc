@@ -72,17 +72,25 @@ void LayerNorm::backward(const float* x, const float* residual, std::int64_t row
     mean[r] = m;
     rstd[r] = 1.0 / std::sqrt(var / static_cast<double>(f) + eps_);
   });
-  // dgamma, dbeta first (dz may alias dy): column by column, over rows in order.
+  // dgamma, dbeta first (dz may alias dy): each column over rows in order, in tasks of
+  // kColumns columns that walk the rows once (a task per column read the rows f floats apart:
+  // 5.8% of a training step's samples at E = 512).
   if (dgamma != nullptr || dbeta != nullptr) {
-    parallel_for(f, resolve_num_threads(0), [&](std::int64_t j, int) {
-      double g = 0, b = 0;
+    constexpr std::int64_t kColumns = 64;
+    parallel_for((f + kColumns - 1) / kColumns, resolve_num_threads(0), [&](std::int64_t t, int) {
+      const std::int64_t j0 = t * kColumns, n = std::min(kColumns, f - j0);
+      double g[kColumns] = {}, b[kColumns] = {};
       for (std::int64_t r = 0; r < rows; ++r) {
-        const double d = dy[r * f + j];
-        g += d * (z_at(r, j) - mean[r]) * rstd[r];
-        b += d;
+        for (std::int64_t c = 0; c < n; ++c) {
+          const double d = dy[r * f + j0 + c];
+          g[c] += d * (z_at(r, j0 + c) - mean[r]) * rstd[r];
+          b[c] += d;
+        }
       }
-      if (dgamma != nullptr) dgamma[j] += static_cast<float>(g);
-      if (dbeta != nullptr) dbeta[j] += static_cast<float>(b);
+      for (std::int64_t c = 0; c < n; ++c) {
+        if (dgamma != nullptr) dgamma[j0 + c] += static_cast<float>(g[c]);
+        if (dbeta != nullptr) dbeta[j0 + c] += static_cast<float>(b[c]);
+      }
     });
   }
   parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
