@@ -38,9 +38,8 @@ using DFHalf = hn::Rebind<float, DD>;  // as many floats as DD has doubles
 // against math.erfc over [0, 12]):
 //   erfc(z) = t exp(-z^2 + c(t)),  t = 1 / (1 + z / 2),  c = -1.26551223 + t (1.00002368 + ...)
 // and erfc(-z) = 2 - erfc(z).
-HWY_INLINE VD GeluErf(DD dd, VD x) {
-  // Past |x| = 30 the factor is 0 or 2 to double precision; clamping keeps Exp in range.
-  const VD xc = hn::Min(hn::Max(x, hn::Set(dd, -30.0)), hn::Set(dd, 30.0));
+// erfc(-x / sqrt 2) = 1 + erf(x / sqrt 2) for x in [-30, 30] (the caller clamps).
+HWY_INLINE VD OnePlusErf(DD dd, VD xc) {
   const VD z = hn::Mul(hn::Abs(xc), hn::Set(dd, 0.70710678118654752440));
   const VD t = hn::Div(hn::Set(dd, 1.0), hn::MulAdd(z, hn::Set(dd, 0.5), hn::Set(dd, 1.0)));
   VD c = hn::Set(dd, 0.17087277);
@@ -54,8 +53,16 @@ HWY_INLINE VD GeluErf(DD dd, VD x) {
   c = hn::MulAdd(c, t, hn::Set(dd, 1.00002368));
   c = hn::MulAdd(c, t, hn::Set(dd, -1.26551223));
   const VD erfc_abs = hn::Mul(t, hn::Exp(dd, hn::NegMulAdd(z, z, c)));  // erfc(|x| / sqrt 2)
-  const VD factor =
-      hn::IfThenElse(hn::Lt(x, hn::Zero(dd)), erfc_abs, hn::Sub(hn::Set(dd, 2.0), erfc_abs));
+  return hn::IfThenElse(hn::Lt(xc, hn::Zero(dd)), erfc_abs, hn::Sub(hn::Set(dd, 2.0), erfc_abs));
+}
+
+HWY_INLINE VD ClampTo30(DD dd, VD x) {
+  return hn::Min(hn::Max(x, hn::Set(dd, -30.0)), hn::Set(dd, 30.0));
+}
+
+HWY_INLINE VD GeluErf(DD dd, VD x) {
+  // Past |x| = 30 the factor is 0 or 2 to double precision; clamping keeps Exp in range.
+  const VD factor = OnePlusErf(dd, ClampTo30(dd, x));
   const VD y = hn::Mul(hn::Mul(hn::Set(dd, 0.5), x), factor);
   // Below -30 the true value is 0 in float: x * 0 (so -inf gives NaN, as the float64 formula
   // 0.5 x (1 + erf(x / sqrt 2)) does).
@@ -73,6 +80,32 @@ HWY_INLINE VD GeluTanh(DD dd, VD x) {
   const VD e = hn::Exp(dd, hn::Max(hn::Mul(hn::Abs(u), hn::Set(dd, -2.0)), hn::Set(dd, -700.0)));
   const VD numerator = hn::IfThenElse(hn::Lt(u, hn::Zero(dd)), e, hn::Set(dd, 1.0));
   return hn::Div(hn::Mul(x, numerator), hn::Add(hn::Set(dd, 1.0), e));
+}
+
+// GELU'(x) = 0.5 (1 + erf(x / sqrt 2)) + x phi(x), phi(x) = exp(-x^2 / 2) / sqrt(2 pi), on x
+// clamped to [-30, 30] (past it the derivative is 0 or 1 to double precision; so -inf and
+// +inf give 0 and 1).
+HWY_INLINE VD GeluErfDerivative(DD dd, VD x) {
+  const VD xc = ClampTo30(dd, x);
+  const VD phi = hn::Mul(hn::Exp(dd, hn::Mul(hn::Mul(xc, xc), hn::Set(dd, -0.5))),
+                         hn::Set(dd, 0.39894228040143267794));
+  return hn::MulAdd(xc, phi, hn::Mul(hn::Set(dd, 0.5), OnePlusErf(dd, xc)));
+}
+
+// GELU tanh's derivative: with s = sigmoid(2u) (= 0.5 (1 + tanh u); GeluTanh's e = exp(-2|u|)),
+// d/dx [x s] = s + x 2 s (1 - s) u', s (1 - s) = e / (1 + e)^2,
+// u' = sqrt(2/pi) (1 + 3 * 0.044715 x^2).
+HWY_INLINE VD GeluTanhDerivative(DD dd, VD x) {
+  const VD x2 = hn::Mul(x, x);
+  const VD u = hn::Mul(hn::MulAdd(hn::Mul(x2, hn::Set(dd, 0.044715)), x, x),
+                       hn::Set(dd, 0.79788456080286535588));
+  const VD e = hn::Exp(dd, hn::Max(hn::Mul(hn::Abs(u), hn::Set(dd, -2.0)), hn::Set(dd, -700.0)));
+  const VD inv = hn::Div(hn::Set(dd, 1.0), hn::Add(hn::Set(dd, 1.0), e));
+  const VD s = hn::IfThenElse(hn::Lt(u, hn::Zero(dd)), hn::Mul(e, inv), inv);
+  const VD ss2 = hn::Mul(hn::Mul(hn::Add(e, e), inv), inv);  // 2 s (1 - s)
+  const VD du = hn::Mul(hn::MulAdd(x2, hn::Set(dd, 3.0 * 0.044715), hn::Set(dd, 1.0)),
+                        hn::Set(dd, 0.79788456080286535588));
+  return hn::MulAdd(hn::Mul(x, ss2), du, s);
 }
 
 // Loads/stores of the first `count` lanes (count <= Lanes); masked lanes are never touched,
@@ -137,6 +170,35 @@ void ActivationKernel(Activation act, float* x, std::int64_t n) {
       return MapInPlaceF64(x, n, [](DD dd, VD v) { return GeluErf(dd, v); });
     case Activation::kGeluTanh:
       return MapInPlaceF64(x, n, [](DD dd, VD v) { return GeluTanh(dd, v); });
+  }
+}
+
+void ActivationBackwardKernel(Activation act, const float* x, const float* dy, float* dx,
+                              std::int64_t n) {
+  if (act == Activation::kNone) {
+    std::copy(dy, dy + n, dx);
+    return;
+  }
+  if (act == Activation::kRelu) {
+    const DF df;
+    const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(df));
+    for (std::int64_t i = 0; i < n; i += lanes) {
+      const size_t count = static_cast<size_t>(std::min(lanes, n - i));
+      const VF one_or_zero =
+          hn::IfThenElseZero(hn::Gt(LoadFirst(df, x + i, count), hn::Zero(df)), hn::Set(df, 1.0f));
+      StoreFirst(hn::Mul(LoadFirst(df, dy + i, count), one_or_zero), df, dx + i, count);
+    }
+    return;
+  }
+  const DD dd;
+  const DFHalf dh;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(dd));
+  for (std::int64_t i = 0; i < n; i += lanes) {
+    const size_t count = static_cast<size_t>(std::min(lanes, n - i));
+    const VD v = hn::PromoteTo(dd, LoadFirst(dh, x + i, count));
+    const VD d = act == Activation::kGeluErf ? GeluErfDerivative(dd, v) : GeluTanhDerivative(dd, v);
+    const VD g = hn::Mul(hn::PromoteTo(dd, LoadFirst(dh, dy + i, count)), d);
+    StoreFirst(DemoteKeepingInf(dh, g), dh, dx + i, count);
   }
 }
 
@@ -268,6 +330,7 @@ HWY_AFTER_NAMESPACE();
 namespace qkv::layers {
 
 HWY_EXPORT(ActivationKernel);
+HWY_EXPORT(ActivationBackwardKernel);
 HWY_EXPORT(LayerNormKernel);
 HWY_EXPORT(RoundToBf16Kernel);
 HWY_EXPORT(ColumnSumsKernel);
@@ -275,6 +338,11 @@ HWY_EXPORT(TargetName);
 
 void activation_kernel(Activation act, float* x, std::int64_t n) {
   HWY_DYNAMIC_DISPATCH(ActivationKernel)(act, x, n);
+}
+
+void activation_backward_kernel(Activation act, const float* x, const float* dy, float* dx,
+                                std::int64_t n) {
+  HWY_DYNAMIC_DISPATCH(ActivationBackwardKernel)(act, x, dy, dx, n);
 }
 
 void layer_norm_kernel(const float* x, const float* residual, std::int64_t rows,

@@ -12,6 +12,12 @@ namespace qkv::layers {
 // x: [n] in place.
 void activation_kernel(Activation act, float* x, std::int64_t n);
 
+// dx = dy * act'(x) element by element (x, dy, dx: [n]; dx may alias dy): GELU's derivatives
+// in float64 lanes, rounded once (erf by GeluErf's fit, fractional error ~1e-7), ReLU's 1 past
+// 0 and 0 elsewhere (0 at the kink, as torch).
+void activation_backward_kernel(Activation act, const float* x, const float* dy, float* dx,
+                                std::int64_t n);
+
 // For each of `rows` rows: v = x + residual (residual nullable), y = (v - mean) / sqrt(var +
 // eps) * gamma + beta. x, residual, y: [rows, features] contiguous; y may alias x or residual.
 void layer_norm_kernel(const float* x, const float* residual, std::int64_t rows,

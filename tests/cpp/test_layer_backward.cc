@@ -9,7 +9,9 @@
 #include <functional>
 #include <vector>
 
+#include "every_target.h"
 #include "expect_error.h"
+#include "layers/layer_kernels.h"
 #include "layers_reference.h"
 #include "qkv/layers/activation.h"
 #include "qkv/layers/dropout.h"
@@ -144,27 +146,36 @@ TEST(LayerBackward, LayerNormMatchesFiniteDifferences) {
                "must not be null");
 }
 
+// Every Highway target the CPU has (layer_kernels.cc's activation_backward_kernel), in place
+// too (dx aliasing dy, as the encoder calls it).
 TEST(LayerBackward, ActivationsMatchFiniteDifferences) {
-  // A grid over [-8, 8] (GELU's tails included) plus 0.
-  Vec x64;
-  for (int i = -64; i <= 64; ++i) x64.push_back(i / 8.0 + 0.01);
-  x64.push_back(0.0);
-  std::vector<float> x(x64.begin(), x64.end());
-  x64.assign(x.begin(), x.end());  // the float inputs exactly
-  const auto dy = random_floats(static_cast<std::int64_t>(x.size()), 15);
-  for (const Activation act : {Activation::kNone, Activation::kGeluErf, Activation::kGeluTanh,
-                               Activation::kRelu}) {
-    SCOPED_TRACE(activation_name(act));
-    std::vector<float> dx(x.size());
-    activation_backward(act, x.data(), dy.data(), dx.data(), static_cast<std::int64_t>(x.size()));
-    Vec want(x.size());
-    for (std::size_t i = 0; i < x.size(); ++i) {
-      const double h = 1e-6;
-      want[i] = dy[i] * (activation_ref(act, x64[i] + h) - activation_ref(act, x64[i] - h)) / (2 * h);
-      if (act == Activation::kRelu && x64[i] == 0.0) want[i] = 0.0;  // the kink: torch's 0
+  for_each_target(layers::layer_kernels_target_name, [&](std::int64_t) {
+    // A grid over [-8, 8] (GELU's tails included), 0, and past the clamp at |x| = 30.
+    Vec x64;
+    for (int i = -64; i <= 64; ++i) x64.push_back(i / 8.0 + 0.01);
+    for (const double far : {0.0, -31.0, 40.0}) x64.push_back(far);
+    std::vector<float> x(x64.begin(), x64.end());
+    x64.assign(x.begin(), x.end());  // the float inputs exactly
+    const auto dy = random_floats(static_cast<std::int64_t>(x.size()), 15);
+    for (const Activation act :
+         {Activation::kNone, Activation::kGeluErf, Activation::kGeluTanh, Activation::kRelu}) {
+      SCOPED_TRACE(activation_name(act));
+      std::vector<float> dx(x.size());
+      activation_backward(act, x.data(), dy.data(), dx.data(), static_cast<std::int64_t>(x.size()));
+      Vec want(x.size());
+      for (std::size_t i = 0; i < x.size(); ++i) {
+        const double h = 1e-6;
+        want[i] =
+            dy[i] * (activation_ref(act, x64[i] + h) - activation_ref(act, x64[i] - h)) / (2 * h);
+        if (act == Activation::kRelu && x64[i] == 0.0) want[i] = 0.0;  // the kink: torch's 0
+      }
+      expect_close(dx, want, 1e-6, "dx");
+      std::vector<float> in_place = dy;
+      activation_backward(act, x.data(), in_place.data(), in_place.data(),
+                          static_cast<std::int64_t>(x.size()));
+      EXPECT_EQ(in_place, dx);
     }
-    expect_close(dx, want, 1e-6, "dx");
-  }
+  });
 }
 
 TEST(LayerBackward, DropoutsGradientIsDropoutOfDy) {
