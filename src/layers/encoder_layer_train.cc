@@ -24,6 +24,7 @@ using enum layers::Site;
 std::span<const float> span_of(const std::vector<float>& v) { return {v.data(), v.size()}; }
 
 void add(float* x, const std::vector<float>& a) { layers::add_in_place(x, a.data(), a.size()); }
+void add(float* x, const float* a, std::size_t n) { layers::add_in_place(x, a, n); }
 
 }  // namespace
 
@@ -144,49 +145,52 @@ void EncoderLayer::backward(const EncoderLayerTape& t, float* dx, EncoderLayerPa
   if (rows == 0) return;
   if (dx == nullptr) throw Error("EncoderLayer::backward: dx is null");
   const auto n = static_cast<std::size_t>(rows * E);
-  std::vector<float> d_g(static_cast<std::size_t>(rows * F)), d_in(n), d_sub(n);
+  const layers::ScratchPool::Lease scratch(*m.scratch);
+  float* d_g = layers::scratch_floats(scratch->d_hidden, rows * F);
+  float* d_in = layers::scratch_floats(scratch->d_in, rows * E);
+  float* d_sub = layers::scratch_floats(scratch->d_sub, rows * E);
   auto nullable = [](std::vector<float>& v) { return v.empty() ? nullptr : v.data(); };
   // dL/d(FFN input) into d_in, from d_f = dL/d(f) (overwritten).
   auto ffn_backward = [&](const float* in, float* d_f) {
     m.dropout_at(d_f, rows * E, kAfterFeedForward, t.step);
-    m.ff2.backward(t.g.data(), rows, d_f, d_g.data(), g.ff2_weight.data(), nullable(g.ff2_bias));
-    m.dropout_at(d_g.data(), rows * F, kAfterActivation, t.step);
-    activation_backward(m.config.activation, t.h.data(), d_g.data(), d_g.data(), rows * F);
-    m.ff1.backward(in, rows, d_g.data(), d_in.data(), g.ff1_weight.data(), nullable(g.ff1_bias));
+    m.ff2.backward(t.g.data(), rows, d_f, d_g, g.ff2_weight.data(), nullable(g.ff2_bias));
+    m.dropout_at(d_g, rows * F, kAfterActivation, t.step);
+    activation_backward(m.config.activation, t.h.data(), d_g, d_g, rows * F);
+    m.ff1.backward(in, rows, d_g, d_in, g.ff1_weight.data(), nullable(g.ff1_bias));
   };
   // dL/d(attention input) into d_in, from d_a = dL/d(a) (overwritten).
   auto attention_backward = [&](const float* in, float* d_a) {
     m.dropout_at(d_a, rows * E, kAfterAttention, t.step);
-    m.attention.backward(t.attention, in, d_a, d_in.data(), g.attention);
+    m.attention.backward(t.attention, in, d_a, d_in, g.attention);
   };
   if (!m.config.norm_first) {
     // out = LN2(f + x1): dz2 = dL/d(f) = the residual's share of dL/d(x1).
-    std::vector<float> dz(n);
-    m.norm2.backward(t.f.data(), t.x1.data(), rows, dx, dz.data(), g.norm2_gamma.data(),
+    float* dz = layers::scratch_floats(scratch->d_z, rows * E);
+    m.norm2.backward(t.f.data(), t.x1.data(), rows, dx, dz, g.norm2_gamma.data(),
                      g.norm2_beta.data());
-    std::copy(dz.begin(), dz.end(), d_sub.begin());
-    ffn_backward(t.x1.data(), d_sub.data());
-    add(dz.data(), d_in);  // dL/d(x1)
+    std::copy(dz, dz + n, d_sub);
+    ffn_backward(t.x1.data(), d_sub);
+    add(dz, d_in, n);  // dL/d(x1)
     // x1 = LN1(a + x0)
-    m.norm1.backward(t.a.data(), t.x0.data(), rows, dz.data(), dz.data(), g.norm1_gamma.data(),
+    m.norm1.backward(t.a.data(), t.x0.data(), rows, dz, dz, g.norm1_gamma.data(),
                      g.norm1_beta.data());
-    std::copy(dz.begin(), dz.end(), d_sub.begin());
-    attention_backward(t.x0.data(), d_sub.data());
-    std::copy(dz.begin(), dz.end(), dx);
-    add(dx, d_in);
+    std::copy(dz, dz + n, d_sub);
+    attention_backward(t.x0.data(), d_sub);
+    std::copy(dz, dz + n, dx);
+    add(dx, d_in, n);
   } else {
     // out = x1 + f: dL/d(x1) = dx + LN2's backward of dL/d(n2).
-    std::copy(dx, dx + n, d_sub.begin());
-    ffn_backward(t.n2.data(), d_sub.data());
-    m.norm2.backward(t.x1.data(), nullptr, rows, d_in.data(), d_in.data(), g.norm2_gamma.data(),
+    std::copy(dx, dx + n, d_sub);
+    ffn_backward(t.n2.data(), d_sub);
+    m.norm2.backward(t.x1.data(), nullptr, rows, d_in, d_in, g.norm2_gamma.data(),
                      g.norm2_beta.data());
-    add(dx, d_in);  // dL/d(x1)
+    add(dx, d_in, n);  // dL/d(x1)
     // x1 = x0 + a: dL/d(x0) = dL/d(x1) + LN1's backward of dL/d(n1).
-    std::copy(dx, dx + n, d_sub.begin());
-    attention_backward(t.n1.data(), d_sub.data());
-    m.norm1.backward(t.x0.data(), nullptr, rows, d_in.data(), d_in.data(), g.norm1_gamma.data(),
+    std::copy(dx, dx + n, d_sub);
+    attention_backward(t.n1.data(), d_sub);
+    m.norm1.backward(t.x0.data(), nullptr, rows, d_in, d_in, g.norm1_gamma.data(),
                      g.norm1_beta.data());
-    add(dx, d_in);
+    add(dx, d_in, n);
   }
 }
 

@@ -187,13 +187,17 @@ void MultiHeadAttention::backward(const MhaTape& tape, const float* x, const flo
   if (x == nullptr || d_out == nullptr || dx == nullptr) {
     throw Error("MultiHeadAttention::backward: x, d_out and dx must not be null");
   }
+  // The backward's buffers, reused from call to call (the layer's scratch).
+  const layers::ScratchPool::Lease scratch(*m.scratch);
   // Output projection: d_ctx = d_out W_out; dW_out += d_out^T ctx.
-  std::vector<float> d_ctx(static_cast<std::size_t>(rows * E));
-  m.out_proj->backward(tape.ctx.data(), rows, d_out, d_ctx.data(), grads.out_weight.data(),
+  float* d_ctx = layers::scratch_floats(scratch->d_ctx, rows * E);
+  m.out_proj->backward(tape.ctx.data(), rows, d_out, d_ctx, grads.out_weight.data(),
                        grads.out_bias.empty() ? nullptr : grads.out_bias.data());
-  // The attention core.
-  std::vector<float> dq(static_cast<std::size_t>(rows * E)), dk(static_cast<std::size_t>(rows * kvw)),
-      dv(dk.size());
+  // The attention core (its dq, dk, dv in buffers of their own: the core refuses outputs that
+  // share memory, column ranges of one buffer included).
+  float* dq = layers::scratch_floats(scratch->d_q, rows * E);
+  float* dk = layers::scratch_floats(scratch->d_k, rows * kvw);
+  float* dv = layers::scratch_floats(scratch->d_v, rows * kvw);
   const AttentionParams params = layers::core_params(tape.options, tape.key_lengths);
   std::vector<std::uint16_t> bits;
   const layers::ProjectedRows qkv = core_rows(tape.qkv, m.core_dtype(), batch, seq, F, bits);
@@ -204,31 +208,35 @@ void MultiHeadAttention::backward(const MhaTape& tape, const float* x, const flo
                              {batch, seq, m.num_heads, hd}),
       TensorView::contiguous(const_cast<float*>(tape.lse.data()), DType::kF32,
                              {batch, m.num_heads, seq, 1}),
-      TensorView::contiguous(d_ctx.data(), DType::kF32, {batch, seq, m.num_heads, hd}),
-      {.dq = TensorView::contiguous(dq.data(), DType::kF32, {batch, seq, m.num_heads, hd}),
-       .dk = TensorView::contiguous(dk.data(), DType::kF32, {batch, seq, m.num_kv_heads, hd}),
-       .dv = TensorView::contiguous(dv.data(), DType::kF32, {batch, seq, m.num_kv_heads, hd})},
+      TensorView::contiguous(d_ctx, DType::kF32, {batch, seq, m.num_heads, hd}),
+      {.dq = TensorView::contiguous(dq, DType::kF32, {batch, seq, m.num_heads, hd}),
+       .dk = TensorView::contiguous(dk, DType::kF32, {batch, seq, m.num_kv_heads, hd}),
+       .dv = TensorView::contiguous(dv, DType::kF32, {batch, seq, m.num_kv_heads, hd})},
       params);
-  // The projection's rows [dq | dk | dv], then its backward on the canonical [Wq; Wk; Wv].
-  std::vector<float> d_qkv(static_cast<std::size_t>(rows * F));
-  for (std::int64_t r = 0; r < rows; ++r) {
-    std::copy_n(dq.data() + r * E, E, d_qkv.data() + r * F);
-    std::copy_n(dk.data() + r * kvw, kvw, d_qkv.data() + r * F + E);
-    std::copy_n(dv.data() + r * kvw, kvw, d_qkv.data() + r * F + E + kvw);
-  }
-  std::vector<float> dw(static_cast<std::size_t>(F * E), 0.0f);
-  std::vector<float> db(m.qkv_proj->bias().empty() ? 0 : static_cast<std::size_t>(F), 0.0f);
-  m.qkv_proj->backward(x, rows, d_qkv.data(), dx, dw.data(), db.empty() ? nullptr : db.data());
+  // The projection's rows [dq | dk | dv].
+  float* d_qkv = layers::scratch_floats(scratch->d_qkv, rows * F);
+  parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
+    std::copy_n(dq + r * E, E, d_qkv + r * F);
+    std::copy_n(dk + r * kvw, kvw, d_qkv + r * F + E);
+    std::copy_n(dv + r * kvw, kvw, d_qkv + r * F + E + kvw);
+  });
+  // Its backward on the canonical [Wq; Wk; Wv].
+  float* dw = layers::scratch_floats(scratch->d_w, F * E);
+  std::fill(dw, dw + F * E, 0.0f);
+  const bool has_bias = !m.qkv_proj->bias().empty();
+  float* db = layers::scratch_floats(scratch->d_b, F);
+  std::fill(db, db + F, 0.0f);
+  m.qkv_proj->backward(x, rows, d_qkv, dx, dw, has_bias ? db : nullptr);
   // Canonical rows back into the packing's layout.
   const std::int64_t part_rows[3] = {E, kvw, kvw}, part_start[3] = {0, E, E + kvw};
   if (m.packing == QkvPacking::kSeparate) {
     std::vector<float>* w_parts[3] = {&grads.q_weight, &grads.k_weight, &grads.v_weight};
     std::vector<float>* b_parts[3] = {&grads.q_bias, &grads.k_bias, &grads.v_bias};
     for (int part = 0; part < 3; ++part) {
-      add_to(*w_parts[part], dw.data() + part_start[part] * E,
+      add_to(*w_parts[part], dw + part_start[part] * E,
              static_cast<std::size_t>(part_rows[part] * E));
       if (!b_parts[part]->empty()) {
-        add_to(*b_parts[part], db.data() + part_start[part], static_cast<std::size_t>(part_rows[part]));
+        add_to(*b_parts[part], db + part_start[part], static_cast<std::size_t>(part_rows[part]));
       }
     }
     return;

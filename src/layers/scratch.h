@@ -37,6 +37,9 @@ struct Scratch {
   AlignedBuffer a, h, n;                // EncoderLayer: sub-layer output, FFN hidden, Pre-LN input
   AlignedBuffer qkv, k, v, ctx, probs;  // MultiHeadAttention: projections, core output, weights
   AlignedBuffer q_half;                 // MultiHeadAttention: q in a bf16/f16 cache's dtype
+  // Training's backward (reused from step to step, not allocated and first touched each time):
+  AlignedBuffer d_hidden, d_in, d_sub, d_z;  // EncoderLayer: FFN hidden, sub-layer input, ...
+  AlignedBuffer d_ctx, d_q, d_k, d_v, d_qkv, d_w, d_b;  // MultiHeadAttention
 };
 
 class ScratchPool {

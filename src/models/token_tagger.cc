@@ -71,6 +71,9 @@ struct TokenTagger::Impl {
   std::vector<EncoderLayerParams> layer_params;
   std::vector<float> g_embed, g_pos, g_norm_gamma, g_norm_beta, g_head_weight, g_head_bias;
   std::vector<EncoderLayerParams> layer_grads;
+  // train_step's tapes, kept from step to step: their buffers are reused, not allocated and
+  // first touched again each step.
+  std::vector<EncoderLayerTape> tapes;
   // The layers built from them.
   std::vector<EncoderLayer> layers;
   std::optional<LayerNorm> norm;
@@ -225,7 +228,8 @@ TrainStepResult TokenTagger::train_step(const std::int32_t* tokens, const std::i
   if (targets == nullptr) throw Error("TokenTagger::train_step: targets is null");
   // Forward, keeping every layer's tape.
   std::vector<float> x = m.embed_tokens(tokens, batch, seq);
-  std::vector<EncoderLayerTape> tapes(m.layers.size());
+  std::vector<EncoderLayerTape>& tapes = m.tapes;
+  tapes.resize(m.layers.size());
   for (std::size_t i = 0; i < m.layers.size(); ++i) {
     m.layers[i].set_training(m.config.dropout > 0.0f,
                              seed ^ (static_cast<std::uint64_t>(m.steps) * m.layers.size() + i) *
