@@ -13,8 +13,8 @@ namespace qkv::layers {
 void activation_kernel(Activation act, float* x, std::int64_t n);
 
 // dx = dy * act'(x) element by element (x, dy, dx: [n]; dx may alias dy): GELU's derivatives
-// in float64 lanes, rounded once (erf by GeluErf's fit, fractional error ~1e-7), ReLU's 1 past
-// 0 and 0 elsewhere (0 at the kink, as torch).
+// in f32 lanes (erf by GeluErf's fit; within ~1e-6 of the float64 formulas), ReLU's 1 past 0
+// and 0 elsewhere (0 at the kink, as torch).
 void activation_backward_kernel(Activation act, const float* x, const float* dy, float* dx,
                                 std::int64_t n);
 
