@@ -106,8 +106,7 @@ void EncoderLayer::forward_train(float* x, std::int64_t batch, std::int64_t seq,
   const MhaOptions attention_options = m.attention_options(options, t.step);
   auto ffn = [&](const float* in) {  // t.h, t.g, t.f from the FFN's input
     m.ff1.forward_linear(in, rows, t.h.data());
-    std::copy(t.h.begin(), t.h.end(), t.g.begin());
-    apply_activation(m.config.activation, t.g.data(), rows * F);
+    apply_activation(m.config.activation, t.h.data(), t.g.data(), rows * F);
     m.dropout_at(t.g.data(), rows * F, kAfterActivation, t.step);
     m.ff2.forward(t.g.data(), rows, t.f.data());
     m.dropout_at(t.f.data(), rows * E, kAfterFeedForward, t.step);

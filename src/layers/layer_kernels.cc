@@ -143,14 +143,14 @@ HWY_INLINE void StoreFirst(hn::Vec<D> v, D d, float* HWY_RESTRICT p, size_t coun
   }
 }
 
-// x[i] = op(x[i]) in f32 lanes.
+// y[i] = op(x[i]) in f32 lanes (y may be x).
 template <class Op>
-HWY_INLINE void MapInPlace(float* HWY_RESTRICT x, std::int64_t n, Op op) {
+HWY_INLINE void Map(const float* x, float* y, std::int64_t n, Op op) {
   const DF df;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(df));
   for (std::int64_t i = 0; i < n; i += lanes) {
     const size_t count = static_cast<size_t>(std::min(lanes, n - i));
-    StoreFirst(op(df, LoadFirst(df, x + i, count)), df, x + i, count);
+    StoreFirst(op(df, LoadFirst(df, x + i, count)), df, y + i, count);
   }
 }
 
@@ -167,29 +167,30 @@ HWY_INLINE hn::Vec<DFHalf> DemoteKeepingInf(DFHalf dh, VD v) {
 
 // x[i] = op(x[i]) evaluated in f64 lanes, rounded once to f32.
 template <class Op>
-HWY_INLINE void MapInPlaceF64(float* HWY_RESTRICT x, std::int64_t n, Op op) {
+HWY_INLINE void MapF64(const float* x, float* y, std::int64_t n, Op op) {
   const DD dd;
   const DFHalf dh;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(dd));
   for (std::int64_t i = 0; i < n; i += lanes) {
     const size_t count = static_cast<size_t>(std::min(lanes, n - i));
     const VD v = op(dd, hn::PromoteTo(dd, LoadFirst(dh, x + i, count)));
-    StoreFirst(DemoteKeepingInf(dh, v), dh, x + i, count);
+    StoreFirst(DemoteKeepingInf(dh, v), dh, y + i, count);
   }
 }
 
 }  // namespace
 
-void ActivationKernel(Activation act, float* x, std::int64_t n) {
+void ActivationKernel(Activation act, const float* x, float* y, std::int64_t n) {
   switch (act) {
     case Activation::kNone:
+      if (x != y) std::copy(x, x + n, y);
       return;
     case Activation::kRelu:
-      return MapInPlace(x, n, [](DF df, VF v) { return hn::Max(v, hn::Zero(df)); });
+      return Map(x, y, n, [](DF df, VF v) { return hn::Max(v, hn::Zero(df)); });
     case Activation::kGeluErf:
-      return MapInPlaceF64(x, n, [](DD dd, VD v) { return GeluErf(dd, v); });
+      return MapF64(x, y, n, [](DD dd, VD v) { return GeluErf(dd, v); });
     case Activation::kGeluTanh:
-      return MapInPlaceF64(x, n, [](DD dd, VD v) { return GeluTanh(dd, v); });
+      return MapF64(x, y, n, [](DD dd, VD v) { return GeluTanh(dd, v); });
   }
 }
 
@@ -354,8 +355,8 @@ HWY_EXPORT(RoundToBf16Kernel);
 HWY_EXPORT(ColumnSumsKernel);
 HWY_EXPORT(TargetName);
 
-void activation_kernel(Activation act, float* x, std::int64_t n) {
-  HWY_DYNAMIC_DISPATCH(ActivationKernel)(act, x, n);
+void activation_kernel(Activation act, const float* x, float* y, std::int64_t n) {
+  HWY_DYNAMIC_DISPATCH(ActivationKernel)(act, x, y, n);
 }
 
 void activation_backward_kernel(Activation act, const float* x, const float* dy, float* dx,

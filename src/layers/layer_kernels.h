@@ -9,8 +9,8 @@
 
 namespace qkv::layers {
 
-// x: [n] in place.
-void activation_kernel(Activation act, float* x, std::int64_t n);
+// y = act(x), x and y: [n] (y may be x).
+void activation_kernel(Activation act, const float* x, float* y, std::int64_t n);
 
 // dx = dy * act'(x) element by element (x, dy, dx: [n]; dx may alias dy): GELU's derivatives
 // in f32 lanes (erf by GeluErf's fit; within ~1e-6 of the float64 formulas), ReLU's 1 past 0

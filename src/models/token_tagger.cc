@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "core/parallel.h"
 #include "io/safetensors.h"
 #include "qkv/error.h"
 #include "qkv/layers/encoder_layer.h"
@@ -273,7 +274,8 @@ TrainStepResult TokenTagger::train_step(const std::int32_t* tokens, const std::i
   for (std::size_t i = 0; i < m.layers.size(); ++i) m.layers[i].set_parameters(m.layer_params[i]);
   m.norm->set_affine(m.norm_gamma, m.norm_beta);
   m.head->set_weights(m.head_weight, m.head_bias);
-  for (std::vector<float>* g : grads) std::fill(g->begin(), g->end(), 0.0f);
+  parallel_for(static_cast<std::int64_t>(grads.size()), resolve_num_threads(0),
+               [&](std::int64_t i, int) { std::fill(grads[i]->begin(), grads[i]->end(), 0.0f); });
   ++m.steps;
   return result;
 }

@@ -63,6 +63,21 @@ TEST(LayersActivation, GeluErfRelativeError) {
   });
 }
 
+// Out of place (training keeps the pre-activation): y gets the in-place bits, x is untouched,
+// for every activation, on every target, with a vector's tail.
+TEST(LayersActivation, OutOfPlaceGivesTheInPlaceBits) {
+  for_each_target(layers::layer_kernels_target_name, [&](std::int64_t) {
+    const std::vector<float> x = random_floats(1000 + 13, 70, -6.0f, 6.0f);
+    for (const Activation act : kAllActivations) {
+      std::vector<float> in_place = x, y(x.size(), 7.0f), source = x;
+      apply_activation(act, in_place.data(), static_cast<std::int64_t>(x.size()));
+      apply_activation(act, source.data(), y.data(), static_cast<std::int64_t>(x.size()));
+      EXPECT_EQ(y, in_place) << activation_name(act);
+      EXPECT_EQ(source, x) << activation_name(act);
+    }
+  });
+}
+
 TEST(LayersActivation, GeluTanhRelativeError) {
   for_each_target(layers::layer_kernels_target_name, [&](std::int64_t) {
     // Evaluated in f64 lanes and rounded once: within half an ulp (2^-24 = 6e-8) plus a little.

@@ -20,6 +20,9 @@ const char* activation_name(Activation act);
 // x: [n], in place. Relative error against a float64 evaluation is ~1e-7 (a few ulp) wherever
 // the result is a normal float (docs/layers.md gives the measured figures).
 void apply_activation(Activation act, float* x, std::int64_t n);
+// The same out of place: y = act(x), x and y: [n] (y may be x; otherwise they must not
+// overlap). Training keeps x (the pre-activation) for activation_backward this way.
+void apply_activation(Activation act, const float* x, float* y, std::int64_t n);
 
 // The backward of apply_activation, for training: dx = dy * act'(x), where x is the
 // activation's INPUT (the pre-activation the forward overwrote; keep a copy). x, dy, dx: [n];
