@@ -312,6 +312,102 @@ void RoundToBf16Kernel(const float* x, std::int64_t n, std::uint16_t* bits, floa
   }
 }
 
+// Sum of a row's f64 lanes: x (+ residual) widened, then f(v) per lane, added in lanes.
+template <class F>
+HWY_INLINE double RowSumF64(const float* x, const float* residual, std::int64_t n, F f) {
+  const DD dd;
+  const DFHalf dh;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(dd));
+  VD acc = hn::Zero(dd);
+  for (std::int64_t i = 0; i < n; i += lanes) {
+    const size_t count = static_cast<size_t>(std::min(lanes, n - i));
+    VD v = hn::PromoteTo(dd, LoadFirst(dh, x + i, count));
+    if (residual != nullptr) v = hn::Add(v, hn::PromoteTo(dd, LoadFirst(dh, residual + i, count)));
+    const auto keep = hn::FirstN(dd, count);
+    acc = hn::Add(acc, hn::IfThenElseZero(keep, f(dd, v, i, count)));
+  }
+  return hn::GetLane(hn::SumOfLanes(dd, acc));
+}
+
+void LayerNormBackwardRowsKernel(const float* x, const float* residual, const float* dy,
+                                 std::int64_t rows, std::int64_t features, const float* gamma,
+                                 double eps, double* mean, double* rstd, float* dz) {
+  const DD dd;
+  const DFHalf dh;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(dd));
+  const double inv_f = 1.0 / static_cast<double>(features);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * features;
+    const float* rr = residual ? residual + r * features : nullptr;
+    const float* dyr = dy + r * features;
+    const auto identity = [](DD, VD v, std::int64_t, size_t) { return v; };
+    const double m = RowSumF64(xr, rr, features, identity) * inv_f;
+    const VD vm = hn::Set(dd, m);
+    const double var = RowSumF64(xr, rr, features, [&](DD, VD v, std::int64_t, size_t) {
+      const VD d = hn::Sub(v, vm);
+      return hn::Mul(d, d);
+    });
+    const double s = 1.0 / std::sqrt(var * inv_f + eps);
+    mean[r] = m;
+    rstd[r] = s;
+    if (dz == nullptr) continue;
+    const VD vs = hn::Set(dd, s);
+    // g = dy gamma; mean_g, mean_gz = the means of g and g zhat (zhat = (z - mean) rstd).
+    auto g_at = [&](std::int64_t i, size_t count) {
+      return hn::Mul(hn::PromoteTo(dd, LoadFirst(dh, dyr + i, count)),
+                     hn::PromoteTo(dd, LoadFirst(dh, gamma + i, count)));
+    };
+    const double mean_g = RowSumF64(dyr, nullptr, features,
+                                    [&](DD, VD, std::int64_t i, size_t c) { return g_at(i, c); }) *
+                          inv_f;
+    const double mean_gz = RowSumF64(xr, rr, features,
+                                     [&](DD, VD v, std::int64_t i, size_t c) {
+                                       return hn::Mul(g_at(i, c), hn::Mul(hn::Sub(v, vm), vs));
+                                     }) *
+                           inv_f;
+    const VD vmg = hn::Set(dd, mean_g), vmgz = hn::Set(dd, mean_gz);
+    float* dzr = dz + r * features;
+    for (std::int64_t i = 0; i < features; i += lanes) {
+      const size_t count = static_cast<size_t>(std::min(lanes, features - i));
+      VD v = hn::PromoteTo(dd, LoadFirst(dh, xr + i, count));
+      if (rr != nullptr) v = hn::Add(v, hn::PromoteTo(dd, LoadFirst(dh, rr + i, count)));
+      const VD zhat = hn::Mul(hn::Sub(v, vm), vs);
+      const VD d = hn::Mul(vs, hn::NegMulAdd(zhat, vmgz, hn::Sub(g_at(i, count), vmg)));
+      StoreFirst(DemoteKeepingInf(dh, d), dh, dzr + i, count);  // (dz may be dy: read above)
+    }
+  }
+}
+
+void LayerNormParamGradsKernel(const float* x, const float* residual, const float* dy,
+                               std::int64_t rows, std::int64_t features, const double* mean,
+                               const double* rstd, std::int64_t begin, std::int64_t end,
+                               float* dgamma, float* dbeta) {
+  const DD dd;
+  const DFHalf dh;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(dd));
+  for (std::int64_t j = begin; j < end; j += lanes) {
+    const size_t count = static_cast<size_t>(std::min(lanes, end - j));
+    VD g = hn::Zero(dd), b = hn::Zero(dd);
+    for (std::int64_t r = 0; r < rows; ++r) {  // (rows in order: each column's sum)
+      const std::int64_t at = r * features + j;
+      VD v = hn::PromoteTo(dd, LoadFirst(dh, x + at, count));
+      if (residual != nullptr)
+        v = hn::Add(v, hn::PromoteTo(dd, LoadFirst(dh, residual + at, count)));
+      const VD d = hn::PromoteTo(dd, LoadFirst(dh, dy + at, count));
+      const VD zhat = hn::Mul(hn::Sub(v, hn::Set(dd, mean[r])), hn::Set(dd, rstd[r]));
+      g = hn::MulAdd(d, zhat, g);
+      b = hn::Add(b, d);
+    }
+    HWY_ALIGN double gl[HWY_MAX_BYTES / sizeof(double)], bl[HWY_MAX_BYTES / sizeof(double)];
+    hn::Store(g, dd, gl);
+    hn::Store(b, dd, bl);
+    for (size_t c = 0; c < count; ++c) {
+      if (dgamma != nullptr) dgamma[j + c] += static_cast<float>(gl[c]);
+      if (dbeta != nullptr) dbeta[j + c] += static_cast<float>(bl[c]);
+    }
+  }
+}
+
 void ColumnSumsKernel(const float* x, std::int64_t rows, std::int64_t cols, std::int64_t begin,
                       std::int64_t end, float* sums) {
   const hn::ScalableTag<double> dd;
@@ -353,6 +449,8 @@ HWY_EXPORT(ActivationBackwardKernel);
 HWY_EXPORT(LayerNormKernel);
 HWY_EXPORT(RoundToBf16Kernel);
 HWY_EXPORT(ColumnSumsKernel);
+HWY_EXPORT(LayerNormBackwardRowsKernel);
+HWY_EXPORT(LayerNormParamGradsKernel);
 HWY_EXPORT(TargetName);
 
 void activation_kernel(Activation act, const float* x, float* y, std::int64_t n) {
@@ -381,6 +479,21 @@ void round_to_bf16_kernel(const float* x, std::int64_t n, float* values) {
 void column_sums_kernel(const float* x, std::int64_t rows, std::int64_t cols, std::int64_t begin,
                         std::int64_t end, float* sums) {
   HWY_DYNAMIC_DISPATCH(ColumnSumsKernel)(x, rows, cols, begin, end, sums);
+}
+
+void layer_norm_backward_rows_kernel(const float* x, const float* residual, const float* dy,
+                                     std::int64_t rows, std::int64_t features, const float* gamma,
+                                     double eps, double* mean, double* rstd, float* dz) {
+  HWY_DYNAMIC_DISPATCH(LayerNormBackwardRowsKernel)
+  (x, residual, dy, rows, features, gamma, eps, mean, rstd, dz);
+}
+
+void layer_norm_param_grads_kernel(const float* x, const float* residual, const float* dy,
+                                   std::int64_t rows, std::int64_t features, const double* mean,
+                                   const double* rstd, std::int64_t begin, std::int64_t end,
+                                   float* dgamma, float* dbeta) {
+  HWY_DYNAMIC_DISPATCH(LayerNormParamGradsKernel)
+  (x, residual, dy, rows, features, mean, rstd, begin, end, dgamma, dbeta);
 }
 
 const char* layer_kernels_target_name() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }

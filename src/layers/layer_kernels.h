@@ -35,6 +35,19 @@ void round_to_bf16_kernel(const float* x, std::int64_t n, float* values);
 void column_sums_kernel(const float* x, std::int64_t rows, std::int64_t cols, std::int64_t begin,
                         std::int64_t end, float* sums);
 
+// LayerNorm's backward (z = x + residual per row of `features`; residual nullable), in f64
+// lanes. Rows kernel: mean[r] and rstd[r] = 1 / sqrt(var + eps) of each row (two passes), and
+// unless dz is null dz = rstd (g - mean(g) - zhat mean(g zhat)), g = dy gamma, zhat = (z - mean)
+// rstd (dz may be dy). Param-grads kernel: for columns j in [begin, end), dgamma[j] += the sum
+// over rows, in row order, of dy zhat and dbeta[j] += that of dy (nullable each).
+void layer_norm_backward_rows_kernel(const float* x, const float* residual, const float* dy,
+                                     std::int64_t rows, std::int64_t features, const float* gamma,
+                                     double eps, double* mean, double* rstd, float* dz);
+void layer_norm_param_grads_kernel(const float* x, const float* residual, const float* dy,
+                                   std::int64_t rows, std::int64_t features, const double* mean,
+                                   const double* rstd, std::int64_t begin, std::int64_t end,
+                                   float* dgamma, float* dbeta);
+
 // Name of the Highway target the kernels dispatch to on this CPU ("AVX3", "AVX2", ...).
 const char* layer_kernels_target_name();
 

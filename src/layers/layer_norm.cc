@@ -57,57 +57,34 @@ void LayerNorm::backward(const float* x, const float* residual, std::int64_t row
     throw Error("LayerNorm::backward: x, dy and dz must not be null");
   }
   const std::int64_t f = features_;
-  // Per row: mean and rstd of z = x + residual (two passes, as the forward).
+  const int threads = resolve_num_threads(0);
+  // Per row: mean and rstd of z = x + residual (two passes, as the forward) and dz; dgamma and
+  // dbeta each column over rows in order, in tasks of 64 columns (before dz where dz is dy). In f64
+  // lanes (layer_kernels.cc): as scalar double loops they took 8% of a training step's samples at E
+  // = 512.
   std::vector<double> mean(static_cast<std::size_t>(rows)), rstd(mean.size());
-  auto z_at = [&](std::int64_t r, std::int64_t j) {
-    const std::int64_t e = r * f + j;
-    return static_cast<double>(x[e]) + (residual ? static_cast<double>(residual[e]) : 0.0);
-  };
-  parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
-    double sum = 0;
-    for (std::int64_t j = 0; j < f; ++j) sum += z_at(r, j);
-    const double m = sum / static_cast<double>(f);
-    double var = 0;
-    for (std::int64_t j = 0; j < f; ++j) var += (z_at(r, j) - m) * (z_at(r, j) - m);
-    mean[r] = m;
-    rstd[r] = 1.0 / std::sqrt(var / static_cast<double>(f) + eps_);
-  });
-  // dgamma, dbeta first (dz may alias dy): each column over rows in order, in tasks of
-  // kColumns columns that walk the rows once (a task per column read the rows f floats apart:
-  // 5.8% of a training step's samples at E = 512).
-  if (dgamma != nullptr || dbeta != nullptr) {
-    constexpr std::int64_t kColumns = 64;
-    parallel_for((f + kColumns - 1) / kColumns, resolve_num_threads(0), [&](std::int64_t t, int) {
-      const std::int64_t j0 = t * kColumns, n = std::min(kColumns, f - j0);
-      double g[kColumns] = {}, b[kColumns] = {};
-      for (std::int64_t r = 0; r < rows; ++r) {
-        for (std::int64_t c = 0; c < n; ++c) {
-          const double d = dy[r * f + j0 + c];
-          g[c] += d * (z_at(r, j0 + c) - mean[r]) * rstd[r];
-          b[c] += d;
-        }
-      }
-      for (std::int64_t c = 0; c < n; ++c) {
-        if (dgamma != nullptr) dgamma[j0 + c] += static_cast<float>(g[c]);
-        if (dbeta != nullptr) dbeta[j0 + c] += static_cast<float>(b[c]);
-      }
+  const std::int64_t rows_per_task = std::max<std::int64_t>(1, (1 << 14) / f);
+  const std::int64_t row_tasks = (rows + rows_per_task - 1) / rows_per_task;
+  auto row_pass = [&](bool with_dz) {
+    parallel_for(row_tasks, threads, [&](std::int64_t task, int) {
+      const std::int64_t r0 = task * rows_per_task, n = std::min(rows_per_task, rows - r0);
+      const std::int64_t off = r0 * f;
+      layers::layer_norm_backward_rows_kernel(x + off, residual ? residual + off : nullptr,
+                                              dy + off, n, f, gamma_.data(), eps_, mean.data() + r0,
+                                              rstd.data() + r0, with_dz ? dz + off : nullptr);
     });
-  }
-  parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
-    double mean_g = 0, mean_gz = 0;
-    for (std::int64_t j = 0; j < f; ++j) {
-      const double g = static_cast<double>(dy[r * f + j]) * gamma_[j];
-      mean_g += g;
-      mean_gz += g * (z_at(r, j) - mean[r]) * rstd[r];
-    }
-    mean_g /= static_cast<double>(f);
-    mean_gz /= static_cast<double>(f);
-    for (std::int64_t j = 0; j < f; ++j) {
-      const double zhat = (z_at(r, j) - mean[r]) * rstd[r];
-      const double g = static_cast<double>(dy[r * f + j]) * gamma_[j];
-      dz[r * f + j] = static_cast<float>(rstd[r] * (g - mean_g - zhat * mean_gz));
-    }
+  };
+  if (dgamma == nullptr && dbeta == nullptr) return row_pass(true);
+  // dz first where it does not overwrite dy (the statistics come with it), else after.
+  const bool dz_first = dz != dy;
+  row_pass(dz_first);
+  constexpr std::int64_t kColumns = 64;
+  parallel_for((f + kColumns - 1) / kColumns, threads, [&](std::int64_t t, int) {
+    layers::layer_norm_param_grads_kernel(x, residual, dy, rows, f, mean.data(), rstd.data(),
+                                          t * kColumns, std::min(f, (t + 1) * kColumns), dgamma,
+                                          dbeta);
   });
+  if (!dz_first) row_pass(true);
 }
 
 void LayerNorm::set_affine(std::span<const float> gamma, std::span<const float> beta) {

@@ -109,37 +109,57 @@ TEST(LayerBackward, LinearSetWeightsAndWeightRoundTrip) {
                "the layer has no bias");
 }
 
+// On every Highway target (the f64-lane kernels of layer_kernels.cc), f = 11 and 70 (tails
+// of a vector and of a 64-column task).
 TEST(LayerBackward, LayerNormMatchesFiniteDifferences) {
-  for (const bool with_residual : {true, false}) {
-    const std::int64_t rows = 5, f = 11;
-    const auto gamma = random_floats(f, 10, 0.5f, 1.5f), beta = random_floats(f, 11);
-    const auto x = random_floats(rows * f, 12, -2.0f, 2.0f), res = random_floats(rows * f, 13);
-    const auto dy = random_floats(rows * f, 14);
-    const LayerNorm ln(gamma, beta, f, 1e-5f);
-    const Vec dy64 = to_f64(dy), res64 = with_residual ? to_f64(res) : Vec();
-    auto loss = [&](const Vec& x64, const Vec& g64, const Vec& b64) {
-      return dot(dy64, layer_norm_ref(x64, res64, rows, f, g64, b64, 1e-5));
-    };
-    std::vector<float> dz(rows * f), dgamma(f, 0.25f), dbeta(f, 0.25f);
-    ln.backward(x.data(), with_residual ? res.data() : nullptr, rows, dy.data(), dz.data(),
-                dgamma.data(), dbeta.data());
-    for (float& g : dgamma) g -= 0.25f;
-    for (float& g : dbeta) g -= 0.25f;
-    expect_close(dz, finite_differences(to_f64(x), [&](const Vec& p) {
-                   return loss(p, to_f64(gamma), to_f64(beta));
-                 }), 1e-5, "dz");
-    expect_close(dgamma, finite_differences(to_f64(gamma), [&](const Vec& p) {
-                   return loss(to_f64(x), p, to_f64(beta));
-                 }), 1e-5, "dgamma");
-    expect_close(dbeta, finite_differences(to_f64(beta), [&](const Vec& p) {
-                   return loss(to_f64(x), to_f64(gamma), p);
-                 }), 1e-5, "dbeta");
-    // In place (dz aliasing dy) gives the same.
-    std::vector<float> in_place = dy;
-    ln.backward(x.data(), with_residual ? res.data() : nullptr, rows, in_place.data(),
-                in_place.data(), nullptr, nullptr);
-    EXPECT_EQ(in_place, dz);
-  }
+  for_each_target(layers::layer_kernels_target_name, [&](std::int64_t) {
+    for (const std::int64_t f : {11, 70})
+      for (const bool with_residual : {true, false}) {
+        const std::int64_t rows = 5;
+        const auto gamma = random_floats(f, 10, 0.5f, 1.5f), beta = random_floats(f, 11);
+        const auto x = random_floats(rows * f, 12, -2.0f, 2.0f), res = random_floats(rows * f, 13);
+        const auto dy = random_floats(rows * f, 14);
+        const LayerNorm ln(gamma, beta, f, 1e-5f);
+        const Vec dy64 = to_f64(dy), res64 = with_residual ? to_f64(res) : Vec();
+        auto loss = [&](const Vec& x64, const Vec& g64, const Vec& b64) {
+          return dot(dy64, layer_norm_ref(x64, res64, rows, f, g64, b64, 1e-5));
+        };
+        std::vector<float> dz(rows * f), dgamma(f, 0.25f), dbeta(f, 0.25f);
+        ln.backward(x.data(), with_residual ? res.data() : nullptr, rows, dy.data(), dz.data(),
+                    dgamma.data(), dbeta.data());
+        for (float& g : dgamma) g -= 0.25f;
+        for (float& g : dbeta) g -= 0.25f;
+        expect_close(
+            dz,
+            finite_differences(to_f64(x),
+                               [&](const Vec& p) { return loss(p, to_f64(gamma), to_f64(beta)); }),
+            1e-5, "dz");
+        expect_close(
+            dgamma,
+            finite_differences(to_f64(gamma),
+                               [&](const Vec& p) { return loss(to_f64(x), p, to_f64(beta)); }),
+            1e-5, "dgamma");
+        expect_close(
+            dbeta,
+            finite_differences(to_f64(beta),
+                               [&](const Vec& p) { return loss(to_f64(x), to_f64(gamma), p); }),
+            1e-5, "dbeta");
+        // In place (dz aliasing dy) gives the same.
+        std::vector<float> in_place = dy;
+        ln.backward(x.data(), with_residual ? res.data() : nullptr, rows, in_place.data(),
+                    in_place.data(), nullptr, nullptr);
+        EXPECT_EQ(in_place, dz);
+        // ... and with dgamma and dbeta (taken before dz overwrites dy).
+        std::vector<float> in_place2 = dy, dgamma2(f, 0.25f), dbeta2(f, 0.25f);
+        ln.backward(x.data(), with_residual ? res.data() : nullptr, rows, in_place2.data(),
+                    in_place2.data(), dgamma2.data(), dbeta2.data());
+        for (float& g : dgamma2) g -= 0.25f;
+        for (float& g : dbeta2) g -= 0.25f;
+        EXPECT_EQ(in_place2, dz);
+        EXPECT_EQ(dgamma2, dgamma);
+        EXPECT_EQ(dbeta2, dbeta);
+      }
+  });
   const LayerNorm ln(std::vector<float>(4, 1.0f), std::vector<float>(4, 0.0f), 4, 1e-5f);
   std::vector<float> buffer(4);
   expect_error([&] { ln.backward(nullptr, nullptr, 1, buffer.data(), buffer.data(), nullptr, nullptr); },
