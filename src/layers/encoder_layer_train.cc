@@ -97,7 +97,8 @@ void EncoderLayer::forward_train(float* x, std::int64_t batch, std::int64_t seq,
   t.seq = seq;
   t.step = m.step;
   const auto n = static_cast<std::size_t>(rows * E), nf = static_cast<std::size_t>(rows * F);
-  t.x0.assign(x, x + n);
+  t.x0.resize(n);
+  layers::copy_floats(x, t.x0.data(), rows * E);
   t.a.resize(n);
   t.x1.resize(n);
   t.h.resize(nf);
@@ -123,11 +124,11 @@ void EncoderLayer::forward_train(float* x, std::int64_t batch, std::int64_t seq,
     m.norm1.forward(t.x0.data(), nullptr, rows, t.n1.data());
     m.attention.forward_train(t.n1.data(), batch, seq, t.a.data(), attention_options, t.attention);
     m.dropout_at(t.a.data(), rows * E, kAfterAttention, t.step);
-    std::copy(t.x0.begin(), t.x0.end(), t.x1.begin());
+    layers::copy_floats(t.x0.data(), t.x1.data(), rows * E);
     add(t.x1.data(), t.a);
     m.norm2.forward(t.x1.data(), nullptr, rows, t.n2.data());
     ffn(t.n2.data());
-    std::copy(t.x1.begin(), t.x1.end(), x);
+    layers::copy_floats(t.x1.data(), x, rows * E);
     add(x, t.f);
   }
   if (m.training) ++m.step;
@@ -167,25 +168,25 @@ void EncoderLayer::backward(const EncoderLayerTape& t, float* dx, EncoderLayerPa
     float* dz = layers::scratch_floats(scratch->d_z, rows * E);
     m.norm2.backward(t.f.data(), t.x1.data(), rows, dx, dz, g.norm2_gamma.data(),
                      g.norm2_beta.data());
-    std::copy(dz, dz + n, d_sub);
+    layers::copy_floats(dz, d_sub, rows * E);
     ffn_backward(t.x1.data(), d_sub);
     add(dz, d_in, n);  // dL/d(x1)
     // x1 = LN1(a + x0)
     m.norm1.backward(t.a.data(), t.x0.data(), rows, dz, dz, g.norm1_gamma.data(),
                      g.norm1_beta.data());
-    std::copy(dz, dz + n, d_sub);
+    layers::copy_floats(dz, d_sub, rows * E);
     attention_backward(t.x0.data(), d_sub);
-    std::copy(dz, dz + n, dx);
+    layers::copy_floats(dz, dx, rows * E);
     add(dx, d_in, n);
   } else {
     // out = x1 + f: dL/d(x1) = dx + LN2's backward of dL/d(n2).
-    std::copy(dx, dx + n, d_sub);
+    layers::copy_floats(dx, d_sub, rows * E);
     ffn_backward(t.n2.data(), d_sub);
     m.norm2.backward(t.x1.data(), nullptr, rows, d_in, d_in, g.norm2_gamma.data(),
                      g.norm2_beta.data());
     add(dx, d_in, n);  // dL/d(x1)
     // x1 = x0 + a: dL/d(x0) = dL/d(x1) + LN1's backward of dL/d(n1).
-    std::copy(dx, dx + n, d_sub);
+    layers::copy_floats(dx, d_sub, rows * E);
     attention_backward(t.n1.data(), d_sub);
     m.norm1.backward(t.x0.data(), nullptr, rows, d_in, d_in, g.norm1_gamma.data(),
                      g.norm1_beta.data());

@@ -75,6 +75,7 @@ struct TokenTagger::Impl {
   // train_step's tapes, kept from step to step: their buffers are reused, not allocated and
   // first touched again each step.
   std::vector<EncoderLayerTape> tapes;
+  std::vector<float> x, normed, logits, d_logits, d_normed, dx;  // train_step's activations
   // The layers built from them.
   std::vector<EncoderLayer> layers;
   std::optional<LayerNorm> norm;
@@ -125,16 +126,21 @@ struct TokenTagger::Impl {
   // x [B, L, E] = embed[tokens] + pos
   std::vector<float> embed_tokens(const std::int32_t* tokens, std::int64_t batch,
                                   std::int64_t seq) const {
-    const std::int64_t E = config.embed_dim;
-    std::vector<float> x(static_cast<std::size_t>(batch * seq * E));
-    for (std::int64_t b = 0; b < batch; ++b)
-      for (std::int64_t l = 0; l < seq; ++l) {
-        const float* e = embed.data() + tokens[b * seq + l] * E;
-        const float* p = pos.data() + l * E;
-        float* row = x.data() + (b * seq + l) * E;
-        for (std::int64_t d = 0; d < E; ++d) row[d] = e[d] + p[d];
-      }
+    std::vector<float> x;
+    embed_tokens(tokens, batch, seq, x);
     return x;
+  }
+  // The same into x (resized; its memory reused from call to call), rows over the threads.
+  void embed_tokens(const std::int32_t* tokens, std::int64_t batch, std::int64_t seq,
+                    std::vector<float>& x) const {
+    const std::int64_t E = config.embed_dim;
+    x.resize(static_cast<std::size_t>(batch * seq * E));
+    parallel_for(batch * seq, resolve_num_threads(0), [&](std::int64_t r, int) {
+      const float* e = embed.data() + tokens[r] * E;
+      const float* p = pos.data() + r % seq * E;
+      float* row = x.data() + r * E;
+      for (std::int64_t d = 0; d < E; ++d) row[d] = e[d] + p[d];
+    });
   }
 
   // Every parameter and its gradient, in one fixed order.
@@ -228,7 +234,8 @@ TrainStepResult TokenTagger::train_step(const std::int32_t* tokens, const std::i
   if (rows == 0) return result;
   if (targets == nullptr) throw Error("TokenTagger::train_step: targets is null");
   // Forward, keeping every layer's tape.
-  std::vector<float> x = m.embed_tokens(tokens, batch, seq);
+  std::vector<float>& x = m.x;
+  m.embed_tokens(tokens, batch, seq, x);
   std::vector<EncoderLayerTape>& tapes = m.tapes;
   tapes.resize(m.layers.size());
   for (std::size_t i = 0; i < m.layers.size(); ++i) {
@@ -237,10 +244,14 @@ TrainStepResult TokenTagger::train_step(const std::int32_t* tokens, const std::i
                                         0x9E3779B97F4A7C15ull);
     m.layers[i].forward_train(x.data(), batch, seq, {.causal = m.config.causal}, tapes[i]);
   }
-  std::vector<float> normed(x.size()), logits(static_cast<std::size_t>(rows * C));
+  std::vector<float>& normed = m.normed;
+  std::vector<float>& logits = m.logits;
+  normed.resize(x.size());
+  logits.resize(static_cast<std::size_t>(rows * C));
   m.norm->forward(x.data(), nullptr, rows, normed.data());
   m.head->forward(normed.data(), rows, logits.data());
-  std::vector<float> d_logits(logits.size());
+  std::vector<float>& d_logits = m.d_logits;
+  d_logits.resize(logits.size());
   result.loss = cross_entropy(logits.data(), rows, C, targets, d_logits.data());
   for (std::int64_t r = 0; r < rows; ++r) {
     if (targets[r] < 0) continue;
@@ -249,7 +260,10 @@ TrainStepResult TokenTagger::train_step(const std::int32_t* tokens, const std::i
     result.correct += std::max_element(row, row + C) - row == targets[r];
   }
   // Backward.
-  std::vector<float> d_normed(x.size()), dx(x.size());
+  std::vector<float>& d_normed = m.d_normed;
+  std::vector<float>& dx = m.dx;
+  d_normed.resize(x.size());
+  dx.resize(x.size());
   m.head->backward(normed.data(), rows, d_logits.data(), d_normed.data(), m.g_head_weight.data(),
                    m.g_head_bias.data());
   m.norm->backward(x.data(), nullptr, rows, d_normed.data(), dx.data(), m.g_norm_gamma.data(),
@@ -257,16 +271,21 @@ TrainStepResult TokenTagger::train_step(const std::int32_t* tokens, const std::i
   for (std::size_t i = m.layers.size(); i-- > 0;) {
     m.layers[i].backward(tapes[i], dx.data(), m.layer_grads[i]);
   }
-  for (std::int64_t b = 0; b < batch; ++b)
-    for (std::int64_t l = 0; l < seq; ++l) {
-      const float* d = dx.data() + (b * seq + l) * E;
-      float* ge = m.g_embed.data() + tokens[b * seq + l] * E;
-      float* gp = m.g_pos.data() + l * E;
-      for (std::int64_t e = 0; e < E; ++e) {
+  // The embeddings' gradients: every element sums its rows in row order; tasks of 64 columns
+  // (rows of one token never race).
+  constexpr std::int64_t kColumns = 64;
+  parallel_for((E + kColumns - 1) / kColumns, resolve_num_threads(0), [&](std::int64_t t, int) {
+    const std::int64_t e0 = t * kColumns, e1 = std::min(E, e0 + kColumns);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const float* d = dx.data() + r * E;
+      float* ge = m.g_embed.data() + tokens[r] * E;
+      float* gp = m.g_pos.data() + r % seq * E;
+      for (std::int64_t e = e0; e < e1; ++e) {
         ge[e] += d[e];
         gp[e] += d[e];
       }
     }
+  });
   // The update, handed to the layers; gradients back to zero.
   std::vector<std::vector<float>*> params, grads;
   m.tensors(params, grads);
