@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "layers/encoder_layer_impl.h"
+#include "layers/layer_kernels.h"
 #include "qkv/error.h"
 #include "qkv/layers/activation.h"
 #include "qkv/layers/encoder_layer.h"
@@ -102,14 +103,26 @@ void EncoderLayer::forward_train(float* x, std::int64_t batch, std::int64_t seq,
   t.a.resize(n);
   t.x1.resize(n);
   t.h.resize(nf);
-  t.g.resize(nf);
   t.f.resize(n);
   const MhaOptions attention_options = m.attention_options(options, t.step);
-  auto ffn = [&](const float* in) {  // t.h, t.g, t.f from the FFN's input
+  // bf16 products with no dropout on the hidden activations: g goes to ff2 (forward and
+  // backward) as the bf16 bits it would round them to, made with the activation in one pass.
+  const bool g_as_bf16 = m.ff2.dtype() == DType::kBF16 && !(m.training && m.config.dropout > 0.0f);
+  t.g.resize(g_as_bf16 ? 0 : nf);
+  t.g_bf16.resize(g_as_bf16 ? nf : 0);
+  auto ffn = [&](const float* in) {  // t.h, t.g or t.g_bf16, t.f from the FFN's input
     m.ff1.forward_linear(in, rows, t.h.data());
-    apply_activation(m.config.activation, t.h.data(), t.g.data(), rows * F);
-    m.dropout_at(t.g.data(), rows * F, kAfterActivation, t.step);
-    m.ff2.forward(t.g.data(), rows, t.f.data());
+    if (g_as_bf16) {
+      layers::for_chunks(rows * F, [&](std::int64_t begin, std::int64_t end) {
+        layers::activation_to_bf16_kernel(m.config.activation, t.h.data() + begin,
+                                          t.g_bf16.data() + begin, end - begin);
+      });
+      m.ff2.forward_from_bf16(t.g_bf16.data(), rows, t.f.data());
+    } else {
+      apply_activation(m.config.activation, t.h.data(), t.g.data(), rows * F);
+      m.dropout_at(t.g.data(), rows * F, kAfterActivation, t.step);
+      m.ff2.forward(t.g.data(), rows, t.f.data());
+    }
     m.dropout_at(t.f.data(), rows * E, kAfterFeedForward, t.step);
   };
   if (!m.config.norm_first) {
@@ -153,7 +166,12 @@ void EncoderLayer::backward(const EncoderLayerTape& t, float* dx, EncoderLayerPa
   // dL/d(FFN input) into d_in, from d_f = dL/d(f) (overwritten).
   auto ffn_backward = [&](const float* in, float* d_f) {
     m.dropout_at(d_f, rows * E, kAfterFeedForward, t.step);
-    m.ff2.backward(t.g.data(), rows, d_f, d_g, g.ff2_weight.data(), nullable(g.ff2_bias));
+    if (!t.g_bf16.empty()) {
+      m.ff2.backward_from_bf16(t.g_bf16.data(), rows, d_f, d_g, g.ff2_weight.data(),
+                               nullable(g.ff2_bias));
+    } else {
+      m.ff2.backward(t.g.data(), rows, d_f, d_g, g.ff2_weight.data(), nullable(g.ff2_bias));
+    }
     m.dropout_at(d_g, rows * F, kAfterActivation, t.step);
     activation_backward(m.config.activation, t.h.data(), d_g, d_g, rows * F);
     m.ff1.backward(in, rows, d_g, d_in, g.ff1_weight.data(), nullable(g.ff1_bias));

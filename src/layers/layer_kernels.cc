@@ -128,6 +128,39 @@ HWY_INLINE VF GeluTanhDerivative(DF df, VF x) {
   return hn::MulAdd(hn::Mul(xc, ss2), du, s);
 }
 
+// GELU in f32 lanes (for activations rounded to bf16 next: within ~1e-6 relative, far inside
+// bf16's 2^-9, down to results of 1e-30): 0.5 x (1 + erf(x / sqrt 2)) with GeluErf's erfc fit
+// on x clamped to [-13, 13] (exp's range), and x * 0 below -13 (|GELU| < 1e-37 there); the tanh
+// form as GeluTanh.
+HWY_INLINE VF GeluErfF32(DF df, VF x) {
+  const VF xc = hn::Min(hn::Max(x, hn::Set(df, -13.0f)), hn::Set(df, 13.0f));
+  const VF z = hn::Mul(hn::Abs(xc), hn::Set(df, 0.70710678118654752440f));
+  const VF t = hn::Div(hn::Set(df, 1.0f), hn::MulAdd(z, hn::Set(df, 0.5f), hn::Set(df, 1.0f)));
+  VF c = hn::Set(df, 0.17087277f);
+  c = hn::MulAdd(c, t, hn::Set(df, -0.82215223f));
+  c = hn::MulAdd(c, t, hn::Set(df, 1.48851587f));
+  c = hn::MulAdd(c, t, hn::Set(df, -1.13520398f));
+  c = hn::MulAdd(c, t, hn::Set(df, 0.27886807f));
+  c = hn::MulAdd(c, t, hn::Set(df, -0.18628806f));
+  c = hn::MulAdd(c, t, hn::Set(df, 0.09678418f));
+  c = hn::MulAdd(c, t, hn::Set(df, 0.37409196f));
+  c = hn::MulAdd(c, t, hn::Set(df, 1.00002368f));
+  c = hn::MulAdd(c, t, hn::Set(df, -1.26551223f));
+  const VF erfc_abs = hn::Mul(t, hn::Exp(df, hn::NegMulAdd(z, z, c)));
+  const VF factor =
+      hn::IfThenElse(hn::Lt(xc, hn::Zero(df)), erfc_abs, hn::Sub(hn::Set(df, 2.0f), erfc_abs));
+  const VF y = hn::Mul(hn::Mul(hn::Set(df, 0.5f), x), factor);
+  return hn::IfThenElse(hn::Lt(x, hn::Set(df, -13.0f)), hn::Mul(x, hn::Zero(df)), y);
+}
+
+HWY_INLINE VF GeluTanhF32(DF df, VF x) {
+  const VF u = hn::Mul(hn::MulAdd(hn::Mul(hn::Mul(x, x), hn::Set(df, 0.044715f)), x, x),
+                       hn::Set(df, 0.79788456080286535588f));
+  const VF e = hn::Exp(df, hn::Mul(hn::Abs(u), hn::Set(df, -2.0f)));
+  const VF numerator = hn::IfThenElse(hn::Lt(u, hn::Zero(df)), e, hn::Set(df, 1.0f));
+  return hn::Div(hn::Mul(x, numerator), hn::Add(hn::Set(df, 1.0f), e));
+}
+
 // Loads/stores of the first `count` lanes (count <= Lanes); masked lanes are never touched,
 // loads give 0 there. Highway 1.0.3 has no LoadN/StoreN.
 template <class D>
@@ -312,6 +345,37 @@ void RoundToBf16Kernel(const float* x, std::int64_t n, std::uint16_t* bits, floa
   }
 }
 
+void ActivationToBf16Kernel(Activation act, const float* x, std::uint16_t* bits, std::int64_t n) {
+  const DF df;
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<std::uint16_t, DF> d16;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(df));
+  std::int64_t i = 0;
+  auto act_of = [&](VF v) {
+    switch (act) {
+      case Activation::kRelu:
+        return hn::Max(v, hn::Zero(df));
+      case Activation::kGeluErf:
+        return GeluErfF32(df, v);
+      case Activation::kGeluTanh:
+        return GeluTanhF32(df, v);
+      case Activation::kNone:
+        break;
+    }
+    return v;
+  };
+  for (; i + lanes <= n; i += lanes) {
+    const auto b = Bf16Bits(df, act_of(hn::LoadU(df, x + i)));
+    hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, b)), d16, bits + i);
+  }
+  if (i < n) {  // the tail through a full vector
+    HWY_ALIGN float in[HWY_MAX_BYTES / sizeof(float)] = {}, out[HWY_MAX_BYTES / sizeof(float)];
+    std::copy(x + i, x + n, in);
+    hn::Store(act_of(hn::Load(df, in)), df, out);
+    for (std::int64_t k = 0; i + k < n; ++k) bits[i + k] = f32_to_bf16_bits(out[k]);
+  }
+}
+
 // Sum of a row's f64 lanes: x (+ residual) widened, then f(v) per lane, added in lanes.
 template <class F>
 HWY_INLINE double RowSumF64(const float* x, const float* residual, std::int64_t n, F f) {
@@ -446,6 +510,7 @@ namespace qkv::layers {
 
 HWY_EXPORT(ActivationKernel);
 HWY_EXPORT(ActivationBackwardKernel);
+HWY_EXPORT(ActivationToBf16Kernel);
 HWY_EXPORT(LayerNormKernel);
 HWY_EXPORT(RoundToBf16Kernel);
 HWY_EXPORT(ColumnSumsKernel);
@@ -460,6 +525,11 @@ void activation_kernel(Activation act, const float* x, float* y, std::int64_t n)
 void activation_backward_kernel(Activation act, const float* x, const float* dy, float* dx,
                                 std::int64_t n) {
   HWY_DYNAMIC_DISPATCH(ActivationBackwardKernel)(act, x, dy, dx, n);
+}
+
+void activation_to_bf16_kernel(Activation act, const float* x, std::uint16_t* bits,
+                               std::int64_t n) {
+  HWY_DYNAMIC_DISPATCH(ActivationToBf16Kernel)(act, x, bits, n);
 }
 
 void layer_norm_kernel(const float* x, const float* residual, std::int64_t rows,

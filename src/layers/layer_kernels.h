@@ -18,6 +18,11 @@ void activation_kernel(Activation act, const float* x, float* y, std::int64_t n)
 void activation_backward_kernel(Activation act, const float* x, const float* dy, float* dx,
                                 std::int64_t n);
 
+// bits = bf16(act(x)) (nearest even), act evaluated in f32 lanes (GELU within ~1e-6 relative
+// of the float64 formula: enough for a value rounded to bf16 next; mixed-precision training's
+// hidden activations). x: [n], bits: [n].
+void activation_to_bf16_kernel(Activation act, const float* x, std::uint16_t* bits, std::int64_t n);
+
 // For each of `rows` rows: v = x + residual (residual nullable), y = (v - mean) / sqrt(var +
 // eps) * gamma + beta. x, residual, y: [rows, features] contiguous; y may alias x or residual.
 void layer_norm_kernel(const float* x, const float* residual, std::int64_t rows,

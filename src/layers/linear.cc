@@ -378,22 +378,39 @@ void Linear::run(const void* x, bool x_bf16, std::int64_t rows, void* y, bool y_
 
 void Linear::backward(const float* x, std::int64_t rows, const float* dy, float* dx,
                       float* dweight, float* dbias, std::int64_t x_stride) const {
+  run_backward(x, false, rows, dy, dx, dweight, dbias, x_stride, "backward");
+}
+
+void Linear::backward_from_bf16(const std::uint16_t* x, std::int64_t rows, const float* dy,
+                                float* dx, float* dweight, float* dbias) const {
+  run_backward(x, true, rows, dy, dx, dweight, dbias, 0, "backward_from_bf16");
+}
+
+void Linear::run_backward(const void* x_data, bool x_bf16, std::int64_t rows, const float* dy,
+                          float* dx, float* dweight, float* dbias, std::int64_t x_stride,
+                          const char* what) const {
   // x: [rows, in] (row stride x_stride), dy: [rows, out] -> dx: [rows, in], dW: [out, in]
   Impl& m = *impl_;
+  const std::string where = std::string("Linear::") + what;
   const std::int64_t in = m.in_features, out = m.out_features;
+  if (x_bf16 && m.dtype != DType::kBF16) {
+    throw Error(where + ": needs a bf16 Linear, this one has dtype " + dtype_name(m.dtype));
+  }
   if (x_stride == 0) x_stride = in;
-  if (rows < 0) throw Error("Linear::backward: rows = " + std::to_string(rows) + " is negative");
+  if (rows < 0) throw Error(where + ": rows = " + std::to_string(rows) + " is negative");
   if (x_stride < in) {
-    throw Error("Linear::backward: x_stride = " + std::to_string(x_stride) +
+    throw Error(where + ": x_stride = " + std::to_string(x_stride) +
                 " is smaller than in_features = " + std::to_string(in));
   }
   if (rows == 0) return;
-  if (x == nullptr || dy == nullptr || dweight == nullptr) {
-    throw Error("Linear::backward: x, dy and dweight must not be null");
+  if (x_data == nullptr || dy == nullptr || dweight == nullptr) {
+    throw Error(where + ": x, dy and dweight must not be null");
   }
   if (dbias != nullptr && m.bias.empty()) {
-    throw Error("Linear::backward: dbias given, but the layer has no bias");
+    throw Error(where + ": dbias given, but the layer has no bias");
   }
+  const auto* x = static_cast<const float*>(x_data);
+  const auto* x_bits = static_cast<const std::uint16_t*>(x_data);
   try {
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
@@ -431,7 +448,19 @@ void Linear::backward(const float* x, std::int64_t rows, const float* dy, float*
       plain = m.plain_weight().data();
     }
     void* dy_op = bf16 ? rounded(dy, rows, out, out, dy_at) : const_cast<float*>(dy);
-    void* x_op = bf16 ? rounded(x, rows, in, x_stride, x_at) : const_cast<float*>(x);
+    // x given as bf16 bits: used as they are (bits storage) or widened exactly.
+    void* x_op = !bf16     ? const_cast<float*>(x)
+                 : !x_bf16 ? rounded(x, rows, in, x_stride, x_at)
+                 : bits    ? const_cast<std::uint16_t*>(x_bits)
+                           : [&]() -> void* {
+      float* dst = values_base + x_at;
+      parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
+        for (std::int64_t i = 0; i < in; ++i) {
+          dst[r * in + i] = bf16_bits_to_f32(x_bits[r * in + i]);
+        }
+      });
+      return dst;
+    }();
     const std::int64_t x_op_stride = bf16 ? in : x_stride;
     if (dx != nullptr) {  // dx[rows, in] = dy[rows, out] W[out, in]
       void* w_op = bf16 ? rounded(plain, out, in, in, w_at) : const_cast<float*>(plain);
@@ -459,9 +488,8 @@ void Linear::backward(const float* x, std::int64_t rows, const float* dy, float*
                    {DNNL_ARG_DST, memory(dw_md, cpu_engine(), dweight)}});
     }
   } catch (const dnnl::error& e) {
-    throw Error(std::string("Linear::backward: oneDNN failed for x shape [") +
-                std::to_string(rows) + ", " + std::to_string(in) + "], weight shape " +
-                linear_shape(out, in) + ": " + e.what());
+    throw Error(where + ": oneDNN failed for x shape [" + std::to_string(rows) + ", " +
+                std::to_string(in) + "], weight shape " + linear_shape(out, in) + ": " + e.what());
   }
   if (dbias != nullptr) {  // column sums, rows in order, 64 columns per task
     constexpr std::int64_t kColumns = 64;

@@ -178,14 +178,16 @@ double relative_distance(const std::vector<float>& a, const std::vector<float>& 
 // zero (the softmax ignores a shift shared by a query's keys): bf16 leaves rounding noise
 // there, held small against the key weights' gradient. Post-LN and Pre-LN, GQA, causal.
 TEST(EncoderBackward, Bf16MatmulsTrainCloseToF32) {
-  for (const bool norm_first : {false, true}) {
-    SCOPED_TRACE(norm_first ? "Pre-LN" : "Post-LN");
+  for (const auto [norm_first, dropout] : {std::pair{false, 0.0f}, {true, 0.0f}, {true, 0.1f}}) {
+    SCOPED_TRACE(std::string(norm_first ? "Pre-LN" : "Post-LN") + " dropout " +
+                 std::to_string(dropout));
     EncoderLayerConfig c{
         .embed_dim = 64, .num_heads = 4, .num_kv_heads = 2, .d_ff = 96, .norm_first = norm_first};
     const EncoderLayerData d(c, 60);
-    const EncoderLayer f32(c, d.weights());
+    c.dropout = dropout;
+    EncoderLayer f32(c, d.weights());
     c.matmul_dtype = DType::kBF16;
-    const EncoderLayer bf16(c, d.weights());
+    EncoderLayer bf16(c, d.weights());
     const std::int64_t B = 2, L = 37, n = B * L * c.embed_dim;
     const auto x = random_floats(n, 61), d_out = random_floats(n, 62);
     const MhaOptions options{.causal = true};
@@ -194,10 +196,14 @@ TEST(EncoderBackward, Bf16MatmulsTrainCloseToF32) {
     bf16.forward(b.data(), B, L, options);
     EXPECT_GT(relative_distance(b, a), 0.0) << "bf16 products gave the f32 bits";
     EXPECT_LT(relative_distance(b, a), 2e-2);
+    // (with dropout: the same masks in both, the bf16 hidden activations then stay f32)
+    f32.set_training(dropout > 0.0f, 5);
+    bf16.set_training(dropout > 0.0f, 5);
     EncoderLayerTape ta, tb;
     f32.forward_train(a_train.data(), B, L, options, ta);
     bf16.forward_train(b_train.data(), B, L, options, tb);
-    EXPECT_LT(relative_distance(b_train, b), 2e-2) << "forward_train against forward";
+    EXPECT_EQ(tb.g_bf16.empty(), dropout > 0.0f) << "the hidden activations' hand-off";
+    if (dropout == 0.0f) EXPECT_LT(relative_distance(b_train, b), 2e-2) << "against forward";
     EXPECT_LT(relative_distance(b_train, a_train), 2e-2);
     EncoderLayerParams ga = f32.zero_grads(), gb = bf16.zero_grads();
     std::vector<float> dxa = d_out, dxb = d_out;

@@ -63,6 +63,35 @@ TEST(LayersActivation, GeluErfRelativeError) {
   });
 }
 
+// The hidden activations of mixed-precision training: act(x) in f32 lanes rounded to bf16
+// (activation_to_bf16_kernel) against the float64 activation rounded once: never more than one
+// bf16 step apart, and equal for nearly all (the f32 evaluation is within ~1e-6 of it; only
+// values near a rounding boundary of bf16's 2^-9 can differ), down to magnitudes of 1e-30 (GELU
+// erf's far negative tail, where both are that small); every target, a vector's tail.
+TEST(LayersActivation, ToBf16IsTheRoundedActivation) {
+  for_each_target(layers::layer_kernels_target_name, [&](std::int64_t) {
+    std::vector<float> x = random_floats(4000 + 7, 71, -12.0f, 12.0f);
+    for (const float special : {0.0f, -0.0f, 1e-30f, -1e-30f, 30.0f, -30.0f}) x.push_back(special);
+    const auto n = static_cast<std::int64_t>(x.size());
+    for (const Activation act : kAllActivations) {
+      std::vector<std::uint16_t> bits(x.size() + 1, 0xabcd);
+      layers::activation_to_bf16_kernel(act, x.data(), bits.data(), n);
+      std::int64_t differ = 0;
+      for (std::int64_t i = 0; i < n; ++i) {
+        const float want = static_cast<float>(activation_ref(act, static_cast<double>(x[i])));
+        const std::uint16_t w = f32_to_bf16_bits(want);
+        const int step = std::abs(static_cast<int>(bits[i]) - static_cast<int>(w));
+        const bool tiny = std::abs(want) < 1e-30f && std::abs(bf16_bits_to_f32(bits[i])) < 1e-30f;
+        ASSERT_TRUE(step <= 1 || tiny)
+            << activation_name(act) << " x = " << x[i] << ": " << bits[i] << " vs " << w;
+        differ += bits[i] != w;
+      }
+      EXPECT_LE(differ, n / 100) << activation_name(act);
+      EXPECT_EQ(bits[n], 0xabcd);  // nothing past n
+    }
+  });
+}
+
 // Out of place (training keeps the pre-activation): y gets the in-place bits, x is untouched,
 // for every activation, on every target, with a vector's tail.
 TEST(LayersActivation, OutOfPlaceGivesTheInPlaceBits) {
@@ -369,8 +398,24 @@ TEST(LayersLinear, Bf16BackwardMultipliesTheRoundedOperands) {
       f32_err = std::max(f32_err, std::abs(dw32[i] - dw_ref[i]));
     }
     EXPECT_GT(f32_err, 1e-4) << what << ": the f32 layer is as close to the rounded operands";
+    // x handed over as bf16 bits (backward_from_bf16): the bits of backward() on x.
+    if (x_stride == 0) {
+      std::vector<std::uint16_t> x_bits(x.size());
+      for (std::size_t i = 0; i < x.size(); ++i) x_bits[i] = f32_to_bf16_bits(x[i]);
+      std::vector<float> dx2(rows * in), dw2(out * in, 0.5f), db2(out, 0.5f);
+      bf16.backward_from_bf16(x_bits.data(), rows, dy.data(), dx2.data(), dw2.data(), db2.data());
+      EXPECT_EQ(dx2, dx) << what;
+      EXPECT_EQ(dw2, dw) << what;
+      EXPECT_EQ(db2, db) << what;
+    }
   }
-  const std::vector<float> w(12, 0.5f);
+  const std::vector<float> w(12, 0.5f), dy(8, 1.0f);
+  const std::vector<std::uint16_t> bits(6, 0x3f80);
+  std::vector<float> dx(6), dw(12);
+  const Linear f32({.weight = w, .in_features = 3, .out_features = 4});
+  expect_error(
+      [&] { f32.backward_from_bf16(bits.data(), 2, dy.data(), dx.data(), dw.data(), nullptr); },
+      "Linear::backward_from_bf16: needs a bf16 Linear, this one has dtype f32");
   expect_error([&] { Linear({.weight = w, .in_features = 3, .out_features = 4, .dtype = DType::kF16}); },
                "dtype f16 is not a product type (f32 or bf16)");
 }

@@ -66,6 +66,9 @@ struct EncoderLayerTape {
   std::uint64_t step = 0;  // the dropout step of the call
   MhaTape attention;
   std::vector<float> x0, n1, a, x1, n2, h, g, f;
+  // bf16 products without dropout on the hidden activations: g as bf16 bits instead (the
+  // rounding ff2 applies to it anyway; g stays empty).
+  std::vector<std::uint16_t> g_bf16;
 };
 
 class EncoderLayer {

@@ -84,6 +84,12 @@ class Linear {
   // dx, dweight stay f32 (on AMX where the CPU has it); dbias sums dy as given.
   void backward(const float* x, std::int64_t rows, const float* dy, float* dx, float* dweight,
                 float* dbias, std::int64_t x_stride = 0) const;
+  // A bf16 Linear's backward with x given as bf16 bits ([rows, in_features] contiguous), the
+  // rounding backward() would apply itself: the bits of backward() on their f32 values, one
+  // pass fewer (mixed-precision training hands the FFN's hidden activations over this way, as
+  // forward_from_bf16 in the forward). Other dtypes: qkv::Error.
+  void backward_from_bf16(const std::uint16_t* x, std::int64_t rows, const float* dy, float* dx,
+                          float* dweight, float* dbias) const;
 
   // W as [out_features, in_features] row-major (copied out of oneDNN's layout), and b (empty
   // when there is none).
@@ -97,6 +103,8 @@ class Linear {
   // x: f32 (x_bf16 false) or bf16 bits; y: f32 (y_bf16 false) or bf16 bits.
   void run(const void* x, bool x_bf16, std::int64_t rows, void* y, bool y_bf16,
            std::int64_t x_stride, bool fused, const char* what) const;
+  void run_backward(const void* x, bool x_bf16, std::int64_t rows, const float* dy, float* dx,
+                    float* dweight, float* dbias, std::int64_t x_stride, const char* what) const;
 
   struct Impl;
   std::unique_ptr<Impl> impl_;
