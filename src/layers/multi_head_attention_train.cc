@@ -24,19 +24,18 @@ void add_to(std::vector<float>& dst, const float* src, std::size_t n) {
 }
 
 // The tape's projection rows [B * L, width] as the attention core takes them: f32 as they are,
-// or for a bf16 core rounded to bf16 bits in `bits` (nearest even: the bits the inference
+// or for a bf16 core rounded to bf16 bits in `buffer` (nearest even: the bits the inference
 // forward's bf16 projection hands its core).
 layers::ProjectedRows core_rows(const std::vector<float>& qkv, DType core, std::int64_t batch,
-                                std::int64_t seq, std::int64_t width,
-                                std::vector<std::uint16_t>& bits) {
+                                std::int64_t seq, std::int64_t width, AlignedBuffer& buffer) {
   layers::ProjectedRows rows{
       .data = qkv.data(), .dtype = DType::kF32, .batch = batch, .seq = seq, .row_stride = width};
   if (core != DType::kBF16) return rows;
-  bits.resize(qkv.size());
+  std::uint16_t* bits = layers::scratch_halves(buffer, static_cast<std::int64_t>(qkv.size()));
   parallel_for(batch * seq, resolve_num_threads(0), [&](std::int64_t r, int) {
-    layers::round_to_bf16_kernel(qkv.data() + r * width, width, bits.data() + r * width);
+    layers::round_to_bf16_kernel(qkv.data() + r * width, width, bits + r * width);
   });
-  rows.data = bits.data();
+  rows.data = bits;
   rows.dtype = DType::kBF16;
   return rows;
 }
@@ -157,8 +156,9 @@ void MultiHeadAttention::forward_train(const float* x, std::int64_t batch, std::
   tape.lse.resize(static_cast<std::size_t>(batch * m.num_heads * seq));
   if (rows == 0) return;
   m.qkv_proj->forward(x, rows, tape.qkv.data());
-  std::vector<std::uint16_t> bits;
-  const layers::ProjectedRows qkv = core_rows(tape.qkv, m.core_dtype(), batch, seq, F, bits);
+  const layers::ScratchPool::Lease scratch(*m.scratch);  // (its qkv: the core's bf16 rows)
+  const layers::ProjectedRows qkv =
+      core_rows(tape.qkv, m.core_dtype(), batch, seq, F, scratch->qkv);
   const AttentionParams params = layers::core_params(options, tape.key_lengths);
   attention(
       qkv.heads(0, m.num_heads, m.head_dim), qkv.heads(m.embed_dim, m.num_kv_heads, m.head_dim),
@@ -199,8 +199,8 @@ void MultiHeadAttention::backward(const MhaTape& tape, const float* x, const flo
   float* dk = layers::scratch_floats(scratch->d_k, rows * kvw);
   float* dv = layers::scratch_floats(scratch->d_v, rows * kvw);
   const AttentionParams params = layers::core_params(tape.options, tape.key_lengths);
-  std::vector<std::uint16_t> bits;
-  const layers::ProjectedRows qkv = core_rows(tape.qkv, m.core_dtype(), batch, seq, F, bits);
+  const layers::ProjectedRows qkv =
+      core_rows(tape.qkv, m.core_dtype(), batch, seq, F, scratch->qkv);
   attention_backward(
       qkv.heads(0, m.num_heads, hd), qkv.heads(E, m.num_kv_heads, hd),
       qkv.heads(E + kvw, m.num_kv_heads, hd),
