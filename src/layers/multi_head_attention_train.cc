@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "core/parallel.h"
-#include "layers/layer_kernels.h"
 #include "layers/multi_head_attention_impl.h"
 #include "qkv/attention_backward.h"
 #include "qkv/error.h"
@@ -23,21 +22,16 @@ void add_to(std::vector<float>& dst, const float* src, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) dst[i] += src[i];
 }
 
-// The tape's projection rows [B * L, width] as the attention core takes them: f32 as they are,
-// or for a bf16 core rounded to bf16 bits in `buffer` (nearest even: the bits the inference
-// forward's bf16 projection hands its core).
-layers::ProjectedRows core_rows(const std::vector<float>& qkv, DType core, std::int64_t batch,
-                                std::int64_t seq, std::int64_t width, AlignedBuffer& buffer) {
-  layers::ProjectedRows rows{
-      .data = qkv.data(), .dtype = DType::kF32, .batch = batch, .seq = seq, .row_stride = width};
-  if (core != DType::kBF16) return rows;
-  std::uint16_t* bits = layers::scratch_halves(buffer, static_cast<std::int64_t>(qkv.size()));
-  parallel_for(batch * seq, resolve_num_threads(0), [&](std::int64_t r, int) {
-    layers::round_to_bf16_kernel(qkv.data() + r * width, width, bits + r * width);
-  });
-  rows.data = bits;
-  rows.dtype = DType::kBF16;
-  return rows;
+// The tape's projection rows [B * L, width] as the attention core takes them: f32, or the bf16
+// bits the bf16 projection wrote (the bits the inference forward hands its core).
+layers::ProjectedRows core_rows(const MhaTape& tape, std::int64_t width) {
+  const bool bf16 = !tape.qkv_bf16.empty();
+  return {.data = bf16 ? static_cast<const void*>(tape.qkv_bf16.data())
+                       : static_cast<const void*>(tape.qkv.data()),
+          .dtype = bf16 ? DType::kBF16 : DType::kF32,
+          .batch = tape.batch,
+          .seq = tape.seq,
+          .row_stride = width};
 }
 
 }  // namespace
@@ -151,14 +145,18 @@ void MultiHeadAttention::forward_train(const float* x, std::int64_t batch, std::
   tape.options = options;
   tape.key_lengths.assign(options.key_lengths.begin(), options.key_lengths.end());
   tape.options.key_lengths = tape.key_lengths;
-  tape.qkv.resize(static_cast<std::size_t>(rows * F));
+  const bool bf16 = m.core_dtype() == DType::kBF16;
+  tape.qkv.resize(bf16 ? 0 : static_cast<std::size_t>(rows * F));
+  tape.qkv_bf16.resize(bf16 ? static_cast<std::size_t>(rows * F) : 0);
   tape.ctx.resize(static_cast<std::size_t>(rows * m.embed_dim));
   tape.lse.resize(static_cast<std::size_t>(batch * m.num_heads * seq));
   if (rows == 0) return;
-  m.qkv_proj->forward(x, rows, tape.qkv.data());
-  const layers::ScratchPool::Lease scratch(*m.scratch);  // (its qkv: the core's bf16 rows)
-  const layers::ProjectedRows qkv =
-      core_rows(tape.qkv, m.core_dtype(), batch, seq, F, scratch->qkv);
+  if (bf16) {
+    m.qkv_proj->forward_to_bf16(x, rows, tape.qkv_bf16.data());
+  } else {
+    m.qkv_proj->forward(x, rows, tape.qkv.data());
+  }
+  const layers::ProjectedRows qkv = core_rows(tape, F);
   const AttentionParams params = layers::core_params(options, tape.key_lengths);
   attention(
       qkv.heads(0, m.num_heads, m.head_dim), qkv.heads(m.embed_dim, m.num_kv_heads, m.head_dim),
@@ -180,7 +178,7 @@ void MultiHeadAttention::backward(const MhaTape& tape, const float* x, const flo
     throw Error("MultiHeadAttention::backward: grads are not laid out as this layer's "
                 "parameters (make them with zero_grads())");
   }
-  if (static_cast<std::int64_t>(tape.qkv.size()) != rows * F) {
+  if (static_cast<std::int64_t>(tape.qkv.size() + tape.qkv_bf16.size()) != rows * F) {
     throw Error("MultiHeadAttention::backward: the tape is not from this layer's forward_train");
   }
   if (rows == 0) return;
@@ -199,8 +197,7 @@ void MultiHeadAttention::backward(const MhaTape& tape, const float* x, const flo
   float* dk = layers::scratch_floats(scratch->d_k, rows * kvw);
   float* dv = layers::scratch_floats(scratch->d_v, rows * kvw);
   const AttentionParams params = layers::core_params(tape.options, tape.key_lengths);
-  const layers::ProjectedRows qkv =
-      core_rows(tape.qkv, m.core_dtype(), batch, seq, F, scratch->qkv);
+  const layers::ProjectedRows qkv = core_rows(tape, F);
   attention_backward(
       qkv.heads(0, m.num_heads, hd), qkv.heads(E, m.num_kv_heads, hd),
       qkv.heads(E + kvw, m.num_kv_heads, hd),

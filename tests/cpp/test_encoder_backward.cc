@@ -178,7 +178,7 @@ double relative_distance(const std::vector<float>& a, const std::vector<float>& 
 // zero (the softmax ignores a shift shared by a query's keys): bf16 leaves rounding noise
 // there, held small against the key weights' gradient. Post-LN and Pre-LN, GQA, causal.
 TEST(EncoderBackward, Bf16MatmulsTrainCloseToF32) {
-  for (const auto [norm_first, dropout] : {std::pair{false, 0.0f}, {true, 0.0f}, {true, 0.1f}}) {
+  for (const auto& [norm_first, dropout] : {std::pair{false, 0.0f}, {true, 0.0f}, {true, 0.1f}}) {
     SCOPED_TRACE(std::string(norm_first ? "Pre-LN" : "Post-LN") + " dropout " +
                  std::to_string(dropout));
     EncoderLayerConfig c{
@@ -203,7 +203,9 @@ TEST(EncoderBackward, Bf16MatmulsTrainCloseToF32) {
     f32.forward_train(a_train.data(), B, L, options, ta);
     bf16.forward_train(b_train.data(), B, L, options, tb);
     EXPECT_EQ(tb.g_bf16.empty(), dropout > 0.0f) << "the hidden activations' hand-off";
-    if (dropout == 0.0f) EXPECT_LT(relative_distance(b_train, b), 2e-2) << "against forward";
+    if (dropout == 0.0f) {
+      EXPECT_LT(relative_distance(b_train, b), 2e-2) << "against forward";
+    }
     EXPECT_LT(relative_distance(b_train, a_train), 2e-2);
     EncoderLayerParams ga = f32.zero_grads(), gb = bf16.zero_grads();
     std::vector<float> dxa = d_out, dxb = d_out;
@@ -221,7 +223,9 @@ TEST(EncoderBackward, Bf16MatmulsTrainCloseToF32) {
                   norm_first ? "Pre-LN " : "Post-LN", i, distance);
       if (i == kKeyBias) continue;
       EXPECT_LT(distance, 5e-2) << "parameter " << i;
-      if (i % 2 == 0 && i != 8 && i != 14) EXPECT_GT(distance, 0.0) << "weight " << i;
+      if (i % 2 == 0 && i != 8 && i != 14) {
+        EXPECT_GT(distance, 0.0) << "weight " << i;
+      }
     }
     double key_bias = 0, key_weight = 0;
     for (const float g : *tb_list[kKeyBias]) key_bias = std::max(key_bias, std::abs(double{g}));

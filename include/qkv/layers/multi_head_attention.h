@@ -95,6 +95,9 @@ struct MultiHeadAttentionParams {
 struct MhaTape {
   std::int64_t batch = 0, seq = 0;
   std::vector<float> qkv, ctx, lse;
+  // matmul_dtype bf16: the projections as the bf16 bits the core takes (written so by the
+  // projection; qkv then stays empty).
+  std::vector<std::uint16_t> qkv_bf16;
   MhaOptions options;
   std::vector<std::int64_t> key_lengths;
 };
