@@ -488,16 +488,23 @@ class EncoderLayer:
     mode only, from a counter-based mask keyed by (seed, step, site, element): the same seed
     gives the same masks, on any thread count. The layer starts in training mode (as torch
     modules do); eval() turns dropout off, train() turns it on again and restarts the steps.
+
+    matmul_dtype: "f32", or "bf16" for mixed precision (torch's bf16 autocast on a CPU; also
+    "float32" / "bfloat16" or a numpy / torch dtype): every matrix product, forward and
+    backward, on operands rounded to bf16 (AMX where the CPU has it), with f32 weights,
+    gradients, LayerNorm, softmax and sums (docs/training.md, "Mixed precision").
     """
 
     def __init__(self, weights: Mapping[str, Array], *, num_heads: int, num_kv_heads: int = 0,
                  activation: str = "gelu", norm_first: bool = False, eps: float = 1e-5,
-                 dropout: float = 0.0, seed: int = 0, qkv_packing: str = "separate"):
+                 dropout: float = 0.0, seed: int = 0, qkv_packing: str = "separate",
+                 matmul_dtype: Any = "f32"):
         self._seed = _seed("seed", seed)
         self._impl = _qkv.EncoderLayer(_dict("weights", weights), _int("num_heads", num_heads),
                                        _int("num_kv_heads", num_kv_heads), activation,
                                        bool(norm_first), _float("eps", eps),
-                                       _float("dropout", dropout), self._seed, qkv_packing)
+                                       _float("dropout", dropout), self._seed, qkv_packing,
+                                       _dtype_key("matmul_dtype", matmul_dtype))
 
     @property
     def embed_dim(self) -> int:
@@ -530,6 +537,11 @@ class EncoderLayer:
     @property
     def qkv_packing(self) -> str:
         return self._impl.qkv_packing
+
+    @property
+    def matmul_dtype(self) -> str:
+        """"f32" or "bf16"."""
+        return self._impl.matmul_dtype
 
     @property
     def training(self) -> bool:

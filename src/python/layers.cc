@@ -268,8 +268,11 @@ class PyEncoderLayer {
  public:
   PyEncoderLayer(nb::handle weights, std::int64_t num_heads, std::int64_t num_kv_heads,
                  const std::string& activation, bool norm_first, float eps, float dropout,
-                 std::uint64_t seed, const std::string& qkv_packing)
+                 std::uint64_t seed, const std::string& qkv_packing,
+                 const std::string& matmul_dtype)
       : id_(next_layer_id++) {
+    const DType products = parse_choice<DType>("matmul_dtype", matmul_dtype,
+                                               {{"f32", DType::kF32}, {"bf16", DType::kBF16}});
     packing_ = parse_choice<QkvPacking>("qkv_packing", qkv_packing,
                                         {{"separate", QkvPacking::kSeparate},
                                          {"fused_blocks", QkvPacking::kFusedBlocks},
@@ -314,7 +317,8 @@ class PyEncoderLayer {
                                     .activation = act,
                                     .norm_first = norm_first,
                                     .eps = eps,
-                                    .dropout = dropout};
+                                    .dropout = dropout,
+                                    .matmul_dtype = products};
     without_gil([&] {
       layer_.emplace(config, params.weights());
       layer_->set_training(true, seed);
@@ -695,9 +699,9 @@ void define_layers(nb::module_& m) {
 
   nb::class_<PyEncoderLayer>(m, "EncoderLayer")
       .def(nb::init<nb::handle, std::int64_t, std::int64_t, const std::string&, bool, float, float,
-                    std::uint64_t, const std::string&>(),
+                    std::uint64_t, const std::string&, const std::string&>(),
            "weights"_a, "num_heads"_a, "num_kv_heads"_a, "activation"_a, "norm_first"_a, "eps"_a,
-           "dropout"_a, "seed"_a, "qkv_packing"_a)
+           "dropout"_a, "seed"_a, "qkv_packing"_a, "matmul_dtype"_a)
       .def_prop_ro("embed_dim", [](const PyEncoderLayer& l) { return l.config().embed_dim; })
       .def_prop_ro("num_heads", [](const PyEncoderLayer& l) { return l.config().num_heads; })
       .def_prop_ro("num_kv_heads",
@@ -713,6 +717,10 @@ void define_layers(nb::module_& m) {
                    })
       .def_prop_ro("eps", [](const PyEncoderLayer& l) { return l.config().eps; })
       .def_prop_ro("dropout", [](const PyEncoderLayer& l) { return l.config().dropout; })
+      .def_prop_ro("matmul_dtype",
+                   [](const PyEncoderLayer& l) {
+                     return std::string(l.config().matmul_dtype == DType::kBF16 ? "bf16" : "f32");
+                   })
       .def_prop_ro("qkv_packing", &PyEncoderLayer::packing)
       .def_prop_ro("training", &PyEncoderLayer::training)
       .def("set_training", &PyEncoderLayer::set_training, "training"_a, "seed"_a)
