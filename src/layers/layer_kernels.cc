@@ -38,22 +38,21 @@ using DFHalf = hn::Rebind<float, DD>;  // as many floats as DD has doubles
 // against math.erfc over [0, 12]):
 //   erfc(z) = t exp(-z^2 + c(t)),  t = 1 / (1 + z / 2),  c = -1.26551223 + t (1.00002368 + ...)
 // and erfc(-z) = 2 - erfc(z).
-// erfc(-x / sqrt 2) = 1 + erf(x / sqrt 2) for x in [-30, 30] (the caller clamps).
-HWY_INLINE VD OnePlusErf(DD dd, VD xc) {
-  const VD z = hn::Mul(hn::Abs(xc), hn::Set(dd, 0.70710678118654752440));
-  const VD t = hn::Div(hn::Set(dd, 1.0), hn::MulAdd(z, hn::Set(dd, 0.5), hn::Set(dd, 1.0)));
-  VD c = hn::Set(dd, 0.17087277);
-  c = hn::MulAdd(c, t, hn::Set(dd, -0.82215223));
-  c = hn::MulAdd(c, t, hn::Set(dd, 1.48851587));
-  c = hn::MulAdd(c, t, hn::Set(dd, -1.13520398));
-  c = hn::MulAdd(c, t, hn::Set(dd, 0.27886807));
-  c = hn::MulAdd(c, t, hn::Set(dd, -0.18628806));
-  c = hn::MulAdd(c, t, hn::Set(dd, 0.09678418));
-  c = hn::MulAdd(c, t, hn::Set(dd, 0.37409196));
-  c = hn::MulAdd(c, t, hn::Set(dd, 1.00002368));
-  c = hn::MulAdd(c, t, hn::Set(dd, -1.26551223));
-  const VD erfc_abs = hn::Mul(t, hn::Exp(dd, hn::NegMulAdd(z, z, c)));  // erfc(|x| / sqrt 2)
-  return hn::IfThenElse(hn::Lt(xc, hn::Zero(dd)), erfc_abs, hn::Sub(hn::Set(dd, 2.0), erfc_abs));
+// erfc(-x / sqrt 2) = 1 + erf(x / sqrt 2) for x in [-30, 30] (the caller clamps), in f64
+// lanes (GELU) or f32 lanes (its derivative, and GELU rounded to bf16 next).
+template <class D>
+HWY_INLINE hn::Vec<D> OnePlusErf(D d, hn::Vec<D> xc) {
+  using T = hn::TFromD<D>;
+  const auto k = [&](double value) { return hn::Set(d, static_cast<T>(value)); };
+  const auto z = hn::Mul(hn::Abs(xc), k(0.70710678118654752440));
+  const auto t = hn::Div(k(1.0), hn::MulAdd(z, k(0.5), k(1.0)));
+  auto c = k(0.17087277);
+  for (const double coefficient : {-0.82215223, 1.48851587, -1.13520398, 0.27886807, -0.18628806,
+                                   0.09678418, 0.37409196, 1.00002368, -1.26551223}) {
+    c = hn::MulAdd(c, t, k(coefficient));
+  }
+  const auto erfc_abs = hn::Mul(t, hn::Exp(d, hn::NegMulAdd(z, z, c)));  // erfc(|x| / sqrt 2)
+  return hn::IfThenElse(hn::Lt(xc, hn::Zero(d)), erfc_abs, hn::Sub(k(2.0), erfc_abs));
 }
 
 HWY_INLINE VD ClampTo30(DD dd, VD x) {
@@ -91,21 +90,7 @@ HWY_INLINE VD GeluTanh(DD dd, VD x) {
 // it the derivative is 0 or 1 in f32; so -inf and +inf give 0 and 1).
 HWY_INLINE VF GeluErfDerivative(DF df, VF x) {
   const VF xc = hn::Min(hn::Max(x, hn::Set(df, -10.0f)), hn::Set(df, 10.0f));
-  const VF z = hn::Mul(hn::Abs(xc), hn::Set(df, 0.70710678118654752440f));
-  const VF t = hn::Div(hn::Set(df, 1.0f), hn::MulAdd(z, hn::Set(df, 0.5f), hn::Set(df, 1.0f)));
-  VF c = hn::Set(df, 0.17087277f);
-  c = hn::MulAdd(c, t, hn::Set(df, -0.82215223f));
-  c = hn::MulAdd(c, t, hn::Set(df, 1.48851587f));
-  c = hn::MulAdd(c, t, hn::Set(df, -1.13520398f));
-  c = hn::MulAdd(c, t, hn::Set(df, 0.27886807f));
-  c = hn::MulAdd(c, t, hn::Set(df, -0.18628806f));
-  c = hn::MulAdd(c, t, hn::Set(df, 0.09678418f));
-  c = hn::MulAdd(c, t, hn::Set(df, 0.37409196f));
-  c = hn::MulAdd(c, t, hn::Set(df, 1.00002368f));
-  c = hn::MulAdd(c, t, hn::Set(df, -1.26551223f));
-  const VF erfc_abs = hn::Mul(t, hn::Exp(df, hn::NegMulAdd(z, z, c)));  // erfc(|x| / sqrt 2)
-  const VF one_plus_erf =
-      hn::IfThenElse(hn::Lt(xc, hn::Zero(df)), erfc_abs, hn::Sub(hn::Set(df, 2.0f), erfc_abs));
+  const VF one_plus_erf = OnePlusErf(df, xc);
   const VF phi = hn::Mul(hn::Exp(df, hn::Mul(hn::Mul(xc, xc), hn::Set(df, -0.5f))),
                          hn::Set(df, 0.39894228040143267794f));
   return hn::MulAdd(xc, phi, hn::Mul(hn::Set(df, 0.5f), one_plus_erf));
@@ -134,21 +119,7 @@ HWY_INLINE VF GeluTanhDerivative(DF df, VF x) {
 // form as GeluTanh.
 HWY_INLINE VF GeluErfF32(DF df, VF x) {
   const VF xc = hn::Min(hn::Max(x, hn::Set(df, -13.0f)), hn::Set(df, 13.0f));
-  const VF z = hn::Mul(hn::Abs(xc), hn::Set(df, 0.70710678118654752440f));
-  const VF t = hn::Div(hn::Set(df, 1.0f), hn::MulAdd(z, hn::Set(df, 0.5f), hn::Set(df, 1.0f)));
-  VF c = hn::Set(df, 0.17087277f);
-  c = hn::MulAdd(c, t, hn::Set(df, -0.82215223f));
-  c = hn::MulAdd(c, t, hn::Set(df, 1.48851587f));
-  c = hn::MulAdd(c, t, hn::Set(df, -1.13520398f));
-  c = hn::MulAdd(c, t, hn::Set(df, 0.27886807f));
-  c = hn::MulAdd(c, t, hn::Set(df, -0.18628806f));
-  c = hn::MulAdd(c, t, hn::Set(df, 0.09678418f));
-  c = hn::MulAdd(c, t, hn::Set(df, 0.37409196f));
-  c = hn::MulAdd(c, t, hn::Set(df, 1.00002368f));
-  c = hn::MulAdd(c, t, hn::Set(df, -1.26551223f));
-  const VF erfc_abs = hn::Mul(t, hn::Exp(df, hn::NegMulAdd(z, z, c)));
-  const VF factor =
-      hn::IfThenElse(hn::Lt(xc, hn::Zero(df)), erfc_abs, hn::Sub(hn::Set(df, 2.0f), erfc_abs));
+  const VF factor = OnePlusErf(df, xc);
   const VF y = hn::Mul(hn::Mul(hn::Set(df, 0.5f), x), factor);
   return hn::IfThenElse(hn::Lt(x, hn::Set(df, -13.0f)), hn::Mul(x, hn::Zero(df)), y);
 }
