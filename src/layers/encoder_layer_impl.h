@@ -58,12 +58,17 @@ struct EncoderLayer::Impl {
   std::shared_ptr<layers::ScratchPool> scratch = layers::make_scratch_pool();
 
   void maybe_dropout(float* x, std::int64_t n, layers::Site site) const { dropout_at(x, n, site, step); }
+  // Whether the FFN's hidden activations go to ff2 as bf16 bits (forward, forward_train and
+  // backward): bf16 products and no dropout on them. They are the rounding ff2 would apply
+  // anyway: the same bits, half the bytes, no second pass.
+  bool hidden_as_bf16() const {
+    return ff1.dtype() == DType::kBF16 && ff2.dtype() == DType::kBF16 &&
+           !(training && config.dropout > 0.0f);
+  }
   // out = ff2(Drop(ff1(in))) over `rows` rows, the hidden activations in h (rows * d_ff
-  // floats). With bf16 products and no dropout on them, ff1 hands them to ff2 as bf16 (the
-  // rounding ff2 would apply anyway: the same bits, half the bytes, no second pass).
+  // floats; bf16 bits where hidden_as_bf16()).
   void feed_forward(const float* in, std::int64_t rows, float* h, float* out) const {
-    const bool dropout_on_hidden = training && config.dropout > 0.0f;
-    if (ff1.dtype() == DType::kBF16 && ff2.dtype() == DType::kBF16 && !dropout_on_hidden) {
+    if (hidden_as_bf16()) {
       auto* bits = reinterpret_cast<std::uint16_t*>(h);
       ff1.forward_to_bf16(in, rows, bits);
       ff2.forward_from_bf16(bits, rows, out);

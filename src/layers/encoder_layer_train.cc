@@ -25,7 +25,6 @@ using enum layers::Site;
 std::span<const float> span_of(const std::vector<float>& v) { return {v.data(), v.size()}; }
 
 void add(float* x, const std::vector<float>& a) { layers::add_in_place(x, a.data(), a.size()); }
-void add(float* x, const float* a, std::size_t n) { layers::add_in_place(x, a, n); }
 
 }  // namespace
 
@@ -105,9 +104,8 @@ void EncoderLayer::forward_train(float* x, std::int64_t batch, std::int64_t seq,
   t.h.resize(nf);
   t.f.resize(n);
   const MhaOptions attention_options = m.attention_options(options, t.step);
-  // bf16 products with no dropout on the hidden activations: g goes to ff2 (forward and
-  // backward) as the bf16 bits it would round them to, made with the activation in one pass.
-  const bool g_as_bf16 = m.ff2.dtype() == DType::kBF16 && !(m.training && m.config.dropout > 0.0f);
+  // g as bf16 bits (Impl::hidden_as_bf16), made with the activation in one pass.
+  const bool g_as_bf16 = m.hidden_as_bf16();
   t.g.resize(g_as_bf16 ? 0 : nf);
   t.g_bf16.resize(g_as_bf16 ? nf : 0);
   auto ffn = [&](const float* in) {  // t.h, t.g or t.g_bf16, t.f from the FFN's input
@@ -157,11 +155,11 @@ void EncoderLayer::backward(const EncoderLayerTape& t, float* dx, EncoderLayerPa
   }
   if (rows == 0) return;
   if (dx == nullptr) throw Error("EncoderLayer::backward: dx is null");
-  const auto n = static_cast<std::size_t>(rows * E);
+  const std::int64_t n = rows * E;
   const layers::ScratchPool::Lease scratch(*m.scratch);
   float* d_g = layers::scratch_floats(scratch->d_hidden, rows * F);
-  float* d_in = layers::scratch_floats(scratch->d_in, rows * E);
-  float* d_sub = layers::scratch_floats(scratch->d_sub, rows * E);
+  float* d_in = layers::scratch_floats(scratch->d_in, n);
+  float* d_sub = layers::scratch_floats(scratch->d_sub, n);
   auto nullable = [](std::vector<float>& v) { return v.empty() ? nullptr : v.data(); };
   // dL/d(FFN input) into d_in, from d_f = dL/d(f) (overwritten).
   auto ffn_backward = [&](const float* in, float* d_f) {
@@ -183,32 +181,32 @@ void EncoderLayer::backward(const EncoderLayerTape& t, float* dx, EncoderLayerPa
   };
   if (!m.config.norm_first) {
     // out = LN2(f + x1): dz2 = dL/d(f) = the residual's share of dL/d(x1).
-    float* dz = layers::scratch_floats(scratch->d_z, rows * E);
+    float* dz = layers::scratch_floats(scratch->d_z, n);
     m.norm2.backward(t.f.data(), t.x1.data(), rows, dx, dz, g.norm2_gamma.data(),
                      g.norm2_beta.data());
-    layers::copy_floats(dz, d_sub, rows * E);
+    layers::copy_floats(dz, d_sub, n);
     ffn_backward(t.x1.data(), d_sub);
-    add(dz, d_in, n);  // dL/d(x1)
+    layers::add_in_place(dz, d_in, n);  // dL/d(x1)
     // x1 = LN1(a + x0)
     m.norm1.backward(t.a.data(), t.x0.data(), rows, dz, dz, g.norm1_gamma.data(),
                      g.norm1_beta.data());
-    layers::copy_floats(dz, d_sub, rows * E);
+    layers::copy_floats(dz, d_sub, n);
     attention_backward(t.x0.data(), d_sub);
-    layers::copy_floats(dz, dx, rows * E);
-    add(dx, d_in, n);
+    layers::copy_floats(dz, dx, n);
+    layers::add_in_place(dx, d_in, n);
   } else {
     // out = x1 + f: dL/d(x1) = dx + LN2's backward of dL/d(n2).
-    layers::copy_floats(dx, d_sub, rows * E);
+    layers::copy_floats(dx, d_sub, n);
     ffn_backward(t.n2.data(), d_sub);
     m.norm2.backward(t.x1.data(), nullptr, rows, d_in, d_in, g.norm2_gamma.data(),
                      g.norm2_beta.data());
-    add(dx, d_in, n);  // dL/d(x1)
+    layers::add_in_place(dx, d_in, n);  // dL/d(x1)
     // x1 = x0 + a: dL/d(x0) = dL/d(x1) + LN1's backward of dL/d(n1).
-    layers::copy_floats(dx, d_sub, rows * E);
+    layers::copy_floats(dx, d_sub, n);
     attention_backward(t.n1.data(), d_sub);
     m.norm1.backward(t.x0.data(), nullptr, rows, d_in, d_in, g.norm1_gamma.data(),
                      g.norm1_beta.data());
-    add(dx, d_in, n);
+    layers::add_in_place(dx, d_in, n);
   }
 }
 

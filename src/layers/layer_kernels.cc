@@ -347,17 +347,23 @@ void ActivationToBf16Kernel(Activation act, const float* x, std::uint16_t* bits,
   }
 }
 
-// Sum of a row's f64 lanes: x (+ residual) widened, then f(v) per lane, added in lanes.
+// z = x + residual (residual nullable) at [at, at + count), widened to f64 (0 past count).
+HWY_INLINE VD LoadZ(const float* x, const float* residual, std::int64_t at, size_t count) {
+  const DD dd;
+  const DFHalf dh;
+  const VD v = hn::PromoteTo(dd, LoadFirst(dh, x + at, count));
+  return residual ? hn::Add(v, hn::PromoteTo(dd, LoadFirst(dh, residual + at, count))) : v;
+}
+
+// Sum of a row's f64 lanes: z = x (+ residual) widened, then f(z) per lane, added in lanes.
 template <class F>
 HWY_INLINE double RowSumF64(const float* x, const float* residual, std::int64_t n, F f) {
   const DD dd;
-  const DFHalf dh;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(dd));
   VD acc = hn::Zero(dd);
   for (std::int64_t i = 0; i < n; i += lanes) {
     const size_t count = static_cast<size_t>(std::min(lanes, n - i));
-    VD v = hn::PromoteTo(dd, LoadFirst(dh, x + i, count));
-    if (residual != nullptr) v = hn::Add(v, hn::PromoteTo(dd, LoadFirst(dh, residual + i, count)));
+    const VD v = LoadZ(x, residual, i, count);
     const auto keep = hn::FirstN(dd, count);
     acc = hn::Add(acc, hn::IfThenElseZero(keep, f(dd, v, i, count)));
   }
@@ -404,9 +410,7 @@ void LayerNormBackwardRowsKernel(const float* x, const float* residual, const fl
     float* dzr = dz + r * features;
     for (std::int64_t i = 0; i < features; i += lanes) {
       const size_t count = static_cast<size_t>(std::min(lanes, features - i));
-      VD v = hn::PromoteTo(dd, LoadFirst(dh, xr + i, count));
-      if (rr != nullptr) v = hn::Add(v, hn::PromoteTo(dd, LoadFirst(dh, rr + i, count)));
-      const VD zhat = hn::Mul(hn::Sub(v, vm), vs);
+      const VD zhat = hn::Mul(hn::Sub(LoadZ(xr, rr, i, count), vm), vs);
       const VD d = hn::Mul(vs, hn::NegMulAdd(zhat, vmgz, hn::Sub(g_at(i, count), vmg)));
       StoreFirst(DemoteKeepingInf(dh, d), dh, dzr + i, count);  // (dz may be dy: read above)
     }
@@ -425,11 +429,9 @@ void LayerNormParamGradsKernel(const float* x, const float* residual, const floa
     VD g = hn::Zero(dd), b = hn::Zero(dd);
     for (std::int64_t r = 0; r < rows; ++r) {  // (rows in order: each column's sum)
       const std::int64_t at = r * features + j;
-      VD v = hn::PromoteTo(dd, LoadFirst(dh, x + at, count));
-      if (residual != nullptr)
-        v = hn::Add(v, hn::PromoteTo(dd, LoadFirst(dh, residual + at, count)));
       const VD d = hn::PromoteTo(dd, LoadFirst(dh, dy + at, count));
-      const VD zhat = hn::Mul(hn::Sub(v, hn::Set(dd, mean[r])), hn::Set(dd, rstd[r]));
+      const VD zhat = hn::Mul(hn::Sub(LoadZ(x, residual, at, count), hn::Set(dd, mean[r])),
+                              hn::Set(dd, rstd[r]));
       g = hn::MulAdd(d, zhat, g);
       b = hn::Add(b, d);
     }

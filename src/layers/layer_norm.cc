@@ -58,10 +58,10 @@ void LayerNorm::backward(const float* x, const float* residual, std::int64_t row
   }
   const std::int64_t f = features_;
   const int threads = resolve_num_threads(0);
-  // Per row: mean and rstd of z = x + residual (two passes, as the forward) and dz; dgamma and
-  // dbeta each column over rows in order, in tasks of 64 columns (before dz where dz is dy). In f64
-  // lanes (layer_kernels.cc): as scalar double loops they took 8% of a training step's samples at E
-  // = 512.
+  // Per row: mean and rstd of z = x + residual (two passes, as the forward) and dz; dgamma
+  // and dbeta each column over rows in order, in tasks of 64 columns (before dz where dz is
+  // dy). In f64 lanes (layer_kernels.cc): as scalar double loops they took 8% of a training
+  // step's samples at embed 512.
   std::vector<double> mean(static_cast<std::size_t>(rows)), rstd(mean.size());
   const std::int64_t rows_per_task = std::max<std::int64_t>(1, (1 << 14) / f);
   const std::int64_t row_tasks = (rows + rows_per_task - 1) / rows_per_task;

@@ -414,52 +414,36 @@ void Linear::run_backward(const void* x_data, bool x_bf16, std::int64_t rows, co
   try {
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-    // The operands as the products take them: f32 as given, or for a bf16 Linear dy, W and x
-    // rounded to bf16 (nearest even, as the forward rounds x and W; dense copies in this
-    // thread's buffers), as bf16 bits or, on f32 storage, as the f32 values of those bits.
+    // The operands as the products take them: f32 as given, or for a bf16 Linear rounded to
+    // bf16 (nearest even, as its forward rounds x and W), as bf16 bits or, on f32 storage, as
+    // the f32 values of those bits. dy is rounded here into this thread's buffer; W and x go
+    // through `operand` below.
     const bool bf16 = m.dtype == DType::kBF16;
     const memory::data_type type = bf16 ? m.storage : memory::data_type::f32;
     const bool bits = type == memory::data_type::bf16;
-    thread_local std::vector<std::uint16_t> bits_buffer;
-    thread_local std::vector<float> values_buffer;
-    const std::int64_t dy_at = 0, x_at = rows * out;
+    thread_local std::vector<std::uint16_t> dy_bits;
+    thread_local std::vector<float> dy_values, x_values;
+    const void* dy_op = dy;
     if (bf16) {
-      const auto need = static_cast<std::size_t>(x_at + rows * in);
-      if (bits && bits_buffer.size() < need) bits_buffer.resize(need);
-      if (!bits && values_buffer.size() < need) values_buffer.resize(need);
-    }
-    std::uint16_t* const bits_base = bits_buffer.data();
-    float* const values_base = values_buffer.data();
-    // src [n, cols] (row stride src_stride) rounded into the buffer at `at`: its address.
-    auto rounded = [&](const float* src, std::int64_t n, std::int64_t cols, std::int64_t src_stride,
-                       std::int64_t at) -> void* {
-      parallel_for(n, resolve_num_threads(0), [&](std::int64_t r, int) {
+      const auto n = static_cast<std::size_t>(rows * out);
+      if (bits && dy_bits.size() < n) dy_bits.resize(n);
+      if (!bits && dy_values.size() < n) dy_values.resize(n);
+      std::uint16_t* to_bits = dy_bits.data();
+      float* to_values = dy_values.data();
+      parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
         if (bits) {
-          layers::round_to_bf16_kernel(src + r * src_stride, cols, bits_base + at + r * cols);
+          layers::round_to_bf16_kernel(dy + r * out, out, to_bits + r * out);
         } else {
-          layers::round_to_bf16_kernel(src + r * src_stride, cols, values_base + at + r * cols);
+          layers::round_to_bf16_kernel(dy + r * out, out, to_values + r * out);
         }
       });
-      return bits ? static_cast<void*>(bits_base + at) : static_cast<void*>(values_base + at);
-    };
+      dy_op = bits ? static_cast<const void*>(to_bits) : static_cast<const void*>(to_values);
+    }
     const float* plain = nullptr;
     if (dx != nullptr) {
       const std::lock_guard<std::mutex> lock(m.mutex);
       plain = m.plain_weight().data();
     }
-    void* dy_op = bf16 ? rounded(dy, rows, out, out, dy_at) : const_cast<float*>(dy);
-    // x as the product takes it where it is not reordered from f32: the bf16 bits given (bits
-    // storage), their f32 values (f32 storage), or x's rounded values (f32 storage).
-    auto x_op = [&]() -> const void* {
-      if (bits) return x_bits;
-      if (!x_bf16) return rounded(x, rows, in, x_stride, x_at);
-      float* dst = values_base + x_at;
-      parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
-        for (std::int64_t i = 0; i < in; ++i)
-          dst[r * in + i] = bf16_bits_to_f32(x_bits[r * in + i]);
-      });
-      return dst;
-    };
     // Each product takes its B operand (W for dx, x for dW) in the layout its primitive asks
     // for (format any: a blocked layout; plain B ran at about half the speed, 107-171 against
     // 302-333 GFLOP/s in f32 at 1024 x 768 x 3072 here), reordered into this thread's buffer
@@ -485,7 +469,7 @@ void Linear::run_backward(const void* x_data, bool x_bf16, std::int64_t rows, co
                                             cpu_engine());
       // (plain: W in f32, or for f32 storage of a bf16 Linear its rounded values already)
       const memory::desc plain_md(Dims{out, in}, memory::data_type::f32, memory::format_tag::ab);
-      execute(pd, {{DNNL_ARG_SRC, memory(dy_md, cpu_engine(), dy_op)},
+      execute(pd, {{DNNL_ARG_SRC, memory(dy_md, cpu_engine(), const_cast<void*>(dy_op))},
                    {DNNL_ARG_WEIGHTS, operand(pd.weights_desc(), plain_md, plain, w_buffer)},
                    {DNNL_ARG_DST, memory(dx_md, cpu_engine(), dx)}});
     }
@@ -499,14 +483,29 @@ void Linear::run_backward(const void* x_data, bool x_bf16, std::int64_t rows, co
       const memory::desc dw_md(Dims{out, in}, memory::data_type::f32, memory::format_tag::ab);
       const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(dyt_md, x_md, dw_md), accumulate,
                                             cpu_engine());
-      // x: f32 as given (bf16 storage: oneDNN's reorder rounds it), bf16 bits given, or for
-      // f32 storage of a bf16 Linear its rounded values.
-      const bool x_f32 = !bf16 || (bits && !x_bf16);
-      const memory::desc given_md =
-          x_f32 ? memory::desc(Dims{rows, in}, memory::data_type::f32, Dims{x_stride, 1})
-                : memory::desc(Dims{rows, in}, type, memory::format_tag::ab);
-      const void* given = x_f32 ? static_cast<const void*>(x) : x_op();
-      execute(pd, {{DNNL_ARG_SRC, memory(dyt_md, cpu_engine(), dy_op)},
+      // x: the bf16 bits given (bits storage); f32 as given (an f32 Linear, or bits storage:
+      // oneDNN's reorder rounds it); or on f32 storage x's bf16 values, rounded or widened
+      // into this thread's buffer.
+      memory::desc given_md(Dims{rows, in}, memory::data_type::f32, Dims{x_stride, 1});
+      const void* given = x;
+      if (x_bf16 && bits) {
+        given_md = memory::desc(Dims{rows, in}, type, memory::format_tag::ab);
+        given = x_bits;
+      } else if (bf16 && !bits) {
+        if (x_values.size() < static_cast<std::size_t>(rows * in)) x_values.resize(rows * in);
+        float* values = x_values.data();
+        parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
+          if (x_bf16) {
+            for (std::int64_t i = 0; i < in; ++i)
+              values[r * in + i] = bf16_bits_to_f32(x_bits[r * in + i]);
+          } else {
+            layers::round_to_bf16_kernel(x + r * x_stride, in, values + r * in);
+          }
+        });
+        given_md = memory::desc(Dims{rows, in}, type, memory::format_tag::ab);
+        given = values;
+      }
+      execute(pd, {{DNNL_ARG_SRC, memory(dyt_md, cpu_engine(), const_cast<void*>(dy_op))},
                    {DNNL_ARG_WEIGHTS, operand(pd.weights_desc(), given_md, given, x_buffer)},
                    {DNNL_ARG_DST, memory(dw_md, cpu_engine(), dweight)}});
     }

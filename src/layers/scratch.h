@@ -37,9 +37,12 @@ struct Scratch {
   AlignedBuffer a, h, n;                // EncoderLayer: sub-layer output, FFN hidden, Pre-LN input
   AlignedBuffer qkv, k, v, ctx, probs;  // MultiHeadAttention: projections, core output, weights
   AlignedBuffer q_half;                 // MultiHeadAttention: q in a bf16/f16 cache's dtype
-  // Training's backward (reused from step to step, not allocated and first touched each time):
-  AlignedBuffer d_hidden, d_in, d_sub, d_z;  // EncoderLayer: FFN hidden, sub-layer input, ...
-  AlignedBuffer d_ctx, d_q, d_k, d_v, d_qkv, d_w, d_b;  // MultiHeadAttention
+  // Training's backward (reused from step to step, not allocated and first touched each time),
+  // gradients of: EncoderLayer's FFN hidden activations, a sub-layer's input and output, and
+  // Post-LN's LayerNorm input; MultiHeadAttention's core output, q, k, v, their projection
+  // rows, and the projection's weight and bias.
+  AlignedBuffer d_hidden, d_in, d_sub, d_z;
+  AlignedBuffer d_ctx, d_q, d_k, d_v, d_qkv, d_w, d_b;
 };
 
 class ScratchPool {
