@@ -31,6 +31,7 @@
 #include "core/aligned_buffer.h"
 #include "core/float16.h"
 #include "core/parallel.h"
+#include "layers/chunks.h"
 #include "layers/layer_kernels.h"
 #include "qkv/error.h"
 
@@ -557,7 +558,9 @@ void Linear::set_weights(std::span<const float> weight, std::span<const float> b
     throw Error(std::string("Linear::set_weights: oneDNN failed for weight shape ") +
                 linear_shape(m.out_features, m.in_features) + ": " + e.what());
   }
-  if (!m.plain.empty()) m.plain.assign(weight.begin(), weight.end());
+  if (!m.plain.empty()) {
+    layers::copy_floats(weight.data(), m.plain.data(), static_cast<std::int64_t>(m.plain.size()));
+  }
   std::copy(bias.begin(), bias.end(), m.bias.begin());
 }
 

@@ -19,6 +19,8 @@
 #include <vector>
 
 #include "core/aligned_buffer.h"
+#include "core/parallel.h"
+#include "layers/chunks.h"
 #include "layers/multi_head_attention_impl.h"
 #include "layers/scratch.h"
 #include "qkv/error.h"
@@ -45,6 +47,12 @@ void check_size(std::span<const float> span, std::int64_t rows, std::int64_t col
   }
 }
 
+// dst = src, copied over the threads (a training step hands every layer its weights anew).
+void assign_floats(std::vector<float>& dst, std::span<const float> src) {
+  dst.resize(src.size());
+  layers::copy_floats(src.data(), dst.data(), static_cast<std::int64_t>(src.size()));
+}
+
 void check_empty(std::span<const float> span, const char* name, const char* packing) {
   if (!span.empty()) {
     throw Error(std::string("MultiHeadAttention: ") + name + " must be empty with packing " +
@@ -69,12 +77,12 @@ void MultiHeadAttention::Impl::canonicalize(const MultiHeadAttentionWeights& wei
       check_size(weights.q_bias, E, 1, "q_bias", true);
       check_size(weights.k_bias, kvw, 1, "k_bias", true);
       check_size(weights.v_bias, kvw, 1, "v_bias", true);
-      m.q_w.assign(weights.q_weight.begin(), weights.q_weight.end());
-      m.k_w.assign(weights.k_weight.begin(), weights.k_weight.end());
-      m.v_w.assign(weights.v_weight.begin(), weights.v_weight.end());
-      m.q_b.assign(weights.q_bias.begin(), weights.q_bias.end());
-      m.k_b.assign(weights.k_bias.begin(), weights.k_bias.end());
-      m.v_b.assign(weights.v_bias.begin(), weights.v_bias.end());
+      assign_floats(m.q_w, weights.q_weight);
+      assign_floats(m.k_w, weights.k_weight);
+      assign_floats(m.v_w, weights.v_weight);
+      assign_floats(m.q_b, weights.q_bias);
+      assign_floats(m.k_b, weights.k_bias);
+      assign_floats(m.v_b, weights.v_bias);
       break;
     case QkvPacking::kFusedBlocks:
     case QkvPacking::kFusedPerHead: {
@@ -106,27 +114,36 @@ void MultiHeadAttention::Impl::canonicalize(const MultiHeadAttentionWeights& wei
       for (int part = 0; part < 3; ++part) {
         const std::int64_t rows = part == 0 ? E : kvw;
         w_parts[part]->resize(rows * E);
-        if (has_bias) b_parts[part]->resize(rows);
-        for (std::int64_t r = 0; r < rows; ++r) {
+        b_parts[part]->resize(has_bias ? rows : 0);
+      }
+      // Canonical row c of [q; k; v] from its packed row, in blocks of rows over the threads.
+      constexpr std::int64_t kRows = 64;
+      parallel_for((F + kRows - 1) / kRows, resolve_num_threads(0), [&](std::int64_t t, int) {
+        for (std::int64_t c = t * kRows; c < std::min(F, (t + 1) * kRows); ++c) {
+          const int part = c < E ? 0 : c < E + kvw ? 1 : 2;
+          const std::int64_t r = part == 0 ? c : c - E - (part - 1) * kvw;
           const std::int64_t src = packed_row(part, r);
           std::copy_n(weights.qkv_weight.data() + src * E, E, w_parts[part]->data() + r * E);
           if (has_bias) (*b_parts[part])[r] = weights.qkv_bias[src];
         }
-      }
+      });
       break;
     }
   }
   check_size(weights.out_weight, E, E, "out_weight", false);
   check_size(weights.out_bias, E, 1, "out_bias", true);
-  out_w.assign(weights.out_weight.begin(), weights.out_weight.end());
-  out_b.assign(weights.out_bias.begin(), weights.out_bias.end());
+  assign_floats(out_w, weights.out_weight);
+  assign_floats(out_b, weights.out_bias);
 }
 
 std::pair<std::vector<float>, std::vector<float>> MultiHeadAttention::Impl::fused_qkv() const {
   const std::int64_t E = embed_dim, F = E + 2 * kv_width;
-  std::vector<float> w;
-  w.reserve(F * E);
-  for (const auto* part : {&q_w, &k_w, &v_w}) w.insert(w.end(), part->begin(), part->end());
+  std::vector<float> w(F * E);
+  std::int64_t at = 0;
+  for (const auto* part : {&q_w, &k_w, &v_w}) {
+    layers::copy_floats(part->data(), w.data() + at, static_cast<std::int64_t>(part->size()));
+    at += static_cast<std::int64_t>(part->size());
+  }
   std::vector<float> b;
   if (!q_b.empty() || !k_b.empty() || !v_b.empty()) {
     b.assign(F, 0.0f);

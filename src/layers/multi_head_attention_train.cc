@@ -93,33 +93,39 @@ MultiHeadAttentionParams MultiHeadAttention::zero_grads() const {
 
 void MultiHeadAttention::set_parameters(const MultiHeadAttentionParams& params) {
   Impl& m = *impl_;
-  MultiHeadAttentionParams current = parameters();
   if (params.packing != m.packing) {
     throw Error("MultiHeadAttention::set_parameters: the parameters are of another packing than "
                 "the layer's");
   }
-  const std::vector<float>* given[] = {&params.qkv_weight, &params.qkv_bias, &params.q_weight,
-                                       &params.q_bias,     &params.k_weight, &params.k_bias,
-                                       &params.v_weight,   &params.v_bias,   &params.out_weight,
-                                       &params.out_bias};
-  const std::vector<float>* have[] = {&current.qkv_weight, &current.qkv_bias, &current.q_weight,
-                                      &current.q_bias,     &current.k_weight, &current.k_bias,
-                                      &current.v_weight,   &current.v_bias,   &current.out_weight,
-                                      &current.out_bias};
+  // The sizes parameters() returns, without building it.
+  const bool fused = m.packing != QkvPacking::kSeparate;
+  const std::size_t F = static_cast<std::size_t>(m.embed_dim + 2 * m.kv_width);
+  const std::size_t E = static_cast<std::size_t>(m.embed_dim);
+  const std::size_t bias = m.q_b.empty() ? 0 : 1;  // fused: one bias for q, k, v, or none
+  const std::pair<const std::vector<float>*, std::size_t> checks[] = {
+      {&params.qkv_weight, fused ? F * E : 0},      {&params.qkv_bias, fused ? bias * F : 0},
+      {&params.q_weight, fused ? 0 : m.q_w.size()}, {&params.q_bias, fused ? 0 : m.q_b.size()},
+      {&params.k_weight, fused ? 0 : m.k_w.size()}, {&params.k_bias, fused ? 0 : m.k_b.size()},
+      {&params.v_weight, fused ? 0 : m.v_w.size()}, {&params.v_bias, fused ? 0 : m.v_b.size()},
+      {&params.out_weight, m.out_w.size()},         {&params.out_bias, m.out_b.size()}};
   const char* names[] = {"qkv_weight", "qkv_bias", "q_weight", "q_bias",     "k_weight",
                          "k_bias",     "v_weight", "v_bias",   "out_weight", "out_bias"};
   for (int i = 0; i < 10; ++i) {
-    if (given[i]->size() != have[i]->size()) {
+    if (checks[i].first->size() != checks[i].second) {
       throw Error(std::string("MultiHeadAttention::set_parameters: ") + names[i] + " has " +
-                  std::to_string(given[i]->size()) + " elements, the layer's has " +
-                  std::to_string(have[i]->size()));
+                  std::to_string(checks[i].first->size()) + " elements, the layer's has " +
+                  std::to_string(checks[i].second));
     }
   }
   m.canonicalize(params.weights());
   m.out_proj->set_weights(m.out_w, m.out_b);
   if (m.qkv_proj) {
-    const auto [w, b] = m.fused_qkv();
-    m.qkv_proj->set_weights(w, b);
+    if (m.packing == QkvPacking::kFusedBlocks) {
+      m.qkv_proj->set_weights(params.qkv_weight, params.qkv_bias);  // already [Wq; Wk; Wv]
+    } else {
+      const auto [w, b] = m.fused_qkv();
+      m.qkv_proj->set_weights(w, b);
+    }
   }
   if (m.q_proj) {  // the cross-attention projections, once built
     m.q_proj->set_weights(m.q_w, m.q_b);

@@ -158,6 +158,55 @@ TEST(MhaBackward, SetParametersRoundTrip) {
       "not available in training");
 }
 
+// set_parameters in the other two packings: [Wq; Wk; Wv] blocks (handed to the fused projection
+// as given) and separate weights with the key bias missing (GQA); each must give a fresh layer's
+// outputs and name a tensor of the wrong size.
+TEST(MhaBackward, SetParametersFollowsEveryPacking) {
+  const std::int64_t E = 8, hd = 4, kvw = 4;  // 2 query heads over 1 kv head
+  MhaF32Weights w;
+  w.q_w = random_floats(E * E, 21), w.k_w = random_floats(kvw * E, 22);
+  w.v_w = random_floats(kvw * E, 23);
+  w.q_b = random_floats(E, 24), w.k_b = random_floats(kvw, 25), w.v_b = random_floats(kvw, 26);
+  w.o_w = random_floats(E * E, 27), w.o_b = random_floats(E, 28);
+  const MultiHeadAttentionConfig config{.embed_dim = E, .num_heads = 2, .num_kv_heads = 1};
+  const auto x = random_floats(3 * E, 29);
+  for (const QkvPacking packing : {QkvPacking::kFusedBlocks, QkvPacking::kSeparate}) {
+    SCOPED_TRACE(packing == QkvPacking::kSeparate ? "separate" : "fused blocks");
+    const bool fused = packing == QkvPacking::kFusedBlocks;
+    const auto qkv_w = fused ? pack(packing, w.q_w, w.k_w, w.v_w, E, hd, E) : std::vector<float>{};
+    const auto qkv_b = fused ? pack(packing, w.q_b, w.k_b, w.v_b, E, hd, 1) : std::vector<float>{};
+    const std::vector<float> no_bias;
+    MultiHeadAttentionWeights given{.packing = packing, .out_weight = w.o_w, .out_bias = w.o_b};
+    if (fused) {
+      given.qkv_weight = qkv_w, given.qkv_bias = qkv_b;
+    } else {
+      given.q_weight = w.q_w, given.k_weight = w.k_w, given.v_weight = w.v_w;
+      given.q_bias = w.q_b, given.v_bias = w.v_b;  // no key bias
+    }
+    MultiHeadAttention mha(config, given);
+    MultiHeadAttentionParams params = mha.parameters();
+    EXPECT_EQ(params.k_bias.size(), 0u);
+    for (std::vector<float>* t : params.tensors()) {
+      for (float& value : *t) value = value * -0.75f + 0.125f;
+    }
+    mha.set_parameters(params);
+    const MultiHeadAttention fresh(config, params.weights());
+    std::vector<float> a(3 * E), b(3 * E);
+    mha.forward(x.data(), 1, 3, a.data());
+    fresh.forward(x.data(), 1, 3, b.data());
+    EXPECT_EQ(a, b);
+    EXPECT_NE(a, std::vector<float>(3 * E, 0.0f));
+    std::vector<float>& wrong = fused ? params.qkv_weight : params.k_weight;
+    wrong.push_back(1.0f);
+    expect_error([&] { mha.set_parameters(params); },
+                 fused ? "qkv_weight has 129 elements, the layer's has 128"
+                       : "k_weight has 33 elements, the layer's has 32");
+    wrong.pop_back();
+    params.k_bias.assign(kvw, 0.0f);  // a bias the layer does not have
+    expect_error([&] { mha.set_parameters(params); }, "k_bias has 4 elements, the layer's has 0");
+  }
+}
+
 TEST(MhaBackward, DropoutMaskIsTheForwards) {
   // With dropout on the probabilities, L = sum(d_out * forward_train(x)) under one seed is a
   // fixed smooth function: backward's dx must match its (float32) finite differences.
