@@ -2,7 +2,8 @@
 """Sentence-embedding throughput of all-MiniLM-L6-v2: `qkv embed` against PyTorch and ONNX
 Runtime in the same run, same threads, same texts (issue 3's benchmark).
 
-    python3 scripts/bench_embed_peers.py [--threads N] [--sentences S] [--repeats R] [--memory]
+    python3 scripts/bench_embed_peers.py [--threads N] [--sentences S] [--repeats R] [--bf16]
+                                         [--memory]
 
 Workload: S sentences (default 256), each tokenizing to at least 128 word pieces, so that every
 row of every batch is exactly 128 tokens after truncation (checked with the HF tokenizer), run
@@ -26,6 +27,14 @@ Implementations:
              starting the process and loading the model, which the peers (loaded once, before
              timing) do not pay. "qkv steady" subtracts the wall time of a 1-sentence run (the
              start-up cost), so the two bracket qkv's throughput.
+
+--bf16 adds the bf16 runs a user on a bf16 server would compare:
+  torch-bf16   model.encode under torch.autocast("cpu", torch.bfloat16): bf16 matrix products,
+               LayerNorm and softmax in f32 (the split `qkv embed --dtype bf16` makes)
+  torch-bf16w  a second SentenceTransformer with its weights cast to bf16 (model.to(bfloat16)):
+               everything in bf16, the fastest way torch runs it
+  qkv-bf16     `qkv embed ... --dtype bf16` (and "qkv-bf16 steady", as above)
+and compares qkv-bf16 with the two bf16 peers.
 
 Agreement: the max |difference| of each implementation's embeddings against torch's, and the
 smallest cosine between them.
@@ -105,16 +114,24 @@ def make_texts(count, tokenizer, seed=0):
 # ---- implementations: prepare() loads once; the returned callable embeds a list of texts ------
 
 
-def torch_impl(directory, threads):
+def torch_impl(directory, threads, mode="f32"):
+    """mode: "f32"; "autocast" (bf16 products under torch.autocast); "bf16" (bf16 weights)."""
+    import contextlib
+
     import torch
     from sentence_transformers import SentenceTransformer
     torch.set_num_threads(threads)
     model = SentenceTransformer(str(directory), device="cpu")
     model.max_seq_length = MAX_LENGTH
+    if mode == "bf16":
+        model.to(torch.bfloat16)
 
     def embed(texts):
-        with torch.inference_mode():
-            return model.encode(texts, batch_size=BATCH, convert_to_numpy=True)
+        autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if mode == "autocast"
+                    else contextlib.nullcontext())
+        with torch.inference_mode(), autocast:
+            out = model.encode(texts, batch_size=BATCH, convert_to_tensor=True)
+            return out.float().numpy()
 
     return embed
 
@@ -203,13 +220,15 @@ def ort_impl(path, directory, threads):
 
 
 class QkvEmbed:
-    def __init__(self, binary, directory, threads):
+    def __init__(self, binary, directory, threads, dtype="f32"):
         self.binary, self.directory, self.threads = binary, directory, threads
+        self.dtype = dtype
 
     def command(self, input_file, out_file):
         return [str(self.binary), "embed", "--model", str(self.directory), "--input",
                 str(input_file), "--out", str(out_file), "--threads", str(self.threads),
-                "--batch-size", str(BATCH), "--max-length", str(MAX_LENGTH)]
+                "--batch-size", str(BATCH), "--max-length", str(MAX_LENGTH),
+                "--dtype", self.dtype]
 
     def write_input(self, texts, name):
         path = WORK / name
@@ -318,6 +337,9 @@ def main():
     parser.add_argument("--sentences", type=int, default=256,
                         help="sentences per repeat (a multiple of 32 keeps batches full)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--bf16", action="store_true",
+                        help="also torch under bf16 autocast, torch with bf16 weights and "
+                        "qkv embed --dtype bf16")
     parser.add_argument("--memory", action="store_true",
                         help="also: max RSS of qkv embed on 1,000 and 10,000 sentences")
     parser.add_argument("--qkv", default=str(ROOT / "build" / "release" / "qkv"))
@@ -350,29 +372,43 @@ def main():
         impls["ort-opt"] = ort_impl(optimized, directory, args.threads)
     qkv = QkvEmbed(args.qkv, directory, args.threads)
     why_not = qkv.supported()
+    qkv_runs = {}  # label -> the 1-sentence run whose wall time is qkv's start-up cost
     if why_not is None:
         impls["qkv"] = qkv.embedder(texts, "bench")
-        startup = qkv.embedder(texts[:1], "startup")
+        qkv_runs["qkv"] = qkv.embedder(texts[:1], "startup")
     else:
         print(f"qkv skipped: `qkv embed` does not run yet: {why_not}")
+    if args.bf16:
+        impls["torch-bf16"] = torch_impl(directory, args.threads, "autocast")
+        impls["torch-bf16w"] = torch_impl(directory, args.threads, "bf16")
+        qkv_bf16 = QkvEmbed(args.qkv, directory, args.threads, "bf16")
+        why_not_bf16 = qkv_bf16.supported()
+        if why_not_bf16 is None:
+            impls["qkv-bf16"] = qkv_bf16.embedder(texts, "bench-bf16")
+            qkv_runs["qkv-bf16"] = qkv_bf16.embedder(texts[:1], "startup-bf16")
+        else:
+            print(f"qkv-bf16 skipped: {why_not_bf16}")
 
     others = OtherLoad()
     samples, outputs = time_interleaved(impls, texts, args.repeats, log)
     median = {name: statistics.median(s) for name, s in samples.items()}
-    if "qkv" in impls:
+    for name, startup in qkv_runs.items():
         startup_s = statistics.median(wall_seconds(startup) for _ in range(3))
-        median["qkv steady"] = max(median["qkv"] - startup_s, 1e-9)
+        median[name + " steady"] = max(median[name] - startup_s, 1e-9)
 
     print(f"all-MiniLM-L6-v2, {len(texts)} sentences x {MAX_LENGTH} tokens, batch {BATCH}, "
           f"{args.threads} threads, median of {args.repeats}")
-    print(f"{'impl':<11} {'seconds':>8} {'sentences/s':>12}")
+    print(f"{'impl':<17} {'seconds':>8} {'sentences/s':>12}")
     for name, seconds in median.items():
-        print(f"{name:<11} {seconds:8.3f} {len(texts) / seconds:12.1f}")
-    for mine in ("qkv", "qkv steady"):
-        if mine in median:
-            print(f"{mine} / peer throughput: " + ", ".join(
-                f"{peer} {median[peer] / median[mine]:.2f}x" for peer in median
-                if not peer.startswith("qkv")))
+        print(f"{name:<17} {seconds:8.3f} {len(texts) / seconds:12.1f}")
+    # f32 qkv against the f32 peers, bf16 qkv against the bf16 peers.
+    for mine in ("qkv", "qkv steady", "qkv-bf16", "qkv-bf16 steady"):
+        if mine not in median:
+            continue
+        peers = [p for p in median
+                 if not p.startswith("qkv") and ("bf16" in p) == ("bf16" in mine)]
+        print(f"{mine} / peer throughput: " + ", ".join(
+            f"{peer} {median[peer] / median[mine]:.2f}x" for peer in peers))
     for line in agreement(outputs):
         print(line)
     print(others.note())
