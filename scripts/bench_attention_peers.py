@@ -63,6 +63,13 @@ its own (arrays in BSHD, same rounds). On a CPU with AMX the header also
 gives qkv's overlap probe: its tile products and its softmax's vector code run together, over
 the two alone (1: they take turns, which bounds the AMX path below its tile peak).
 
+A plain GEMM for scale (not with --decode-only or --training): after the cases, torch.mm of two
+4096 x 4096 matrices in f32 (MKL) and in bf16 (oneDNN; AMX where the CPU has it), --rounds
+rounds of a median of 3 calls after 2 warm-up calls, reported against the same FMA and bf16
+probes as the rows: what the best large matrix product reaches on this CPU, the yardstick for
+the %peak columns (on the Intel AMX Xeon of 2026-12-06: f32 about 74% of the FMA probe, bf16
+about a quarter of the AMX probe).
+
 Pages: the arrays every contender reads are advised onto transparent huge pages (numpy's by
 default, qkv's by qkv itself, torch's through THP_MEM_ALLOC_ENABLE=1, which this script sets
 unless the environment gives it): on the Intel AMX Xeon VM of 2026-12-05 a streaming read ran
@@ -660,7 +667,30 @@ def ratios(results):
     return out
 
 
-def report(all_results, agreements, threads):
+def gemm_reference(torch, rounds, log, n=4096):
+    """{dtype: median GFLOP/s of torch.mm on two n x n matrices} for f32 and bf16 (--rounds
+    rounds, each the median of 3 calls after 2 untimed ones)."""
+    out = {}
+    for dtype, torch_dtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
+        generator = torch.Generator().manual_seed(3)
+        a = torch.randn(n, n, generator=generator).to(torch_dtype)
+        b = torch.randn(n, n, generator=generator).to(torch_dtype)
+        rates = []
+        for _ in range(rounds):
+            for _ in range(2):
+                torch.mm(a, b)
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                torch.mm(a, b)
+                times.append(time.perf_counter() - start)
+            rates.append(2.0 * n ** 3 / statistics.median(times) / 1e9)
+        out[dtype] = statistics.median(rates)
+        log(f"torch.mm {n}^3 {dtype}: {out[dtype]:.1f} GFLOP/s")
+    return out
+
+
+def report(all_results, agreements, threads, gemm=None):
     peak = {d: peaks(all_results, d) for d in ("f32", "bf16")}
     read_bw = bandwidth(all_results)
     lines = []
@@ -668,6 +698,13 @@ def report(all_results, agreements, threads):
         lines.append(f"qkv measured: fp32 FMA peak {peak['f32']:.1f} GFLOP/s"
                      + (f", bf16 peak {peak['bf16']:.1f}" if peak["bf16"] else "")
                      + (f", streaming read {read_bw:.1f} GB/s" if read_bw else ""))
+    if gemm:
+        parts = []
+        for dtype, rate in gemm.items():
+            limit = peak.get(dtype) or (peak["f32"] if dtype == "f32" else None)
+            share = f" ({100 * rate / limit:.0f}% of qkv's {dtype} probe)" if limit else ""
+            parts.append(f"{dtype} {rate:.1f} GFLOP/s{share}")
+        lines.append("a plain GEMM, same run: torch.mm 4096^3 " + ", ".join(parts))
     if amx_overlap(all_results):
         lines.append(f"qkv measured: AMX tiles beside the softmax's vector code take "
                      f"{amx_overlap(all_results):.2f}x the sum of the two alone (1 = they take "
@@ -868,9 +905,12 @@ def main():
     for index, case in enumerate(cases):
         log(f"[{index + 1}/{len(cases)}] {case.name()}")
         all_results[case], agreements[case] = bench_case(case, impls, args, log)
+    gemm = None
+    if not args.training and not args.decode_only:
+        gemm = gemm_reference(torch, args.rounds, log)
     if args.training:
         print("training step: forward + backward; GFLOP/s counts 3.5x the forward's FLOPs")
-    print(report(all_results, agreements, args.threads))
+    print(report(all_results, agreements, args.threads, gemm))
     print(others.note())
     if args.png:
         plot(all_results, args.png)
@@ -882,7 +922,8 @@ def main():
         meta = {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
                 "threads": args.threads, "peak_gflops_f32": peaks(all_results, "f32"),
                 "read_gbytes_per_second": bandwidth(all_results),
-                "amx_softmax_together_over_sum": amx_overlap(all_results)}
+                "amx_softmax_together_over_sum": amx_overlap(all_results),
+                "torch_mm_4096_gflops": gemm}
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
         print(f"wrote {args.json}")
 
