@@ -200,28 +200,28 @@ void ActivationKernel(Activation act, const float* x, float* y, std::int64_t n) 
 
 void ActivationBackwardKernel(Activation act, const float* x, const float* dy, float* dx,
                               std::int64_t n) {
-  if (act == Activation::kNone) {
-    std::copy(dy, dy + n, dx);
-    return;
-  }
-  if (act == Activation::kRelu) {
+  // dx = dy * derivative(x), the derivative chosen here, once.
+  const auto map = [&](auto derivative) {
     const DF df;
     const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(df));
     for (std::int64_t i = 0; i < n; i += lanes) {
       const size_t count = static_cast<size_t>(std::min(lanes, n - i));
-      const VF one_or_zero =
-          hn::IfThenElseZero(hn::Gt(LoadFirst(df, x + i, count), hn::Zero(df)), hn::Set(df, 1.0f));
-      StoreFirst(hn::Mul(LoadFirst(df, dy + i, count), one_or_zero), df, dx + i, count);
+      const VF d = derivative(df, LoadFirst(df, x + i, count));
+      StoreFirst(hn::Mul(LoadFirst(df, dy + i, count), d), df, dx + i, count);
     }
-    return;
-  }
-  const DF df;
-  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(df));
-  for (std::int64_t i = 0; i < n; i += lanes) {
-    const size_t count = static_cast<size_t>(std::min(lanes, n - i));
-    const VF v = LoadFirst(df, x + i, count);
-    const VF d = act == Activation::kGeluErf ? GeluErfDerivative(df, v) : GeluTanhDerivative(df, v);
-    StoreFirst(hn::Mul(LoadFirst(df, dy + i, count), d), df, dx + i, count);
+  };
+  switch (act) {
+    case Activation::kNone:
+      std::copy(dy, dy + n, dx);
+      return;
+    case Activation::kRelu:
+      return map([](DF df, VF v) {
+        return hn::IfThenElseZero(hn::Gt(v, hn::Zero(df)), hn::Set(df, 1.0f));
+      });
+    case Activation::kGeluErf:
+      return map([](DF df, VF v) { return GeluErfDerivative(df, v); });
+    case Activation::kGeluTanh:
+      return map([](DF df, VF v) { return GeluTanhDerivative(df, v); });
   }
 }
 
@@ -317,33 +317,33 @@ void RoundToBf16Kernel(const float* x, std::int64_t n, std::uint16_t* bits, floa
 }
 
 void ActivationToBf16Kernel(Activation act, const float* x, std::uint16_t* bits, std::int64_t n) {
-  const DF df;
-  const hn::RebindToSigned<DF> di;
-  const hn::Rebind<std::uint16_t, DF> d16;
-  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(df));
-  std::int64_t i = 0;
-  auto act_of = [&](VF v) {
-    switch (act) {
-      case Activation::kRelu:
-        return hn::Max(v, hn::Zero(df));
-      case Activation::kGeluErf:
-        return GeluErfF32(df, v);
-      case Activation::kGeluTanh:
-        return GeluTanhF32(df, v);
-      case Activation::kNone:
-        break;
+  // bits = bf16(op(x)), op chosen here, once.
+  const auto map = [&](auto op) {
+    const DF df;
+    const hn::RebindToSigned<DF> di;
+    const hn::Rebind<std::uint16_t, DF> d16;
+    const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(df));
+    std::int64_t i = 0;
+    for (; i + lanes <= n; i += lanes) {
+      const auto b = Bf16Bits(df, op(df, hn::LoadU(df, x + i)));
+      hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, b)), d16, bits + i);
     }
-    return v;
+    if (i < n) {  // the tail through a full vector
+      HWY_ALIGN float in[HWY_MAX_BYTES / sizeof(float)] = {}, out[HWY_MAX_BYTES / sizeof(float)];
+      std::copy(x + i, x + n, in);
+      hn::Store(op(df, hn::Load(df, in)), df, out);
+      for (std::int64_t k = 0; i + k < n; ++k) bits[i + k] = f32_to_bf16_bits(out[k]);
+    }
   };
-  for (; i + lanes <= n; i += lanes) {
-    const auto b = Bf16Bits(df, act_of(hn::LoadU(df, x + i)));
-    hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, b)), d16, bits + i);
-  }
-  if (i < n) {  // the tail through a full vector
-    HWY_ALIGN float in[HWY_MAX_BYTES / sizeof(float)] = {}, out[HWY_MAX_BYTES / sizeof(float)];
-    std::copy(x + i, x + n, in);
-    hn::Store(act_of(hn::Load(df, in)), df, out);
-    for (std::int64_t k = 0; i + k < n; ++k) bits[i + k] = f32_to_bf16_bits(out[k]);
+  switch (act) {
+    case Activation::kNone:
+      return map([](DF, VF v) { return v; });
+    case Activation::kRelu:
+      return map([](DF df, VF v) { return hn::Max(v, hn::Zero(df)); });
+    case Activation::kGeluErf:
+      return map([](DF df, VF v) { return GeluErfF32(df, v); });
+    case Activation::kGeluTanh:
+      return map([](DF df, VF v) { return GeluTanhF32(df, v); });
   }
 }
 
