@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/parallel.h"
+#include "layers/chunks.h"
 #include "layers/multi_head_attention_impl.h"
 #include "qkv/attention_backward.h"
 #include "qkv/error.h"
@@ -17,10 +18,6 @@ namespace qkv {
 namespace {
 
 std::span<const float> span_of(const std::vector<float>& v) { return {v.data(), v.size()}; }
-
-void add_to(std::vector<float>& dst, const float* src, std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i) dst[i] += src[i];
-}
 
 // The tape's projection rows [B * L, width] as the attention core takes them: f32, or the bf16
 // bits the bf16 projection wrote (the bits the inference forward hands its core).
@@ -223,34 +220,45 @@ void MultiHeadAttention::backward(const MhaTape& tape, const float* x, const flo
     std::copy_n(dk + r * kvw, kvw, d_qkv + r * F + E);
     std::copy_n(dv + r * kvw, kvw, d_qkv + r * F + E + kvw);
   });
-  // Its backward on the canonical [Wq; Wk; Wv].
-  float* dw = layers::scratch_floats(scratch->d_w, F * E);
-  std::fill(dw, dw + F * E, 0.0f);
-  const bool has_bias = !m.qkv_proj->bias().empty();
-  float* db = layers::scratch_floats(scratch->d_b, F);
-  std::fill(db, db + F, 0.0f);
-  m.qkv_proj->backward(x, rows, d_qkv, dx, dw, has_bias ? db : nullptr);
-  // Canonical rows back into the packing's layout.
-  const std::int64_t part_rows[3] = {E, kvw, kvw}, part_start[3] = {0, E, E + kvw};
-  if (m.packing == QkvPacking::kSeparate) {
-    std::vector<float>* w_parts[3] = {&grads.q_weight, &grads.k_weight, &grads.v_weight};
-    std::vector<float>* b_parts[3] = {&grads.q_bias, &grads.k_bias, &grads.v_bias};
-    for (int part = 0; part < 3; ++part) {
-      add_to(*w_parts[part], dw + part_start[part] * E,
-             static_cast<std::size_t>(part_rows[part] * E));
-      if (!b_parts[part]->empty()) {
-        add_to(*b_parts[part], db + part_start[part], static_cast<std::size_t>(part_rows[part]));
-      }
-    }
+  // Its backward on the canonical [Wq; Wk; Wv]: straight into the gradients where they are in
+  // that order (kFusedBlocks; the product accumulates into them), else into a buffer whose
+  // rows are added into the packing's.
+  const bool has_bias = !m.q_b.empty() || !m.k_b.empty() || !m.v_b.empty();
+  if (m.packing == QkvPacking::kFusedBlocks) {
+    m.qkv_proj->backward(x, rows, d_qkv, dx, grads.qkv_weight.data(),
+                         has_bias ? grads.qkv_bias.data() : nullptr);
     return;
   }
-  for (int part = 0; part < 3; ++part) {
-    for (std::int64_t r = 0; r < part_rows[part]; ++r) {
-      const std::int64_t dst = m.packed_row(part, r), src = part_start[part] + r;
-      for (std::int64_t e = 0; e < E; ++e) grads.qkv_weight[dst * E + e] += dw[src * E + e];
-      if (!grads.qkv_bias.empty()) grads.qkv_bias[dst] += db[src];
+  float* dw = layers::scratch_floats(scratch->d_w, F * E);
+  float* db = layers::scratch_floats(scratch->d_b, F);
+  layers::for_chunks(
+      F * E, [&](std::int64_t begin, std::int64_t end) { std::fill(dw + begin, dw + end, 0.0f); });
+  std::fill(db, db + F, 0.0f);
+  m.qkv_proj->backward(x, rows, d_qkv, dx, dw, has_bias ? db : nullptr);
+  // Canonical row c (part `part`, row r of it) added into its row of the packing, in blocks of
+  // rows over the threads.
+  const auto part_of = [&](std::int64_t c) { return c < E ? 0 : c < E + kvw ? 1 : 2; };
+  const auto row_in_part = [&](std::int64_t c) {
+    return c < E ? c : c < E + kvw ? c - E : c - E - kvw;
+  };
+  const bool separate = m.packing == QkvPacking::kSeparate;
+  std::vector<float>* w_parts[3] = {&grads.q_weight, &grads.k_weight, &grads.v_weight};
+  std::vector<float>* b_parts[3] = {&grads.q_bias, &grads.k_bias, &grads.v_bias};
+  constexpr std::int64_t kRows = 64;
+  parallel_for((F + kRows - 1) / kRows, resolve_num_threads(0), [&](std::int64_t t, int) {
+    for (std::int64_t c = t * kRows; c < std::min(F, (t + 1) * kRows); ++c) {
+      const int part = part_of(c);
+      const std::int64_t r = row_in_part(c);
+      float* w_row = separate ? w_parts[part]->data() + r * E
+                              : grads.qkv_weight.data() + m.packed_row(part, r) * E;
+      for (std::int64_t e = 0; e < E; ++e) w_row[e] += dw[c * E + e];
+      if (separate) {
+        if (!b_parts[part]->empty()) (*b_parts[part])[r] += db[c];
+      } else if (!grads.qkv_bias.empty()) {
+        grads.qkv_bias[m.packed_row(part, r)] += db[c];
+      }
     }
-  }
+  });
 }
 
 }  // namespace qkv
