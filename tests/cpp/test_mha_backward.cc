@@ -110,11 +110,20 @@ TEST(MhaBackward, MatchesFiniteDifferences) {
                    to_f64(pack(c.packing, canonical[1], canonical[3], canonical[5], E, hd, 1)),
                    1e-5, "qkv_bias");
     }
-    // Gradients accumulate: a second backward doubles them.
-    const MultiHeadAttentionParams once = grads;
+    // Gradients accumulate: a second backward doubles them, every tensor of every packing.
+    MultiHeadAttentionParams once = grads;
     mha.backward(tape, x.data(), d_out.data(), dx.data(), grads);
     for (std::size_t i = 0; i < grads.out_weight.size(); ++i) {
       EXPECT_FLOAT_EQ(grads.out_weight[i], 2 * once.out_weight[i]);
+    }
+    const auto twice = grads.tensors(), first = once.tensors();
+    ASSERT_EQ(twice.size(), first.size());
+    for (std::size_t t = 0; t < twice.size(); ++t) {
+      for (std::size_t i = 0; i < twice[t]->size(); ++i) {
+        const float want = 2 * (*first[t])[i];
+        EXPECT_NEAR((*twice[t])[i], want, 1e-5f * std::max(1.0f, std::abs(want)))
+            << "tensor " << t << " element " << i;
+      }
     }
   }
 }
