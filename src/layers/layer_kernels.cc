@@ -293,48 +293,41 @@ HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> Bf16Bits(DF df, VF v) {
                         rounded);
 }
 
-void RoundToBf16Kernel(const float* x, std::int64_t n, std::uint16_t* bits, float* values) {
+// bits = bf16(op(x)) lane for lane, op evaluated in f32 lanes (the tail through a full vector).
+template <class Op>
+HWY_INLINE void MapToBf16(const float* x, std::uint16_t* bits, std::int64_t n, Op op) {
   const DF df;
   const hn::RebindToSigned<DF> di;
   const hn::Rebind<std::uint16_t, DF> d16;
   const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(df));
   std::int64_t i = 0;
   for (; i + lanes <= n; i += lanes) {
-    const auto b = Bf16Bits(df, hn::LoadU(df, x + i));
-    if (bits != nullptr) {
-      hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, b)), d16, bits + i);
-    } else {
-      hn::StoreU(hn::BitCast(df, hn::ShiftLeft<16>(b)), df, values + i);
-    }
+    const auto b = Bf16Bits(df, op(df, hn::LoadU(df, x + i)));
+    hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, b)), d16, bits + i);
   }
-  for (; i < n; ++i) {
-    if (bits != nullptr) {
-      bits[i] = f32_to_bf16_bits(x[i]);
-    } else {
-      values[i] = round_to_bf16(x[i]);
-    }
+  if (i < n) {
+    HWY_ALIGN float in[HWY_MAX_BYTES / sizeof(float)] = {}, out[HWY_MAX_BYTES / sizeof(float)];
+    std::copy(x + i, x + n, in);
+    hn::Store(op(df, hn::Load(df, in)), df, out);
+    for (std::int64_t k = 0; i + k < n; ++k) bits[i + k] = f32_to_bf16_bits(out[k]);
   }
 }
 
+void RoundToBf16Kernel(const float* x, std::int64_t n, std::uint16_t* bits, float* values) {
+  if (bits != nullptr) return MapToBf16(x, bits, n, [](DF, VF v) { return v; });
+  const DF df;
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(df));
+  std::int64_t i = 0;
+  for (; i + lanes <= n; i += lanes) {
+    const auto b = Bf16Bits(df, hn::LoadU(df, x + i));
+    hn::StoreU(hn::BitCast(df, hn::ShiftLeft<16>(b)), df, values + i);
+  }
+  for (; i < n; ++i) values[i] = round_to_bf16(x[i]);
+}
+
 void ActivationToBf16Kernel(Activation act, const float* x, std::uint16_t* bits, std::int64_t n) {
-  // bits = bf16(op(x)), op chosen here, once.
-  const auto map = [&](auto op) {
-    const DF df;
-    const hn::RebindToSigned<DF> di;
-    const hn::Rebind<std::uint16_t, DF> d16;
-    const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(df));
-    std::int64_t i = 0;
-    for (; i + lanes <= n; i += lanes) {
-      const auto b = Bf16Bits(df, op(df, hn::LoadU(df, x + i)));
-      hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, b)), d16, bits + i);
-    }
-    if (i < n) {  // the tail through a full vector
-      HWY_ALIGN float in[HWY_MAX_BYTES / sizeof(float)] = {}, out[HWY_MAX_BYTES / sizeof(float)];
-      std::copy(x + i, x + n, in);
-      hn::Store(op(df, hn::Load(df, in)), df, out);
-      for (std::int64_t k = 0; i + k < n; ++k) bits[i + k] = f32_to_bf16_bits(out[k]);
-    }
-  };
+  // The activation chosen here, once.
+  const auto map = [&](auto op) { MapToBf16(x, bits, n, op); };
   switch (act) {
     case Activation::kNone:
       return map([](DF, VF v) { return v; });
