@@ -120,8 +120,7 @@ void MultiHeadAttention::Impl::canonicalize(const MultiHeadAttentionWeights& wei
       constexpr std::int64_t kRows = 64;
       parallel_for((F + kRows - 1) / kRows, resolve_num_threads(0), [&](std::int64_t t, int) {
         for (std::int64_t c = t * kRows; c < std::min(F, (t + 1) * kRows); ++c) {
-          const int part = c < E ? 0 : c < E + kvw ? 1 : 2;
-          const std::int64_t r = part == 0 ? c : c - E - (part - 1) * kvw;
+          const auto [part, r] = canonical_part(c);
           const std::int64_t src = packed_row(part, r);
           std::copy_n(weights.qkv_weight.data() + src * E, E, w_parts[part]->data() + r * E);
           if (has_bias) (*b_parts[part])[r] = weights.qkv_bias[src];

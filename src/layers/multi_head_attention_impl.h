@@ -86,6 +86,12 @@ struct MultiHeadAttention::Impl {
   void canonicalize(const MultiHeadAttentionWeights& weights);
   // The row of qkv_weight that holds canonical row r of part `part` (0 = q, 1 = k, 2 = v) in
   // the fused packings.
+  // Part (0 = q, 1 = k, 2 = v) of canonical row c of [Wq; Wk; Wv], and c's row within it.
+  std::pair<int, std::int64_t> canonical_part(std::int64_t c) const {
+    if (c < embed_dim) return {0, c};
+    if (c < embed_dim + kv_width) return {1, c - embed_dim};
+    return {2, c - embed_dim - kv_width};
+  }
   std::int64_t packed_row(int part, std::int64_t r) const {
     if (packing == QkvPacking::kFusedPerHead) return (r / head_dim) * 3 * head_dim + part * head_dim + r % head_dim;
     return part == 0 ? r : embed_dim + (part - 1) * kv_width + r;  // [Wq; Wk; Wv]

@@ -237,18 +237,13 @@ void MultiHeadAttention::backward(const MhaTape& tape, const float* x, const flo
   m.qkv_proj->backward(x, rows, d_qkv, dx, dw, has_bias ? db : nullptr);
   // Canonical row c (part `part`, row r of it) added into its row of the packing, in blocks of
   // rows over the threads.
-  const auto part_of = [&](std::int64_t c) { return c < E ? 0 : c < E + kvw ? 1 : 2; };
-  const auto row_in_part = [&](std::int64_t c) {
-    return c < E ? c : c < E + kvw ? c - E : c - E - kvw;
-  };
   const bool separate = m.packing == QkvPacking::kSeparate;
   std::vector<float>* w_parts[3] = {&grads.q_weight, &grads.k_weight, &grads.v_weight};
   std::vector<float>* b_parts[3] = {&grads.q_bias, &grads.k_bias, &grads.v_bias};
   constexpr std::int64_t kRows = 64;
   parallel_for((F + kRows - 1) / kRows, resolve_num_threads(0), [&](std::int64_t t, int) {
     for (std::int64_t c = t * kRows; c < std::min(F, (t + 1) * kRows); ++c) {
-      const int part = part_of(c);
-      const std::int64_t r = row_in_part(c);
+      const auto [part, r] = m.canonical_part(c);
       float* w_row = separate ? w_parts[part]->data() + r * E
                               : grads.qkv_weight.data() + m.packed_row(part, r) * E;
       for (std::int64_t e = 0; e < E; ++e) w_row[e] += dw[c * E + e];
