@@ -701,7 +701,7 @@ def report(all_results, agreements, threads, gemm=None):
     if gemm:
         parts = []
         for dtype, rate in gemm.items():
-            limit = peak.get(dtype) or (peak["f32"] if dtype == "f32" else None)
+            limit = peak.get(dtype)
             share = f" ({100 * rate / limit:.0f}% of qkv's {dtype} probe)" if limit else ""
             parts.append(f"{dtype} {rate:.1f} GFLOP/s{share}")
         lines.append("a plain GEMM, same run: torch.mm 4096^3 " + ", ".join(parts))

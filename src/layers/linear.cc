@@ -429,16 +429,18 @@ void Linear::run_backward(const void* x_data, bool x_bf16, std::int64_t rows, co
       const auto n = static_cast<std::size_t>(rows * out);
       if (bits && dy_bits.size() < n) dy_bits.resize(n);
       if (!bits && dy_values.size() < n) dy_values.resize(n);
-      std::uint16_t* to_bits = dy_bits.data();
-      float* to_values = dy_values.data();
-      parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
-        if (bits) {
-          layers::round_to_bf16_kernel(dy + r * out, out, to_bits + r * out);
-        } else {
-          layers::round_to_bf16_kernel(dy + r * out, out, to_values + r * out);
-        }
-      });
-      dy_op = bits ? static_cast<const void*>(to_bits) : static_cast<const void*>(to_values);
+      // dy's rows rounded into `to` (bits or values), the kind chosen once.
+      const auto round_rows = [&](auto* to) {
+        parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
+          layers::round_to_bf16_kernel(dy + r * out, out, to + r * out);
+        });
+        dy_op = to;
+      };
+      if (bits) {
+        round_rows(dy_bits.data());
+      } else {
+        round_rows(dy_values.data());
+      }
     }
     const float* plain = nullptr;
     if (dx != nullptr) {
