@@ -64,7 +64,9 @@ gives qkv's overlap probe: its tile products and its softmax's vector code run t
 the two alone (1: they take turns, which bounds the AMX path below its tile peak).
 
 A plain GEMM for scale (not with --decode-only or --training): after the cases, torch.mm of two
-4096 x 4096 matrices in f32 (MKL) and in bf16 (oneDNN; AMX where the CPU has it), --rounds
+4096 x 4096 matrices in f32 (MKL) and in bf16 (oneDNN; AMX where the CPU has it; smaller, halved
+until a call is projected to take at most 2 s, where torch is slow, as bf16 is on CPUs without
+bf16 instructions), --rounds
 rounds of a median of 3 calls after 2 warm-up calls, reported against the same FMA and bf16
 probes as the rows: what the best large matrix product reaches on this CPU, the yardstick for
 the %peak columns (on the Intel AMX Xeon of 2026-12-06: f32 about 74% of the FMA probe, bf16
@@ -667,14 +669,25 @@ def ratios(results):
     return out
 
 
-def gemm_reference(torch, rounds, log, n=4096):
-    """{dtype: median GFLOP/s of torch.mm on two n x n matrices} for f32 and bf16 (--rounds
-    rounds, each the median of 3 calls after 2 untimed ones)."""
+def gemm_reference(torch, rounds, log, n=4096, max_call_seconds=2.0):
+    """{dtype: (median GFLOP/s, size)} of torch.mm on two size x size matrices, f32 and bf16
+    (--rounds rounds, each the median of 3 calls after 2 untimed ones). size is n, or halved
+    until one call is projected to take at most max_call_seconds from a 512^3 call (torch's
+    bf16 on a CPU without bf16 instructions ran 1.3 GFLOP/s on an AMD EPYC Zen 2, 2026-12-06:
+    4096^3 would take about 25 minutes there)."""
     out = {}
     for dtype, torch_dtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
         generator = torch.Generator().manual_seed(3)
-        a = torch.randn(n, n, generator=generator).to(torch_dtype)
-        b = torch.randn(n, n, generator=generator).to(torch_dtype)
+        small = torch.randn(512, 512, generator=generator).to(torch_dtype)
+        torch.mm(small, small)
+        start = time.perf_counter()
+        torch.mm(small, small)
+        small_rate = 2.0 * 512 ** 3 / (time.perf_counter() - start)
+        size = n
+        while size > 512 and 2.0 * size ** 3 / small_rate > max_call_seconds:
+            size //= 2
+        a = torch.randn(size, size, generator=generator).to(torch_dtype)
+        b = torch.randn(size, size, generator=generator).to(torch_dtype)
         rates = []
         for _ in range(rounds):
             for _ in range(2):
@@ -684,9 +697,9 @@ def gemm_reference(torch, rounds, log, n=4096):
                 start = time.perf_counter()
                 torch.mm(a, b)
                 times.append(time.perf_counter() - start)
-            rates.append(2.0 * n ** 3 / statistics.median(times) / 1e9)
-        out[dtype] = statistics.median(rates)
-        log(f"torch.mm {n}^3 {dtype}: {out[dtype]:.1f} GFLOP/s")
+            rates.append(2.0 * size ** 3 / statistics.median(times) / 1e9)
+        out[dtype] = (statistics.median(rates), size)
+        log(f"torch.mm {size}^3 {dtype}: {out[dtype][0]:.1f} GFLOP/s")
     return out
 
 
@@ -700,11 +713,11 @@ def report(all_results, agreements, threads, gemm=None):
                      + (f", streaming read {read_bw:.1f} GB/s" if read_bw else ""))
     if gemm:
         parts = []
-        for dtype, rate in gemm.items():
+        for dtype, (rate, size) in gemm.items():
             limit = peak.get(dtype)
             share = f" ({100 * rate / limit:.0f}% of qkv's {dtype} probe)" if limit else ""
-            parts.append(f"{dtype} {rate:.1f} GFLOP/s{share}")
-        lines.append("a plain GEMM, same run: torch.mm 4096^3 " + ", ".join(parts))
+            parts.append(f"{dtype} {size}^3 {rate:.1f} GFLOP/s{share}")
+        lines.append("a plain GEMM, same run: torch.mm " + ", ".join(parts))
     if amx_overlap(all_results):
         lines.append(f"qkv measured: AMX tiles beside the softmax's vector code take "
                      f"{amx_overlap(all_results):.2f}x the sum of the two alone (1 = they take "
@@ -923,7 +936,8 @@ def main():
                 "threads": args.threads, "peak_gflops_f32": peaks(all_results, "f32"),
                 "read_gbytes_per_second": bandwidth(all_results),
                 "amx_softmax_together_over_sum": amx_overlap(all_results),
-                "torch_mm_4096_gflops": gemm}
+                "torch_mm_gflops": {d: rate for d, (rate, _) in (gemm or {}).items()},
+                "torch_mm_size": {d: size for d, (_, size) in (gemm or {}).items()}}
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
         print(f"wrote {args.json}")
 
