@@ -3,6 +3,7 @@
 
     .cache/venv-peers/bin/python scripts/bench_train_peers.py [--threads 2] [--rounds 3]
         [--embed 512] [--heads 8] [--ff 2048] [--layers 2] [--seq 128] [--batch 16]
+        [--impls torch-f32,torch-bf16,qkv-f32,qkv-bf16]
 
 The model (qkv::TokenTagger, include/qkv/models/token_tagger.h): token + position embeddings,
 Pre-LN encoder layers (fused QKV projection with biases, GELU erf, LayerNorm eps 1e-5, no
@@ -113,7 +114,16 @@ def main():
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--qkv", default=os.path.join(REPO, "build", "release", "qkv"))
+    parser.add_argument("--impls", default="torch-f32,torch-bf16,qkv-f32,qkv-bf16",
+                        help="comma list of the implementations to time (default all four; "
+                             "torch-bf16 took 45 s a step on a CPU without bf16 instructions)")
     args = parser.parse_args()
+    impls = args.impls.split(",")
+    known = ("torch-f32", "torch-bf16", "qkv-f32", "qkv-bf16")
+    unknown = [name for name in impls if name not in known]
+    if unknown or not impls:
+        parser.error(f"--impls: unknown {', '.join(unknown) or '(none given)'}; "
+                     f"choose from {', '.join(known)}")
     import torch
 
     torch.set_num_threads(args.threads)
@@ -127,6 +137,7 @@ def main():
         "qkv-f32": lambda: qkv_step_seconds(args, "f32"),
         "qkv-bf16": lambda: qkv_step_seconds(args, "bf16"),
     }
+    runs = {name: run for name, run in runs.items() if name in impls}
     seconds = {name: [] for name in runs}
     order = random.Random(7)
     for r in range(args.rounds):
@@ -142,9 +153,12 @@ def main():
     for name, s in median.items():
         print(f"{name:12}{s * 1e3:10.1f}{tokens / s:11.0f}")
     for dtype in ("f32", "bf16"):
-        print(f"qkv / torch {dtype}: {median['torch-' + dtype] / median['qkv-' + dtype]:.2f}x")
-    print(f"qkv bf16 / f32: {median['qkv-f32'] / median['qkv-bf16']:.2f}x; "
-          f"torch bf16 / f32: {median['torch-f32'] / median['torch-bf16']:.2f}x")
+        if f"torch-{dtype}" in median and f"qkv-{dtype}" in median:
+            print(f"qkv / torch {dtype}: "
+                  f"{median['torch-' + dtype] / median['qkv-' + dtype]:.2f}x")
+    for lib in ("qkv", "torch"):
+        if f"{lib}-f32" in median and f"{lib}-bf16" in median:
+            print(f"{lib} bf16 / f32: {median[lib + '-f32'] / median[lib + '-bf16']:.2f}x")
 
 
 if __name__ == "__main__":
