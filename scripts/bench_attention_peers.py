@@ -673,8 +673,8 @@ def gemm_reference(torch, rounds, log, n=4096, max_call_seconds=2.0):
     """{dtype: (median GFLOP/s, size)} of torch.mm on two size x size matrices, f32 and bf16
     (--rounds rounds, each the median of 3 calls after 2 untimed ones). size is n, or halved
     until one call is projected to take at most max_call_seconds from a 512^3 call (torch's
-    bf16 on a CPU without bf16 instructions ran 1.3 GFLOP/s on an AMD EPYC Zen 2, 2026-12-06:
-    4096^3 would take about 25 minutes there)."""
+    bf16 on a CPU without bf16 instructions ran 1.3 GFLOP/s at 512^3 on an AMD EPYC Zen 2,
+    2026-12-06, and the 4096^3 rounds had not finished after 50 minutes there)."""
     out = {}
     for dtype, torch_dtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
         generator = torch.Generator().manual_seed(3)
