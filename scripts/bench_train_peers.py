@@ -118,12 +118,18 @@ def main():
                         help="comma list of the implementations to time (default all four; "
                              "torch-bf16 took 45 s a step on a CPU without bf16 instructions)")
     args = parser.parse_args()
+    runs = {
+        "torch-f32": lambda: torch_step_seconds(args, False),
+        "torch-bf16": lambda: torch_step_seconds(args, True),
+        "qkv-f32": lambda: qkv_step_seconds(args, "f32"),
+        "qkv-bf16": lambda: qkv_step_seconds(args, "bf16"),
+    }
     impls = args.impls.split(",")
-    known = ("torch-f32", "torch-bf16", "qkv-f32", "qkv-bf16")
-    unknown = [name for name in impls if name not in known]
-    if unknown or not impls:
-        parser.error(f"--impls: unknown {', '.join(unknown) or '(none given)'}; "
-                     f"choose from {', '.join(known)}")
+    unknown = [name for name in impls if name not in runs]
+    if unknown:
+        parser.error(f"--impls: unknown {', '.join(repr(n) for n in unknown)}; "
+                     f"choose from {', '.join(runs)}")
+    runs = {name: run for name, run in runs.items() if name in impls}
     import torch
 
     torch.set_num_threads(args.threads)
@@ -131,13 +137,6 @@ def main():
           f"{args.layers} layers, embed {args.embed}, {args.heads} heads, d_ff {args.ff}; "
           f"batch {args.batch} x seq {args.seq}; {args.rounds} rounds of {args.steps} steps",
           flush=True)
-    runs = {
-        "torch-f32": lambda: torch_step_seconds(args, False),
-        "torch-bf16": lambda: torch_step_seconds(args, True),
-        "qkv-f32": lambda: qkv_step_seconds(args, "f32"),
-        "qkv-bf16": lambda: qkv_step_seconds(args, "bf16"),
-    }
-    runs = {name: run for name, run in runs.items() if name in impls}
     seconds = {name: [] for name in runs}
     order = random.Random(7)
     for r in range(args.rounds):
