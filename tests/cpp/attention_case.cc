@@ -351,6 +351,7 @@ Result Problem::plain(ProductPath path, const std::vector<std::uint8_t>* keep) c
   Result r;
   r.out.assign(static_cast<std::size_t>(c.batch * c.seq_q * c.num_heads_q * head_dim_v()), 0.0f);
   r.lse.assign(static_cast<std::size_t>(c.batch * c.num_heads_q * c.seq_q), kNegInf);
+  r.probs.assign(static_cast<std::size_t>(c.batch * c.num_heads_q * c.seq_q * c.seq_kv), 0.0f);
   const TensorView ov = view(r.out, c.seq_q, c.num_heads_q, head_dim_v());
   const bool round_probs = rounds_probabilities(path);
   // f16 on the AMX tiles splits each value into bf16 hi + lo (x = hi + lo, exact) and drops the
@@ -374,8 +375,10 @@ Result Problem::plain(ProductPath path, const std::vector<std::uint8_t>* keep) c
         // AMX path too), exp(s - max) is rounded before it weights v
         // and the f32 sum divides after (as the kernel's online softmax does); else p = e / sum.
         const float inv = round_probs ? 1.0f / sum : 1.0f;
+        float* probs = r.probs.data() + ((b * c.num_heads_q + h) * c.seq_q + i) * c.seq_kv;
         for (std::int64_t j = 0; j < c.seq_kv; ++j) {
-          s[j] = round_probs ? round_to_bf16(s[j]) : s[j] / sum;
+          probs[j] = s[j] / sum;  // the probabilities a kernel returns: never rounded
+          s[j] = round_probs ? round_to_bf16(s[j]) : probs[j];
         }
         for (std::int64_t e = 0; e < head_dim_v(); ++e) {
           float acc = 0.0f;

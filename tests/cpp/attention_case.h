@@ -65,7 +65,8 @@ class Problem {
   // probabilities to bf16 before they weight v (bf16-vdpbf16ps), the same rounding of
   // exp(s - max); where it drops a part of the scores' products (f16-amx-split: the lo x lo
   // parts), the same scores. Nothing else is rounded: rounding the scores too made the bf16
-  // tolerance about 100x the path's real error. out and lse.
+  // tolerance about 100x the path's real error. out, lse and probs (p = e / sum, never rounded:
+  // what a kernel returns).
   Result plain() const { return plain(flash_path()); }
   // The same for the given path (the chunked kernel's is WideningProductPath(dtype)); with
   // `keep` (a full [B, Hq, Lq, Lk] mask, e.g. a sparsity's pairs), only the pairs it keeps too.

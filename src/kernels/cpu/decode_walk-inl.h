@@ -1,6 +1,7 @@
 // The decode path of the flash kernel (Highway, one copy per target). A block with at most
 // kNarrowRows rows (the GQA group of one decode step: Lq = 1, 4 heads per kv head) would use 4 of
-// 64 lanes of the transposed micro-kernel and do 16x the work it needs; it computes its products
+// 64 lanes of the transposed micro-kernel (AVX-512; 4 of 16 on AVX2) and do 16x the work it
+// needs; it computes its products
 // row by row instead, vectorised along head_dim:
 //   s[j][r] = qr[r] . k[j]               (K dot products at once, then a lane sum)
 //   o[r][:] = alpha[r] * o[r][:] + sum_j p[j][r] * v[j][:]
@@ -315,8 +316,11 @@ void NarrowScoresWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
       }
       return k + (x + distance) * ks;
     };
+    // A one-row block in a run of one head's rows takes one key per step on AVX2
+    // (kOneRowOneKey), so its K is read as one ascending stream.
+    const bool one_key = kOneRowOneKey && !heads_inner && nb.qb->num_q == 1;
     std::int64_t x = 0;
-    for (; x + kDotKeys <= b - a; x += kDotKeys) {
+    for (; !one_key && x + kDotKeys <= b - a; x += kDotKeys) {
       NarrowDotKeys<kDotKeys>(nb.q_rows, nb.qb->num_q, k + x * ks, ks, d, st + x,
                               ask_ahead(x, kDotKeys));
     }

@@ -21,7 +21,11 @@ namespace qkv {
 namespace HWY_NAMESPACE {
 namespace tiles {
 
-constexpr std::int64_t kNarrowRows = kBlockQ / 4;
+// Rows of a narrow block: 16 on AVX-512, 8 on AVX2 (a whole vector of lanes; 4 until
+// 2026-12-06: blocks of 5-8 rows, MQA 8:1 or two queries of a 4:1 group, took the wide
+// micro-kernel at 15-30% of the FMA peak and ran 1.3-2.1x faster here, AMD EPYC Zen 2,
+// docs/kernels.md "Narrow blocks of 8 rows on AVX2"), 1 on scalar.
+constexpr std::int64_t kNarrowRows = kLanes == 8 ? kBlockQ / 2 : kBlockQ / 4;
 static_assert(kNarrowRows <= kLanes, "FinishNarrow fills one vector of lanes");
 // A narrow block's score tile (nb.st, decode_walk-inl.h) holds its rows one after another, each
 // row's scores of the tile's keys side by side: st[r * kNarrowKeys + j] (keys along the lanes,
@@ -33,6 +37,12 @@ constexpr int kDotRows = kNarrowRows < 4 ? static_cast<int>(kNarrowRows) : 4;
 // Keys per dot-product step: kDotRows x kDotKeys accumulators (16 of AVX-512's 32 registers;
 // 8 of AVX2's 16).
 constexpr int kDotKeys = kLanes >= 16 ? 4 : 2;
+// A block of one row (a multi-head decode step: one query row per kv head) whose K rows are a run
+// of one head's (BHSD) takes one key per dot-product step on AVX2, not kDotKeys: each step then
+// reads one K row, and the walk one ascending stream, where two keys per step read two rows at
+// once. An AMD EPYC Zen 2 read it faster so (docs/kernels.md, "One-row blocks on AVX2"); 4 and 8
+// keys per step were slower still. Each key's sum is the same chain either way (same bits).
+constexpr bool kOneRowOneKey = kLanes == 8;
 // Keys per value chunk in BSHD (see NarrowTile; 8 measured best of 1, 2, 4, 8, 16, 32).
 constexpr std::int64_t kValueKeys = 8;
 // Software prefetch distances of the widening walk (f32, bf16, f16), in keys (see NarrowTile):
@@ -309,6 +319,13 @@ HWY_INLINE void NarrowValueColumns(std::int64_t num_q, const float* st, const T*
   }
 }
 
+// Value columns per pass over the keys for a block of one row (a multi-head decode step: one
+// query row per kv head). AVX2 takes 4 vectors, two cache lines of each f32 V row (one of bf16),
+// where kQueryVecs = 2 take one (half a line of bf16): an AMD EPYC Zen 2 read a one-row walk's
+// V faster so (docs/kernels.md, "One-row blocks on AVX2"). Each column adds its keys in the
+// same order either way, so the bits do not change.
+constexpr int kOneRowValueVecs = kLanes == 8 ? 2 * kQueryVecs : kQueryVecs;
+
 // o += v[0 : num_k]^T p for rows [0, num_q)   (o: [num_q][Dv], in even/odd order up to
 // EvenOddEnd(Dv) for bf16; p: st[r * kNarrowKeys + j]; ahead: see NarrowValueRows).
 template <typename T>
@@ -318,6 +335,14 @@ inline void NarrowValueKeys(const AttentionKernelParams& p, std::int64_t num_q, 
   const std::int64_t vs = p.v_stride[1], dv = p.head_dim_v;
   constexpr std::int64_t kWide = kQueryVecs * kLanes;
   std::int64_t e = 0;
+  if constexpr (kOneRowValueVecs != kQueryVecs) {
+    if (num_q == 1) {
+      constexpr std::int64_t kOneRowWide = kOneRowValueVecs * kLanes;
+      for (; e + kOneRowWide <= dv; e += kOneRowWide) {
+        NarrowValueRows<1, kOneRowValueVecs>(st, v + e, vs, num_k, o + e, dv, ahead);
+      }
+    }
+  }
   for (; e + kWide <= dv; e += kWide) {
     NarrowValueColumns<kQueryVecs>(num_q, st, v + e, vs, num_k, o + e, dv, ahead);
   }
