@@ -34,6 +34,10 @@ static_assert(kNarrowRows <= kLanes, "FinishNarrow fills one vector of lanes");
 // key for any number of rows (docs/kernels.md, "Keys along the lanes").
 constexpr std::int64_t kNarrowKeys = kBlockK;
 constexpr int kDotRows = kNarrowRows < 4 ? static_cast<int>(kNarrowRows) : 4;
+// The rows past the last whole group of kDotRows go as one group of 2 or 3 (each row's sums are
+// the same chains in any group, so the bits are those of one row at a time): K and V are read
+// once per step for them instead of once per row. Until 2026-12-06 they went one by one, and a
+// block of 7 rows (Qwen2-7B's 28:4) ran slower than one of 8 (docs/kernels.md, "Remainder rows").
 // Keys per dot-product step: kDotRows x kDotKeys accumulators (16 of AVX-512's 32 registers;
 // 8 of AVX2's 16).
 constexpr int kDotKeys = kLanes >= 16 ? 4 : 2;
@@ -238,6 +242,16 @@ HWY_INLINE void NarrowDotKeys(const float* q_rows, std::int64_t num_q, const T* 
     NarrowDots<kDotRows, K>(q_rows + r * d, k, ks, d, st + r * kNarrowKeys,
                             r == 0 ? ahead : nullptr);
   }
+  // The last 1-3 rows as one group (see kDotRows).
+  const T* rest_ahead = r == 0 ? ahead : nullptr;
+  if constexpr (kDotRows == 4) {
+    if (num_q - r == 3) {
+      return NarrowDots<3, K>(q_rows + r * d, k, ks, d, st + r * kNarrowKeys, rest_ahead);
+    }
+    if (num_q - r == 2) {
+      return NarrowDots<2, K>(q_rows + r * d, k, ks, d, st + r * kNarrowKeys, rest_ahead);
+    }
+  }
   for (; r < num_q; ++r) {
     NarrowDots<1, K>(q_rows + r * d, k, ks, d, st + r * kNarrowKeys, r == 0 ? ahead : nullptr);
   }
@@ -312,6 +326,18 @@ HWY_INLINE void NarrowValueColumns(std::int64_t num_q, const float* st, const T*
   for (; r + kDotRows <= num_q; r += kDotRows) {
     NarrowValueRows<kDotRows, E>(st + r * kNarrowKeys, v, v_row_stride, num_k, o + r * o_stride,
                                  o_stride, r == 0 ? ahead : RowsAhead{});
+  }
+  // The last 1-3 rows as one group (see kDotRows).
+  const RowsAhead rest_ahead = r == 0 ? ahead : RowsAhead{};
+  if constexpr (kDotRows == 4) {
+    if (num_q - r == 3) {
+      return NarrowValueRows<3, E>(st + r * kNarrowKeys, v, v_row_stride, num_k, o + r * o_stride,
+                                   o_stride, rest_ahead);
+    }
+    if (num_q - r == 2) {
+      return NarrowValueRows<2, E>(st + r * kNarrowKeys, v, v_row_stride, num_k, o + r * o_stride,
+                                   o_stride, rest_ahead);
+    }
   }
   for (; r < num_q; ++r) {
     NarrowValueRows<1, E>(st + r * kNarrowKeys, v, v_row_stride, num_k, o + r * o_stride, o_stride,
