@@ -182,9 +182,9 @@ std::vector<Case> kernel_cases() {
     add(c);
   }
   // (Appended, so the cases above keep their seeds.) Five to eight rows per kv head: narrow blocks
-  // on AVX2 since 2026-12-06 (wide before), wide ones on AVX-512. MQA 8:1 with a mask, a bias and a
-  // softcap; 2 queries of a 4:1 group (8 rows) causal over padded keys, split; 5 rows in BHSD with
-  // Dv != D and a window.
+  // on AVX2 since 2026-12-06 (wide before; on AVX-512 up to 16 rows are), products in a group of 4
+  // rows and one of 1-3. MQA 8:1 with a mask, a bias and a softcap; 2 queries of a 4:1 group (8
+  // rows) causal over padded keys, split; 5 rows in BHSD with Dv != D and a window.
   {
     Case c{.batch = 2, .seq_q = 1, .seq_kv = 333, .num_heads_q = 8, .num_heads_kv = 1};
     c.head_dim = 40;
