@@ -1,8 +1,7 @@
 // The decode path of the flash kernel (Highway, one copy per target). A block with at most
 // kNarrowRows rows (the GQA group of one decode step: Lq = 1, 4 heads per kv head) would use 4 of
 // 64 lanes of the transposed micro-kernel (AVX-512; 4 of 16 on AVX2) and do 16x the work it
-// needs; it computes its products
-// row by row instead, vectorised along head_dim:
+// needs; it computes its products row by row instead, vectorised along head_dim:
 //   s[j][r] = qr[r] . k[j]               (K dot products at once, then a lane sum)
 //   o[r][:] = alpha[r] * o[r][:] + sum_j p[j][r] * v[j][:]
 // with qr: [rows][D] (q * scale) and o: [rows][Dv] in its own scratch. The scores land in the

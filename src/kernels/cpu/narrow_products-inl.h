@@ -37,15 +37,17 @@ constexpr int kDotRows = kNarrowRows < 4 ? static_cast<int>(kNarrowRows) : 4;
 // The rows past the last whole group of kDotRows go as one group of 2 or 3 (each row's sums are
 // the same chains in any group, so the bits are those of one row at a time): K and V are read
 // once per step for them instead of once per row. Until 2026-12-06 they went one by one, and a
-// block of 7 rows (Qwen2-7B's 28:4) ran slower than one of 8 (docs/kernels.md, "Remainder rows").
+// block of 7 rows (Qwen2-7B's 28:4) ran slower than one of 8 (docs/kernels.md, "Remainder
+// rows").
 // Keys per dot-product step: kDotRows x kDotKeys accumulators (16 of AVX-512's 32 registers;
 // 8 of AVX2's 16).
 constexpr int kDotKeys = kLanes >= 16 ? 4 : 2;
 // A block of one row (a multi-head decode step: one query row per kv head) whose K rows are a run
 // of one head's (BHSD) takes one key per dot-product step on AVX2, not kDotKeys: each step then
 // reads one K row, and the walk one ascending stream, where two keys per step read two rows at
-// once. An AMD EPYC Zen 2 read it faster so (docs/kernels.md, "One-row blocks on AVX2"); 4 and 8
-// keys per step were slower still. Each key's sum is the same chain either way (same bits).
+// once. An AMD EPYC Zen 2 read it faster so (docs/kernels.md, "Narrow blocks of 8 rows on AVX2,
+// and one-row blocks"); 4 and 8 keys per step were slower still. Each key's sum is the same chain
+// either way (same bits).
 constexpr bool kOneRowOneKey = kLanes == 8;
 // Keys per value chunk in BSHD (see NarrowTile; 8 measured best of 1, 2, 4, 8, 16, 32).
 constexpr std::int64_t kValueKeys = 8;
@@ -348,8 +350,8 @@ HWY_INLINE void NarrowValueColumns(std::int64_t num_q, const float* st, const T*
 // Value columns per pass over the keys for a block of one row (a multi-head decode step: one
 // query row per kv head). AVX2 takes 4 vectors, two cache lines of each f32 V row (one of bf16),
 // where kQueryVecs = 2 take one (half a line of bf16): an AMD EPYC Zen 2 read a one-row walk's
-// V faster so (docs/kernels.md, "One-row blocks on AVX2"). Each column adds its keys in the
-// same order either way, so the bits do not change.
+// V faster so (docs/kernels.md, "Narrow blocks of 8 rows on AVX2, and one-row blocks"). Each
+// column adds its keys in the same order either way, so the bits do not change.
 constexpr int kOneRowValueVecs = kLanes == 8 ? 2 * kQueryVecs : kQueryVecs;
 
 // o += v[0 : num_k]^T p for rows [0, num_q)   (o: [num_q][Dv], in even/odd order up to
