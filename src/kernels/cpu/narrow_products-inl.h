@@ -34,11 +34,11 @@ static_assert(kNarrowRows <= kLanes, "FinishNarrow fills one vector of lanes");
 // key for any number of rows (docs/kernels.md, "Keys along the lanes").
 constexpr std::int64_t kNarrowKeys = kBlockK;
 constexpr int kDotRows = kNarrowRows < 4 ? static_cast<int>(kNarrowRows) : 4;
-// The rows past the last whole group of kDotRows go as one group of 2 or 3 (each row's sums are
-// the same chains in any group, so the bits are those of one row at a time): K and V are read
-// once per step for them instead of once per row. Until 2026-12-06 they went one by one, and a
-// block of 7 rows (Qwen2-7B's 28:4) ran slower than one of 8 (docs/kernels.md, "Remainder
-// rows").
+// The rows past the last whole group of kDotRows go as one group of 2 or 3 (ForEachRowGroup;
+// each row's sums are the same chains in any group, so the bits are those of one row at a time):
+// K and V are read once per step for them instead of once per row. Until 2026-12-06 they went
+// one by one, and a block of 7 rows (Qwen2-7B's 28:4) ran slower than one of 8 (docs/kernels.md,
+// "Remainder rows").
 // Keys per dot-product step: kDotRows x kDotKeys accumulators (16 of AVX-512's 32 registers;
 // 8 of AVX2's 16).
 constexpr int kDotKeys = kLanes >= 16 ? 4 : 2;
@@ -234,29 +234,27 @@ HWY_INLINE void NarrowDots(const float* HWY_RESTRICT q, const T* HWY_RESTRICT k,
   }
 }
 
+// f.template operator()<R>(r) for each group of R rows starting at row r of a block of num_q
+// rows: groups of kDotRows, then the rest as one group of 2 or 3 (see kDotRows) or of 1.
+template <class F>
+HWY_INLINE void ForEachRowGroup(std::int64_t num_q, F&& f) {
+  std::int64_t r = 0;
+  for (; r + kDotRows <= num_q; r += kDotRows) f.template operator()<kDotRows>(r);
+  if constexpr (kDotRows == 4) {
+    if (num_q - r == 3) return f.template operator()<3>(r);
+    if (num_q - r == 2) return f.template operator()<2>(r);
+  }
+  for (; r < num_q; ++r) f.template operator()<1>(r);
+}
+
 // q . k for rows [0, num_q) and K keys at k, into st[r * kNarrowKeys + kk] (ahead: see NarrowDots;
 // the first row group prefetches).
 template <int K, typename T>
 HWY_INLINE void NarrowDotKeys(const float* q_rows, std::int64_t num_q, const T* k, std::int64_t ks,
                               std::int64_t d, float* st, const T* ahead) {
-  std::int64_t r = 0;
-  for (; r + kDotRows <= num_q; r += kDotRows) {
-    NarrowDots<kDotRows, K>(q_rows + r * d, k, ks, d, st + r * kNarrowKeys,
-                            r == 0 ? ahead : nullptr);
-  }
-  // The last 1-3 rows as one group (see kDotRows).
-  const T* rest_ahead = r == 0 ? ahead : nullptr;
-  if constexpr (kDotRows == 4) {
-    if (num_q - r == 3) {
-      return NarrowDots<3, K>(q_rows + r * d, k, ks, d, st + r * kNarrowKeys, rest_ahead);
-    }
-    if (num_q - r == 2) {
-      return NarrowDots<2, K>(q_rows + r * d, k, ks, d, st + r * kNarrowKeys, rest_ahead);
-    }
-  }
-  for (; r < num_q; ++r) {
-    NarrowDots<1, K>(q_rows + r * d, k, ks, d, st + r * kNarrowKeys, r == 0 ? ahead : nullptr);
-  }
+  ForEachRowGroup(num_q, [&]<int R>(std::int64_t r) {
+    NarrowDots<R, K>(q_rows + r * d, k, ks, d, st + r * kNarrowKeys, r == 0 ? ahead : nullptr);
+  });
 }
 
 // Vectors of a V row per load: two (an even/odd span, 64 bytes on AVX-512) for bf16 with E
@@ -324,27 +322,10 @@ template <int E, typename T>
 HWY_INLINE void NarrowValueColumns(std::int64_t num_q, const float* st, const T* v,
                                    std::int64_t v_row_stride, std::int64_t num_k, float* o,
                                    std::int64_t o_stride, RowsAhead ahead) {
-  std::int64_t r = 0;
-  for (; r + kDotRows <= num_q; r += kDotRows) {
-    NarrowValueRows<kDotRows, E>(st + r * kNarrowKeys, v, v_row_stride, num_k, o + r * o_stride,
-                                 o_stride, r == 0 ? ahead : RowsAhead{});
-  }
-  // The last 1-3 rows as one group (see kDotRows).
-  const RowsAhead rest_ahead = r == 0 ? ahead : RowsAhead{};
-  if constexpr (kDotRows == 4) {
-    if (num_q - r == 3) {
-      return NarrowValueRows<3, E>(st + r * kNarrowKeys, v, v_row_stride, num_k, o + r * o_stride,
-                                   o_stride, rest_ahead);
-    }
-    if (num_q - r == 2) {
-      return NarrowValueRows<2, E>(st + r * kNarrowKeys, v, v_row_stride, num_k, o + r * o_stride,
-                                   o_stride, rest_ahead);
-    }
-  }
-  for (; r < num_q; ++r) {
-    NarrowValueRows<1, E>(st + r * kNarrowKeys, v, v_row_stride, num_k, o + r * o_stride, o_stride,
+  ForEachRowGroup(num_q, [&]<int R>(std::int64_t r) {
+    NarrowValueRows<R, E>(st + r * kNarrowKeys, v, v_row_stride, num_k, o + r * o_stride, o_stride,
                           r == 0 ? ahead : RowsAhead{});
-  }
+  });
 }
 
 // Value columns per pass over the keys for a block of one row (a multi-head decode step: one
