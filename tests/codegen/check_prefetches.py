@@ -25,7 +25,10 @@ REQUIRED = [
     (r"^qkv::bf16dot::narrow_values\(", 2, 1),  # the next tile's K (PrefetchSpan, 4 and 1 rows)
     # The f32 / widened decode walk on each x86 target: K and V rows WalkAhead keys on.
     (r"^qkv::N_AVX(2|3)::tiles::NarrowScoresWide<float>\(.*lambda", 1, 2),
-    (r"NarrowValueKeys<float>\(", 1, 2),
+    # (NarrowValueKeys, or the value walk's chunk loop where GCC inlines it there, as it has
+    # since the row groups became one ForEachRowGroup, 2026-12-06.)
+    (r"NarrowValueKeys<float>\(|^void qkv::N_AVX(2|3)::tiles::ForEachChunk<qkv::N_AVX(2|3)::tiles::"
+     r"NarrowValuesWide<float>\(", 1, 2),
     # A flash task (one of Flash's lambdas): the next tile's K and V rows (PrefetchRows), on each
     # x86 target.
     (r"^qkv::N_AVX(2|3)::Flash<qkv::N_AVX(2|3)::tiles::WideProducts<float> >.*lambda", 2, 2),
