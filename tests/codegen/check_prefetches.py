@@ -25,10 +25,13 @@ REQUIRED = [
     (r"^qkv::bf16dot::narrow_values\(", 2, 1),  # the next tile's K (PrefetchSpan, 4 and 1 rows)
     # The f32 / widened decode walk on each x86 target: K and V rows WalkAhead keys on.
     (r"^qkv::N_AVX(2|3)::tiles::NarrowScoresWide<float>\(.*lambda", 1, 2),
-    # (NarrowValueKeys, or the value walk's chunk loop where GCC inlines it there, as it has
-    # since the row groups became one ForEachRowGroup, 2026-12-06.)
-    (r"NarrowValueKeys<float>\(|^void qkv::N_AVX(2|3)::tiles::ForEachChunk<qkv::N_AVX(2|3)::tiles::"
-     r"NarrowValuesWide<float>\(", 1, 2),
+    # The f32 value walk's V rows, on each x86 target, in whichever of its functions GCC kept
+    # apart: NarrowValueKeys (until 2026-12-06 always), the chunk loop it is inlined into
+    # (release builds since the row groups became one ForEachRowGroup), or the row groups'
+    # lambdas (the ASan build).
+    *[(rf"^[a-z ]*qkv::N_{t}::tiles::(NarrowValue(Keys|Columns|Rows)<[^<>]*\bfloat>|"
+       rf"ForEachChunk<qkv::N_{t}::tiles::NarrowValuesWide<float>)", 1, 1)
+      for t in ("AVX2", "AVX3")],
     # A flash task (one of Flash's lambdas): the next tile's K and V rows (PrefetchRows), on each
     # x86 target.
     (r"^qkv::N_AVX(2|3)::Flash<qkv::N_AVX(2|3)::tiles::WideProducts<float> >.*lambda", 2, 2),
