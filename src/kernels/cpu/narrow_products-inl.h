@@ -97,12 +97,31 @@ inline std::int64_t EvenOddElement(std::int64_t x, std::int64_t end) {
   return y < kLanes ? span + 2 * y : span + 2 * (y - kLanes) + 1;
 }
 
+// Keeps v in a register from here on (AVX2). GCC 12 otherwise folds the load of a vector that
+// several multiply-adds use into each of them, one load per use: a 4 x 2 bf16 score step issued
+// 20 loads for 16 multiply-adds (q once per key, the bf16 words once for the shift and once for
+// the AND), and an AMD EPYC Zen 2 issues only about 1.3-1.5 loads of 32 bytes a cycle (a
+// microbenchmark), so the loads, not the two FMA pipes, set the pace. Same bits. Zen 2, 2
+// threads, alternating binaries, bf16 decode (1,32,8,1,32768,128): q in registers 1.036x BSHD
+// and 1.023x BHSD (MQA 8:1 1.031x, multi-head 1.014x; f32 1.00x); the words too, on top, 1.00x
+// BSHD and 1.07x BHSD (docs/kernels.md, "Loads on Zen 2"). Not measured on AVX-512, so not
+// applied there.
+template <class V>
+HWY_INLINE void InRegister(V& v) {
+#if HWY_TARGET == HWY_AVX2 && (HWY_COMPILER_GCC || HWY_COMPILER_CLANG)
+  asm("" : "+x"(v.raw));
+#else
+  (void)v;
+#endif
+}
+
 #if HWY_TARGET != HWY_SCALAR
 // even, odd = elements [0, 2 * kLanes) of src at even and odd indices, as f32 (exact).
 HWY_INLINE void LoadEvenOdd(DF df, const hwy::bfloat16_t* HWY_RESTRICT src, VF& even, VF& odd) {
   const hn::RebindToUnsigned<DF> du;
   const hn::Repartition<std::uint16_t, DF> du16;
-  const auto words = hn::BitCast(du, hn::LoadU(du16, reinterpret_cast<const std::uint16_t*>(src)));
+  auto words = hn::BitCast(du, hn::LoadU(du16, reinterpret_cast<const std::uint16_t*>(src)));
+  InRegister(words);  // (GCC loaded the words twice, once for the shift and once for the AND)
   even = hn::BitCast(df, hn::ShiftLeft<16>(words));
   odd = hn::BitCast(df, hn::And(words, hn::Set(du, 0xffff0000u)));
 }
@@ -170,8 +189,12 @@ HWY_INLINE void NarrowDots(const float* HWY_RESTRICT q, const T* HWY_RESTRICT k,
       for (int kk = 0; kk < K; ++kk) LoadEvenOdd(df, k + kk * k_row_stride + d, even[kk], odd[kk]);
       HWY_UNROLL(4)
       for (int r = 0; r < R; ++r) {
-        const VF q_even = hn::LoadU(df, q + r * head_dim + d);
-        const VF q_odd = hn::LoadU(df, q + r * head_dim + d + kLanes);
+        VF q_even = hn::LoadU(df, q + r * head_dim + d);
+        VF q_odd = hn::LoadU(df, q + r * head_dim + d + kLanes);
+        if constexpr (K > 1) {
+          InRegister(q_even);
+          InRegister(q_odd);
+        }
         HWY_UNROLL(4)
         for (int kk = 0; kk < K; ++kk) {
           acc[r][kk] = hn::MulAdd(q_odd, odd[kk], hn::MulAdd(q_even, even[kk], acc[r][kk]));
@@ -190,7 +213,8 @@ HWY_INLINE void NarrowDots(const float* HWY_RESTRICT q, const T* HWY_RESTRICT k,
     for (int kk = 0; kk < K; ++kk) key[kk] = LoadWide(df, k + kk * k_row_stride + d);
     HWY_UNROLL(4)
     for (int r = 0; r < R; ++r) {
-      const VF query = hn::LoadU(df, q + r * head_dim + d);
+      VF query = hn::LoadU(df, q + r * head_dim + d);
+      if constexpr (K > 1) InRegister(query);
       HWY_UNROLL(4)
       for (int kk = 0; kk < K; ++kk) acc[r][kk] = hn::MulAdd(query, key[kk], acc[r][kk]);
     }
