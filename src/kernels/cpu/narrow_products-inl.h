@@ -100,8 +100,8 @@ inline std::int64_t EvenOddElement(std::int64_t x, std::int64_t end) {
 // Keeps v in a register from here on (AVX2). GCC 12 otherwise folds the load of a vector that
 // several multiply-adds use into each of them, one load per use: a 4 x 2 bf16 score step issued
 // 20 loads for 16 multiply-adds (q once per key, the bf16 words once for the shift and once for
-// the AND), and an AMD EPYC Zen 2 issues only about 1.3-1.5 loads of 32 bytes a cycle (a
-// microbenchmark), so the loads, not the two FMA pipes, set the pace. Same bits. Zen 2, 2
+// the AND): at 2 loads a cycle that is 10 cycles of loads for 8 of multiply-adds, so the loads,
+// not the two FMA pipes, set the pace (docs/kernels.md, "Loads on Zen 2"). Same bits. Zen 2, 2
 // threads, alternating binaries, bf16 decode (1,32,8,1,32768,128): q in registers 1.036x BSHD
 // and 1.023x BHSD (MQA 8:1 1.031x, multi-head 1.014x; f32 1.00x); the words too, on top, 1.00x
 // BSHD and 1.07x BHSD (docs/kernels.md, "Loads on Zen 2"). Not measured on AVX-512, so not
