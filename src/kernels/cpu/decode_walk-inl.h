@@ -299,10 +299,9 @@ void NarrowScoresWide(const AttentionKernelParams& p, const NarrowBlock* narrow,
   // call in one process, bf16 multi-head (Hq = Hkv = 32, Lk = 16384) 1.04-1.07x, GQA 32:8 (Lk =
   // 32768) 1.01-1.06x, MQA 8:1 (Lk = 262144) 1.06x; old and new modules in alternating
   // processes, bf16 1.11x and 1.08x, f16 1.13x and 1.06x (multi-head, GQA). f32 lost on the
-  // multi-head step there (0.97-0.99x; GQA and MQA 1.02-1.05x), so f32 does not on AVX-512; on
-  // AVX2 it does: AMD EPYC Zen 2, 2 threads, alternating binaries, f32 BHSD GQA 32:8 (Lk =
-  // 32768) 1.106x, multi-head (Lk = 16384) 1.077x, two queries of 4:1 1.046x, MQA 8:1 (Lk =
-  // 131072, BSHD with one kv head is a run too) 1.081x (docs/kernels.md, "f32 V asked for on
+  // multi-head step there (0.97-0.99x; GQA and MQA 1.02-1.05x), so f32 does not on AVX-512. On
+  // AVX2 it does: AMD EPYC Zen 2, 2 threads, f32 BHSD GQA 32:8 1.096x, multi-head 1.091x, MQA
+  // 8:1 (a single kv head is a run in BSHD too) 1.128x (docs/kernels.md, "f32 V asked for on
   // AVX2").
   constexpr bool kValuesToo = !std::is_same_v<T, float> || kLanes == 8;
   const bool values_too = !heads_inner && kValuesToo;

@@ -101,11 +101,10 @@ inline std::int64_t EvenOddElement(std::int64_t x, std::int64_t end) {
 // several multiply-adds use into each of them, one load per use: a 4 x 2 bf16 score step issued
 // 20 loads for 16 multiply-adds (q once per key, the bf16 words once for the shift and once for
 // the AND): at 2 loads a cycle that is 10 cycles of loads for 8 of multiply-adds, so the loads,
-// not the two FMA pipes, set the pace (docs/kernels.md, "Loads on Zen 2"). Same bits. Zen 2, 2
-// threads, alternating binaries, bf16 decode (1,32,8,1,32768,128): q in registers 1.036x BSHD
-// and 1.023x BHSD (MQA 8:1 1.031x, multi-head 1.014x; f32 1.00x); the words too, on top, 1.00x
-// BSHD and 1.07x BHSD (docs/kernels.md, "Loads on Zen 2"). Not measured on AVX-512, so not
-// applied there.
+// not the two FMA pipes, set the pace. Same bits. AMD EPYC Zen 2, 2 threads, bf16 decode
+// (1,32,8,1,32768,128) 1.045x BSHD and 1.075x BHSD, f32 1.02x (docs/kernels.md, "Loads on
+// Zen 2"). Not measured on AVX-512, so not applied there. A vector used once (one key per step)
+// is left to GCC: there is no second load to save.
 template <class V>
 HWY_INLINE void InRegister(V& v) {
 #if HWY_TARGET == HWY_AVX2 && (HWY_COMPILER_GCC || HWY_COMPILER_CLANG)
