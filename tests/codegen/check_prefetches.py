@@ -32,6 +32,12 @@ REQUIRED = [
     *[(rf"^[a-z ]*qkv::N_{t}::tiles::(NarrowValue(Keys|Columns|Rows)<[^<>]*\bfloat>|"
        rf"ForEachChunk<qkv::N_{t}::tiles::NarrowValuesWide<float>)", 1, 1)
       for t in ("AVX2", "AVX3")],
+    # V's next rows, asked for while a tile of V is transposed for the wide blocks of a decode
+    # step (StageColumns with Staging::read_ahead), on each x86 target, in StageColumns or the
+    # Values it is inlined into.
+    *[(rf"^[a-z ]*qkv::N_{t}::tiles::(TileRows qkv::N_{t}::tiles::StageColumns<|"
+       rf"WideProducts<[^<>]*>::Values\()", 1, 1)
+      for t in ("AVX2", "AVX3")],
     # A flash task (one of Flash's lambdas): the next tile's K and V rows (PrefetchRows), on each
     # x86 target.
     (r"^qkv::N_AVX(2|3)::Flash<qkv::N_AVX(2|3)::tiles::WideProducts<float> >.*lambda", 2, 2),

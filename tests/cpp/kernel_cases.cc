@@ -98,6 +98,16 @@ std::vector<Case> kernel_cases() {
     c.head_dim_v = 130;
     c.key_lengths = false;
     add(c);
+    // BHSD decode steps whose blocks are wide (12 rows of a 4:1 group; 32 rows, two blocks per
+    // kv head on AVX2): V staged reading ahead (Staging::read_ahead); an odd last tile.
+    c = Case{.seq_q = 3, .seq_kv = 1500, .num_heads_q = 8, .num_heads_kv = 2, .head_dim = 48};
+    c.head_dim_v = 72;
+    c.bhsd = true;
+    add(c);
+    c.seq_q = 4;
+    c.num_heads_q = 16;
+    c.causal = true;
+    add(c);
   }
   // Causal and windows, both alignments, Lq <, =, > Lk.
   for (Align align : {Align::kBottomRight, Align::kTopLeft}) {

@@ -77,6 +77,13 @@ constexpr std::int64_t kSplitTasks = 16;      // tasks a key split aims for
 constexpr std::int64_t kMinSplitKeys = 1024;  // keys per split, at least (a multiple of kBlockK)
 constexpr std::int64_t kMaxSplits = 16;
 constexpr std::int64_t kMergeRows = 64;  // output rows per merge task
+// Decode steps whose blocks are wide (9-32 rows per kv head on AVX2: a few queries of a GQA
+// group) over long keys: a task's blocks belong to several kv heads, each stages its own K and V
+// tiles, and the next tile's rows asked for a tile ahead (PrefetchRows) are not in cache when
+// staged, so staging V asks for its next rows as it goes (Staging::read_ahead; docs/kernels.md,
+// "V staged reading ahead"). Measured on AVX2 (Zen 2) only, so AVX2 only.
+constexpr std::int64_t kReadAheadBlocks = 2;   // query blocks per kv head, at most
+constexpr std::int64_t kReadAheadKeys = 1024;  // keys, at least
 
 struct WorkPlan {
   std::int64_t blocks_per_kv_head;
@@ -319,12 +326,15 @@ void Flash(const AttentionKernelParams& p) {
 
   const bool sparse = p.sparse.kind != SparseKernelParams::Kind::kNone;
   const bool prefetch_out = Products::kPrefetchOut && plan.splits == 1 && PrefetchesOut(p);
+  const bool read_ahead =
+      kLanes == 8 && plan.blocks_per_kv_head <= kReadAheadBlocks && p.seq_kv >= kReadAheadKeys;
 
   parallel_for(num_tasks, num_threads, [&](std::int64_t task, int thread) {
     [[maybe_unused]] const typename Products::TaskScope scope{};
     float* mine = float_scratch.as<float>() + thread * floats;
     float* st = mine + plan.per_task * block_floats;
     Staging staging = BindStaging(p, st + kBlockK * kBlockQ);
+    staging.read_ahead = read_ahead;
     QueryBlock blocks[kTaskBlocks];
     NarrowBlock narrow[kTaskBlocks];
     QueryBlock* wide[kTaskBlocks];

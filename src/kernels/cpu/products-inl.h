@@ -87,7 +87,8 @@ struct WideProducts {
   static void Values(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
                      std::int64_t num_k, const float* st, const float* alpha, Staging& staging,
                      const std::int64_t* vec_end) {
-    const TileRows v = StageColumns<T>(qb.v, p.v_stride, p.head_dim_v, j0, num_k, staging.v);
+    const TileRows v =
+        StageColumns<T>(qb.v, p.v_stride, p.head_dim_v, j0, num_k, staging.v, staging.read_ahead);
     OuterProduct<true>(st, v.data, p.head_dim_v, v.elem_stride, v.row_stride, num_k, qb.ot, alpha,
                        true, nullptr, vec_end, UsedQueryVecs(qb));
   }

@@ -102,6 +102,7 @@ struct StagedRows {
 struct Staging {
   StagedRows k, v;
   std::uint32_t* prob_pairs = nullptr;  // bf16: [kBlockK / 2][kBlockQ] pair words
+  bool read_ahead = false;              // StageColumns reads ahead (flash_forward.cc sets it)
 };
 
 // Floats of the K and V staging tiles: kBlockK rows of dim f32 (an f32 K uses its part only
@@ -184,10 +185,13 @@ inline TileRows StageRows(const void* rows, const std::int64_t* stride, std::int
 // micro-kernel over kRows columns touched num_k lines, often 4 KiB apart and so in one or two
 // L1 sets, evicted before the next pass read their neighbouring columns (docs/kernels.md,
 // "V staged as columns").
+// With read_ahead, each square that starts a cache line of its rows asks for that line of the
+// next kLanes rows of the tile.
 template <typename T>
 inline TileRows StageColumns(const void* rows, const std::int64_t* stride, std::int64_t dim,
-                             std::int64_t j0, std::int64_t num_k, StagedRows& staged) {
-  const float* data = staged.Stage<float>(rows, j0, num_k, [&](float* dst) {
+                             std::int64_t j0, std::int64_t num_k, StagedRows& staged,
+                             bool read_ahead = false) {
+  const auto fill = [&](float* dst, auto ahead) {
     const T* source = static_cast<const T*>(rows) + j0 * stride[1];
     const auto element = [&](std::int64_t j, std::int64_t e) {
       return WideElement(source[j * stride[1] + e * stride[3]]);
@@ -195,12 +199,20 @@ inline TileRows StageColumns(const void* rows, const std::int64_t* stride, std::
     std::int64_t j = 0;
     if (stride[3] == 1) {  // squares of kLanes keys x kLanes columns, transposed in registers
       const DF df;
+      constexpr std::int64_t kLineElements = 64 / sizeof(T);
       for (; j + kLanes <= num_k; j += kLanes) {
         std::int64_t e = 0;
         for (; e + kLanes <= dim; e += kLanes) {
           VF square[kLanes];
           for (std::int64_t r = 0; r < kLanes; ++r) {
             square[r] = LoadWide(df, source + (j + r) * stride[1] + e);
+          }
+          if constexpr (decltype(ahead)::value) {
+            if (e % kLineElements == 0 && j + 2 * kLanes <= num_k) {
+              for (std::int64_t r = 0; r < kLanes; ++r) {
+                PrefetchL2(source + (j + kLanes + r) * stride[1] + e);
+              }
+            }
           }
           TransposeSquare(df, square);
           for (std::int64_t c = 0; c < kLanes; ++c) {
@@ -214,6 +226,13 @@ inline TileRows StageColumns(const void* rows, const std::int64_t* stride, std::
     }
     for (; j < num_k; ++j) {
       for (std::int64_t e = 0; e < dim; ++e) dst[e * kBlockK + j] = element(j, e);
+    }
+  };
+  const float* data = staged.Stage<float>(rows, j0, num_k, [&](float* dst) {
+    if (read_ahead) {
+      fill(dst, std::true_type{});
+    } else {
+      fill(dst, std::false_type{});
     }
   });
   return {data, 1, kBlockK};
