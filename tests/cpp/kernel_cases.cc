@@ -108,6 +108,11 @@ std::vector<Case> kernel_cases() {
     c.num_heads_q = 16;
     c.causal = true;
     add(c);
+    // The same in BSHD with K rows 2 KiB apart (4 kv heads, D = 128): an f32 K read in place
+    // (Staging::k_in_place); 12 rows, Lk past a tile boundary.
+    c = Case{.seq_q = 3, .seq_kv = 1100, .num_heads_q = 16, .num_heads_kv = 4, .head_dim = 128};
+    c.head_dim_v = 40;
+    add(c);
   }
   // Causal and windows, both alignments, Lq <, =, > Lk.
   for (Align align : {Align::kBottomRight, Align::kTopLeft}) {

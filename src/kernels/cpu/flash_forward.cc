@@ -81,9 +81,12 @@ constexpr std::int64_t kMergeRows = 64;  // output rows per merge task
 // group) over long keys: a task's blocks belong to several kv heads, each stages its own K and V
 // tiles, and the next tile's rows asked for a tile ahead (PrefetchRows) are not in cache when
 // staged, so staging V asks for its next rows as it goes (Staging::read_ahead; docs/kernels.md,
-// "V staged reading ahead"). Measured on AVX2 (Zen 2) only, so AVX2 only.
+// "V staged reading ahead"). There an f32 K whose rows lie kInPlaceRowBytes apart or more (BSHD
+// with 4 kv heads or more at D = 128) is read where it lies instead of copied: the copy serves
+// one block. Measured on AVX2 (Zen 2) only, so AVX2 only.
 constexpr std::int64_t kReadAheadBlocks = 2;   // query blocks per kv head, at most
 constexpr std::int64_t kReadAheadKeys = 1024;  // keys, at least
+constexpr std::int64_t kInPlaceRowBytes = 2048;
 
 struct WorkPlan {
   std::int64_t blocks_per_kv_head;
@@ -328,6 +331,7 @@ void Flash(const AttentionKernelParams& p) {
   const bool prefetch_out = Products::kPrefetchOut && plan.splits == 1 && PrefetchesOut(p);
   const bool read_ahead =
       kLanes == 8 && plan.blocks_per_kv_head <= kReadAheadBlocks && p.seq_kv >= kReadAheadKeys;
+  const bool k_in_place = read_ahead && p.k_stride[1] * dtype_size(p.dtype) >= kInPlaceRowBytes;
 
   parallel_for(num_tasks, num_threads, [&](std::int64_t task, int thread) {
     [[maybe_unused]] const typename Products::TaskScope scope{};
@@ -335,6 +339,7 @@ void Flash(const AttentionKernelParams& p) {
     float* st = mine + plan.per_task * block_floats;
     Staging staging = BindStaging(p, st + kBlockK * kBlockQ);
     staging.read_ahead = read_ahead;
+    staging.k_in_place = k_in_place;
     QueryBlock blocks[kTaskBlocks];
     NarrowBlock narrow[kTaskBlocks];
     QueryBlock* wide[kTaskBlocks];

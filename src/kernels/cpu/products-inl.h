@@ -80,7 +80,8 @@ struct WideProducts {
   static void Scores(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
                      std::int64_t num_k, float* HWY_RESTRICT st, Staging& staging,
                      const std::int64_t* vec_end) {
-    const TileRows k = StageRows<T>(qb.k, p.k_stride, p.head_dim, j0, num_k, staging.k);
+    const TileRows k =
+        StageRows<T>(qb.k, p.k_stride, p.head_dim, j0, num_k, staging.k, staging.k_in_place);
     OuterProduct<true>(qb.qt, k.data, num_k, k.row_stride, k.elem_stride, p.head_dim, st, nullptr,
                        false, vec_end, nullptr, UsedQueryVecs(qb));
   }

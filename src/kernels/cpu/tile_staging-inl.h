@@ -65,7 +65,8 @@ inline void PackQuery(const AttentionKernelParams& p, QueryBlock& qb) {
 
 // ---------------------------------------------------------------------------------------------
 // K and V for the tile products. An f32 K is read where it lies on AVX-512 and copied into a
-// per-thread staging tile on AVX2 (kStagesF32Rows); bf16/f16 K rows are widened (exactly) into
+// per-thread staging tile on AVX2 (kStagesF32Rows; but for a decode step's wide blocks whose K
+// rows lie far apart, Staging::k_in_place); bf16/f16 K rows are widened (exactly) into
 // it (StageRows); V of every dtype is staged as f32 columns (StageColumns). Each is staged once
 // per (rows, tile): the query blocks of a task that share a kv head then reuse it.
 
@@ -102,7 +103,10 @@ struct StagedRows {
 struct Staging {
   StagedRows k, v;
   std::uint32_t* prob_pairs = nullptr;  // bf16: [kBlockK / 2][kBlockQ] pair words
-  bool read_ahead = false;              // StageColumns reads ahead (flash_forward.cc sets it)
+  // A decode step's wide blocks (flash_forward.cc sets these per call): V's staging asks for its
+  // next rows as it goes (StageColumns), and an f32 K is read where it lies (StageRows).
+  bool read_ahead = false;
+  bool k_in_place = false;
 };
 
 // Floats of the K and V staging tiles: kBlockK rows of dim f32 (an f32 K uses its part only
@@ -156,12 +160,16 @@ inline void PrefetchRows(const void* rows, const std::int64_t* stride, std::int6
 }
 
 // Rows [j0, j0 + num_k) of the operand whose (b, kv_head) rows start at `rows` (p.k's or p.v's
-// strides, `dim` elements each, stored as T), as f32.
+// strides, `dim` elements each, stored as T), as f32. f32 rows are read in place where
+// !kStagesF32Rows or in_place.
 template <typename T>
 inline TileRows StageRows(const void* rows, const std::int64_t* stride, std::int64_t dim,
-                          std::int64_t j0, std::int64_t num_k, StagedRows& staged) {
-  if constexpr (std::is_same_v<T, float> && !kStagesF32Rows) {  // read in place
-    return {static_cast<const float*>(rows) + j0 * stride[1], stride[1], stride[3]};
+                          std::int64_t j0, std::int64_t num_k, StagedRows& staged,
+                          bool in_place = false) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (!kStagesF32Rows || in_place) {
+      return {static_cast<const float*>(rows) + j0 * stride[1], stride[1], stride[3]};
+    }
   }
   const float* data = staged.Stage<float>(rows, j0, num_k, [&](float* buffer) {
     const T* source = static_cast<const T*>(rows);
