@@ -12,15 +12,16 @@ the forward's FLOPs (forward 1 + backward 2.5, FlashAttention's convention). No 
 Peers (DESIGN.md section 6: timed in the same run, reported as ratios):
   torch-f32, torch-bf16  torch.nn.functional.scaled_dot_product_attention on CPU, inputs
                          (B, H, L, D) contiguous; GQA through enable_gqa=True
-  torch-mm-f32/-bf16     decode only (Lq = 1): softmax(q k^T) v as two batched matmuls with the
-                         query heads of one KV head stacked as rows (how hand-written decoders
-                         do GQA without copying K/V); SDPA is slow at Lq = 1 on CPU
+  torch-mm-f32/-bf16     decode only (Lq <= 8): softmax(q k^T) v as two batched matmuls with the
+                         query heads (and queries) of one KV head stacked as rows (how
+                         hand-written decoders do GQA without copying K/V); SDPA is slow at
+                         Lq = 1 on CPU
   ort-mha-f32            ONNX Runtime com.microsoft MultiHeadAttention, BSH-packed (B, L, H*D)
                          inputs, unidirectional=1 for causal (its CPU kernel is float only; with
                          a mask it materialises (B, H, Lq, Lk) scores, so it is skipped where
                          that exceeds --ort-max-mib). GQA: K/V repeated to Hq heads beforehand
-  ort-gqa-f32            decode only: com.microsoft GroupQueryAttention appending one token to a
-                         KV cache of Lk - 1 keys, past and present bound to one buffer
+  ort-gqa-f32            decode only, Lq = 1: com.microsoft GroupQueryAttention appending one
+                         token to a KV cache of Lk - 1 keys, past and present bound to one buffer
   qkv.torch-f32/-bf16    qkv's Python module in this process: qkv.torch.scaled_dot_product_attention
                          on the torch peers' tensors (--python-module; the report then compares
                          its ratio to torch with the CLI's, same rounds)
@@ -33,7 +34,10 @@ Peers (DESIGN.md section 6: timed in the same run, reported as ratios):
                          the same rounds and its time ratio reported), bshd otherwise
 
 Shapes (issue 4): B=1, H=8, D in {64, 128}, Lq = Lk = L in {1024, 4096, 16384}, causal and
-not; decode Lq=1, D=128: Lk=32768, Hq=32, Hkv=8 (GQA) and Lk=16384, Hq=Hkv=32 (multi-head).
+not; decode Lq=1, D=128: Lk=32768, Hq=32, Hkv=8 (GQA) and Lk=16384, Hq=Hkv=32 (multi-head);
+and a decode step with four draft tokens (speculative decoding), Lq=4, Lk=8192, Hq=32, Hkv=8,
+D=128, not causal (torch's is_causal is top-left aligned; a causal draft step differs from it
+only in its last key tile). "Decode" below means Lq <= 8.
 --quick drops L=16384. --model-shapes times shapes of real models instead (batched encoders
 and a GQA decoder's prefill; model_cases below), no decode.
 
@@ -134,15 +138,18 @@ class Case:
         return 2 * self.B * self.Hkv * self.Lk * self.D * (4 if dtype == "f32" else 2)
 
     def is_decode(self):
-        return self.Lq == 1
+        """A decode step: one query, or a few draft tokens, against a KV cache."""
+        return self.Lq <= 8
 
 
 def default_cases(lengths):
     cases = [Case(1, 8, 8, L, L, D, causal) for D in (64, 128) for causal in (False, True)
              for L in lengths]
     # Decode steps: GQA 32:8 (issue 16's shape) and multi-head (Hq = Hkv = 32, as in models
-    # without GQA), both D = 128 against a long KV cache.
-    return cases + [Case(1, 32, 8, 1, 32768, 128, False), Case(1, 32, 32, 1, 16384, 128, False)]
+    # without GQA), both D = 128 against a long KV cache; and GQA 32:8 with four draft tokens
+    # (16 query rows per kv head: qkv's wide blocks).
+    return cases + [Case(1, 32, 8, 1, 32768, 128, False), Case(1, 32, 32, 1, 16384, 128, False),
+                    Case(1, 32, 8, 4, 8192, 128, False)]
 
 
 def model_cases():
@@ -231,7 +238,8 @@ class TorchMatmulDecode:
             raise NotApplicable
         torch.set_num_threads(threads)
         q, k, v = (to_torch_bhsd(x, self.dtype) for x in data)
-        # q: [B, Hkv, group * Lq, D] -- the query heads sharing one KV head, stacked as rows
+        # q: [B, Hkv, group * Lq, D] -- the query heads sharing one KV head (and their queries),
+        # stacked as rows
         # (query head h uses KV head h // group, so heads h = j * group + g are adjacent)
         q = q.reshape(case.B, case.Hkv, (case.Hq // case.Hkv) * case.Lq, case.D)
         scale = 1.0 / math.sqrt(case.D)
@@ -302,7 +310,7 @@ class OrtGqaDecode:
         import numpy as np
         import onnxruntime as ort
         from onnx import TensorProto, helper
-        if not case.is_decode():
+        if not case.is_decode() or case.Lq != 1:
             raise NotApplicable
         F, I32 = TensorProto.FLOAT, TensorProto.INT32
         B, Hq, Hkv, Lk, D = case.B, case.Hq, case.Hkv, case.Lk, case.D
@@ -857,7 +865,8 @@ def main():
     parser.add_argument("--impls", help="comma list of implementation labels to run")
     parser.add_argument("--no-decode", action="store_true", help="skip the decode cases")
     parser.add_argument("--decode-only", action="store_true",
-                        help="only the decode cases (GQA 32:8 and multi-head 32 heads)")
+                        help="only the decode cases (GQA 32:8, multi-head 32 heads, and GQA "
+                        "32:8 with four draft tokens)")
     parser.add_argument("--ort-max-mib", type=float, default=3072,
                         help="skip ORT's unfused (causal) path above this many MiB of scores")
     parser.add_argument("--qkv", default=str(ROOT / "build" / "release" / "qkv"))
