@@ -142,15 +142,32 @@ HWY_INLINE hn::Vec<D> ScaleBase2(D d, hn::Vec<D> x, hn::Vec<D> k, hn::Vec<D> p) 
   return ScaleByPow2(d, x, k, p, kMinPow2Arg);
 }
 
-// 2^x = p(r) * 2^n with p = 1 + r * (kP1 + r * (kP2 + ...)).
+// 2^x = p(r) * 2^n with p = 1 + r * (kP1 + r * (kP2 + ...)), of N vectors at once: each step
+// for all N before the next, so N chains lie side by side in the instruction stream (the
+// softmax's pass takes 4 at a time: docs/kernels.md, "exp"). Each vector's operations and bits
+// are those of Pow2 on it alone.
+template <int N, class D>
+HWY_INLINE void Pow2Group(D d, const hn::Vec<D> (&x)[N], hn::Vec<D> (&p)[N]) {
+  hn::Vec<D> k[N], r[N];
+  for (int i = 0; i < N; ++i) {
+    const Reduced<D> a = ReduceBase2(d, x[i]);
+    k[i] = a.k;
+    r[i] = a.r;
+  }
+  for (int i = 0; i < N; ++i) p[i] = hn::MulAdd(hn::Set(d, kP5), r[i], hn::Set(d, kP4));
+  for (int i = 0; i < N; ++i) p[i] = hn::MulAdd(p[i], r[i], hn::Set(d, kP3));
+  for (int i = 0; i < N; ++i) p[i] = hn::MulAdd(p[i], r[i], hn::Set(d, kP2));
+  for (int i = 0; i < N; ++i) p[i] = hn::MulAdd(p[i], r[i], hn::Set(d, kP1));
+  for (int i = 0; i < N; ++i) p[i] = hn::MulAdd(p[i], r[i], hn::Set(d, 1.0f));
+  for (int i = 0; i < N; ++i) p[i] = ScaleBase2(d, x[i], k[i], p[i]);
+}
+
 template <class D>
 HWY_INLINE hn::Vec<D> Pow2(D d, hn::Vec<D> x) {
-  const Reduced<D> a = ReduceBase2(d, x);
-  auto q = hn::MulAdd(hn::Set(d, kP5), a.r, hn::Set(d, kP4));
-  q = hn::MulAdd(q, a.r, hn::Set(d, kP3));
-  q = hn::MulAdd(q, a.r, hn::Set(d, kP2));
-  q = hn::MulAdd(q, a.r, hn::Set(d, kP1));
-  return ScaleBase2(d, x, a.k, hn::MulAdd(q, a.r, hn::Set(d, 1.0f)));
+  const hn::Vec<D> xs[1] = {x};
+  hn::Vec<D> p[1];
+  Pow2Group(d, xs, p);
+  return p[0];
 }
 
 // The same with degree 4 (2.9e-6), for the product paths that round the probabilities to bf16

@@ -49,12 +49,31 @@ HWY_INLINE VF ColumnMax(DF df, const float* HWY_RESTRICT st, std::int64_t num_k,
 // 2^(-inf) = 0: masked pairs drop out exactly. kCoarse: the 2^x for probabilities rounded to bf16
 // afterwards (fastexp::Pow2ForProbs; its argument's kHalfShift is taken off shift2 once, so
 // each score still costs one FMA for it).
+// The exact 2^x goes kExpGroup keys at a time (fastexp::Pow2Group; the same bits, and the sum
+// adds the keys in order; docs/kernels.md, "exp", measured on Zen 2). The coarse one (AMX and
+// vdpbf16ps paths) goes key by key.
+constexpr int kExpGroup = 4;
 template <bool kCoarse = false>
 HWY_INLINE VF ExpInPlaceAndSum(DF df, float* HWY_RESTRICT st, std::int64_t num_k,
                                std::int64_t lane0, VF shift2, VF c) {
   if constexpr (kCoarse) shift2 = hn::Sub(shift2, hn::Set(df, fastexp::kHalfShift));
   VF sum = hn::Zero(df);
-  for (std::int64_t j = 0; j < num_k; ++j) {
+  std::int64_t j = 0;
+  if constexpr (!kCoarse) {
+    for (; j + kExpGroup <= num_k; j += kExpGroup) {
+      float* s = st + j * kBlockQ + lane0;
+      VF x[kExpGroup], p[kExpGroup];
+      for (int i = 0; i < kExpGroup; ++i) {
+        x[i] = hn::MulSub(hn::Load(df, s + i * kBlockQ), c, shift2);
+      }
+      fastexp::Pow2Group(df, x, p);
+      for (int i = 0; i < kExpGroup; ++i) {
+        hn::Store(p[i], df, s + i * kBlockQ);
+        sum = hn::Add(sum, p[i]);
+      }
+    }
+  }
+  for (; j < num_k; ++j) {
     float* s = st + j * kBlockQ + lane0;
     const VF prob = fastexp::Pow2ForProbs<kCoarse>(df, hn::MulSub(hn::Load(df, s), c, shift2));
     hn::Store(prob, df, s);
