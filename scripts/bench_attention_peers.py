@@ -11,20 +11,26 @@ the forward's FLOPs (forward 1 + backward 2.5, FlashAttention's convention). No 
 
 Peers (DESIGN.md section 6: timed in the same run, reported as ratios):
   torch-f32, torch-bf16  torch.nn.functional.scaled_dot_product_attention on CPU, inputs
-                         (B, H, L, D) contiguous; GQA through enable_gqa=True
+                         (B, H, L, D) contiguous; GQA through enable_gqa=True; causal with
+                         Lq = Lk by is_causal, with Lq < Lk by attn_mask=causal_lower_right
+                         (torch's bias for a causal mask aligned at the bottom right, as qkv's;
+                         is_causal is top-left aligned)
   torch-mm-f32/-bf16     decode only (Lq <= 8): softmax(q k^T) v as two batched matmuls with the
                          query heads (and queries) of one KV head stacked as rows (how
                          hand-written decoders do GQA without copying K/V); SDPA is slow at
-                         Lq = 1 on CPU
+                         Lq = 1 on CPU. Causal: a (Lq, Lk) bias of 0 / -inf added to the
+                         scores
   ort-mha-f32            ONNX Runtime com.microsoft MultiHeadAttention, BSH-packed (B, L, H*D)
                          inputs, unidirectional=1 for causal (its CPU kernel is float only; with
                          a mask it materialises (B, H, Lq, Lk) scores, so it is skipped where
                          that exceeds --ort-max-mib). GQA: K/V repeated to Hq heads beforehand
-  ort-gqa-f32            decode only, Lq = 1: com.microsoft GroupQueryAttention appending one
-                         token to a KV cache of Lk - 1 keys, past and present bound to one buffer
+  ort-gqa-f32            decode only: com.microsoft GroupQueryAttention appending the Lq new
+                         tokens to a KV cache of Lk - Lq keys, past and present bound to one
+                         buffer. It is causal by construction (the new tokens see the cache and
+                         the new tokens up to their own), so it runs Lq = 1 and causal cases
   qkv.torch-f32/-bf16    qkv's Python module in this process: qkv.torch.scaled_dot_product_attention
                          on the torch peers' tensors (--python-module; the report then compares
-                         its ratio to torch with the CLI's, same rounds)
+                         its ratio to torch with the CLI's, same rounds); causal as torch-f32
   qkv-f32, qkv-bf16      `qkv bench --json --shape B,Hq,Hkv,Lq,Lk,D [--causal] --dtype T
                          --threads N --layout L` (bf16 with --out-dtype input: out in bf16, as
                          torch's bf16 SDPA returns it), one process per round; its JSON carries
@@ -35,9 +41,9 @@ Peers (DESIGN.md section 6: timed in the same run, reported as ratios):
 
 Shapes (issue 4): B=1, H=8, D in {64, 128}, Lq = Lk = L in {1024, 4096, 16384}, causal and
 not; decode Lq=1, D=128: Lk=32768, Hq=32, Hkv=8 (GQA) and Lk=16384, Hq=Hkv=32 (multi-head);
-and a decode step with four draft tokens (speculative decoding), Lq=4, Lk=8192, Hq=32, Hkv=8,
-D=128, not causal (torch's is_causal is top-left aligned; a causal draft step differs from it
-only in its last key tile). "Decode" below means Lq <= 8.
+and a decode step with four draft tokens (speculative decoding: each sees the cache and the
+draft tokens up to its own, causal at the bottom right), Lq=4, Lk=8192, Hq=32, Hkv=8, D=128.
+"Decode" below means Lq <= 8.
 --quick drops L=16384. --model-shapes times shapes of real models instead (batched encoders
 and a GQA decoder's prefill; model_cases below), no decode.
 
@@ -147,9 +153,9 @@ def default_cases(lengths):
              for L in lengths]
     # Decode steps: GQA 32:8 (issue 16's shape) and multi-head (Hq = Hkv = 32, as in models
     # without GQA), both D = 128 against a long KV cache; and GQA 32:8 with four draft tokens
-    # (16 query rows per kv head: qkv's wide blocks).
+    # (16 query rows per kv head: qkv's wide blocks), causal as a verification step is.
     return cases + [Case(1, 32, 8, 1, 32768, 128, False), Case(1, 32, 32, 1, 16384, 128, False),
-                    Case(1, 32, 8, 4, 8192, 128, False)]
+                    Case(1, 32, 8, 4, 8192, 128, True)]
 
 
 def model_cases():
@@ -208,6 +214,20 @@ def to_torch_bhsd(x, dtype, shared=True):
     return out
 
 
+def causal_options(case):
+    """torch SDPA's arguments for the case's mask: qkv's causal is aligned at the bottom right,
+    torch's is_causal at the top left, so where Lq != Lk torch gets its lower-right causal bias
+    (torch.nn.attention.bias.causal_lower_right: the same mask, computed, no array)."""
+    if not case.causal:
+        return {}
+    if case.Lq == case.Lk:
+        return {"is_causal": True}
+    if case.Lq > case.Lk:
+        raise Skip("causal with Lq > Lk leaves rows without keys (NaN in torch)")
+    from torch.nn.attention.bias import causal_lower_right
+    return {"attn_mask": causal_lower_right(case.Lq, case.Lk)}
+
+
 class TorchSdpa:
     def __init__(self, dtype):
         self.dtype, self.label = dtype, f"torch-{dtype}"
@@ -215,15 +235,15 @@ class TorchSdpa:
     def prepare(self, case, data, threads):
         import torch
         import torch.nn.functional as F
-        if case.causal and case.Lq != case.Lk:
-            raise Skip("is_causal is top-left aligned; qkv is bottom-right")
         torch.set_num_threads(threads)
         q, k, v = (to_torch_bhsd(x, self.dtype) for x in data)
-        gqa = {"enable_gqa": True} if case.Hq != case.Hkv else {}
+        options = causal_options(case)
+        if case.Hq != case.Hkv:
+            options["enable_gqa"] = True
 
         def call():
             with torch.inference_mode():
-                return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal, **gqa)
+                return F.scaled_dot_product_attention(q, k, v, **options)
 
         return call, lambda out: out.float().transpose(1, 2).numpy()  # -> (B, Lq, Hq, D)
 
@@ -243,11 +263,19 @@ class TorchMatmulDecode:
         # (query head h uses KV head h // group, so heads h = j * group + g are adjacent)
         q = q.reshape(case.B, case.Hkv, (case.Hq // case.Hkv) * case.Lq, case.D)
         scale = 1.0 / math.sqrt(case.D)
+        # Causal (bottom right): row (g, i) of a kv head's stack sees keys j <= i + Lk - Lq.
+        bias = None
+        if case.causal:
+            i = torch.arange(case.Lq).repeat(case.Hq // case.Hkv)[:, None]
+            allowed = torch.arange(case.Lk)[None, :] <= i + case.Lk - case.Lq
+            bias = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill(~allowed, -math.inf)
 
         def call():
             with torch.inference_mode():
-                p = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, dim=-1)
-                return torch.matmul(p, v)
+                s = torch.matmul(q, k.transpose(-1, -2)) * scale
+                if bias is not None:
+                    s += bias
+                return torch.matmul(torch.softmax(s, dim=-1), v)
 
         return call, lambda out: out.float().reshape(case.B, case.Hq, case.Lq, case.D).transpose(
             1, 2).numpy()
@@ -310,10 +338,12 @@ class OrtGqaDecode:
         import numpy as np
         import onnxruntime as ort
         from onnx import TensorProto, helper
-        if not case.is_decode() or case.Lq != 1:
+        if not case.is_decode():
             raise NotApplicable
+        if case.Lq > 1 and not case.causal:
+            raise Skip("GroupQueryAttention is causal: its new tokens see each other causally")
         F, I32 = TensorProto.FLOAT, TensorProto.INT32
-        B, Hq, Hkv, Lk, D = case.B, case.Hq, case.Hkv, case.Lk, case.D
+        B, Hq, Hkv, Lq, Lk, D = case.B, case.Hq, case.Hkv, case.Lq, case.Lk, case.D
         node = helper.make_node(
             "GroupQueryAttention",
             ["q", "k", "v", "past_key", "past_value", "seqlens_k", "total_sequence_length"],
@@ -322,25 +352,26 @@ class OrtGqaDecode:
         vi = helper.make_tensor_value_info
         cache = [B, Hkv, Lk, D]  # BNSH, max_sequence_length = Lk: the buffer-sharing layout
         session = ort_session(
-            [node], [vi("q", F, [B, 1, Hq * D]), vi("k", F, [B, 1, Hkv * D]),
-                     vi("v", F, [B, 1, Hkv * D]), vi("past_key", F, cache),
+            [node], [vi("q", F, [B, Lq, Hq * D]), vi("k", F, [B, Lq, Hkv * D]),
+                     vi("v", F, [B, Lq, Hkv * D]), vi("past_key", F, cache),
                      vi("past_value", F, cache), vi("seqlens_k", I32, [B]),
                      vi("total_sequence_length", I32, [])],
-            [vi("o", F, [B, 1, Hq * D]), vi("present_key", F, cache),
+            [vi("o", F, [B, Lq, Hq * D]), vi("present_key", F, cache),
              vi("present_value", F, cache)], threads)
         q, k, v = data
         binding = session.io_binding()
-        # The cache holds keys 0 .. Lk-2, the step appends key Lk-1 (rewriting the same value
-        # on every call), so the result is attention over the same Lk keys as the others.
-        binding.bind_cpu_input("q", q.reshape(B, 1, Hq * D))
-        binding.bind_cpu_input("k", np.ascontiguousarray(k[:, -1:]).reshape(B, 1, Hkv * D))
-        binding.bind_cpu_input("v", np.ascontiguousarray(v[:, -1:]).reshape(B, 1, Hkv * D))
+        # The cache holds keys 0 .. Lk-Lq-1, the step appends keys Lk-Lq .. Lk-1 (rewriting the
+        # same values on every call), so the result is attention over the same Lk keys as the
+        # others' (seqlens_k: the total length minus 1, ORT's convention).
+        binding.bind_cpu_input("q", q.reshape(B, Lq, Hq * D))
+        binding.bind_cpu_input("k", np.ascontiguousarray(k[:, -Lq:]).reshape(B, Lq, Hkv * D))
+        binding.bind_cpu_input("v", np.ascontiguousarray(v[:, -Lq:]).reshape(B, Lq, Hkv * D))
         binding.bind_cpu_input("seqlens_k", np.full((B,), Lk - 1, np.int32))
         binding.bind_cpu_input("total_sequence_length", np.array(Lk, np.int32))
-        # past and present share one buffer, so a step appends one token in place instead of
+        # past and present share one buffer, so a step appends its tokens in place instead of
         # copying the whole cache (the way ORT's generate loop runs it). The buffer is the
-        # case's shared (B, H, L, D) copy (to_torch_bhsd): the step writes key Lk - 1's values
-        # where they already are.
+        # case's shared (B, H, L, D) copy (to_torch_bhsd): the step writes the last Lq keys'
+        # values where they already are.
         self.caches = [ort.OrtValue.ortvalue_from_numpy(to_torch_bhsd(x, "f32").numpy())
                        for x in (k, v)]
         binding.bind_ortvalue_input("past_key", self.caches[0])
@@ -353,7 +384,7 @@ class OrtGqaDecode:
             session.run_with_iobinding(binding)
             return binding
 
-        return call, lambda out: out.copy_outputs_to_cpu()[2].reshape(B, 1, Hq, D)
+        return call, lambda out: out.copy_outputs_to_cpu()[2].reshape(B, Lq, Hq, D)
 
 
 class QkvTorchOp:
@@ -371,15 +402,14 @@ class QkvTorchOp:
             import qkv.torch as qt
         except ImportError as error:
             raise Skip(f"cannot import qkv from {self.module_dir}: {error}")
-        if case.causal and case.Lq != case.Lk:
-            raise Skip("is_causal is top-left aligned; qkv bench is bottom-right")
         torch.set_num_threads(threads)  # qkv.torch runs on torch.get_num_threads() threads
         q, k, v = (to_torch_bhsd(x, self.dtype) for x in data)
-        gqa = case.Hq != case.Hkv
+        options = causal_options(case)  # torch's arguments, which qkv.torch takes as torch does
+        if case.Hq != case.Hkv:
+            options["enable_gqa"] = True
 
         def call():
-            return qt.scaled_dot_product_attention(q, k, v, is_causal=case.causal,
-                                                   enable_gqa=gqa)
+            return qt.scaled_dot_product_attention(q, k, v, **options)
 
         return call, lambda out: out.float().transpose(1, 2).numpy()
 
@@ -396,8 +426,6 @@ class Training:
         import torch.nn.functional as F
         if case.is_decode():
             raise NotApplicable
-        if case.causal and case.Lq != case.Lk:
-            raise Skip("is_causal is top-left aligned; qkv is bottom-right")
         sdpa = F.scaled_dot_product_attention
         if self.module_dir is not None:
             if str(self.module_dir) not in sys.path:
@@ -412,11 +440,13 @@ class Training:
         q, k, v = (to_torch_bhsd(x, self.dtype, shared=False).requires_grad_() for x in data)
         dout = torch.randn(q.shape[:-1] + (v.shape[-1],),
                            generator=torch.Generator().manual_seed(7)).to(q.dtype)
-        gqa = {"enable_gqa": True} if case.Hq != case.Hkv else {}
+        options = causal_options(case)
+        if case.Hq != case.Hkv:
+            options["enable_gqa"] = True
 
         def call():
             q.grad = k.grad = v.grad = None
-            out = sdpa(q, k, v, is_causal=case.causal, **gqa)
+            out = sdpa(q, k, v, **options)
             out.backward(dout)
             return out.detach()
 

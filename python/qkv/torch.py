@@ -7,8 +7,10 @@ Exactly PyTorch's semantics (https://pytorch.org/docs/stable/generated/
 torch.nn.functional.scaled_dot_product_attention.html): query (N, ..., Hq, L, E), key
 (N, ..., Hkv, S, E), value (N, ..., Hkv, S, Ev) -> (N, ..., Hq, L, Ev) in query's dtype;
 attn_mask broadcastable to (N, ..., Hq, L, S), bool (True = takes part) or float (added to the
-scores); is_causal is top-left aligned; scale defaults to 1/sqrt(E); enable_gqa lets Hq be a
-multiple of Hkv. One difference: a query row that the mask leaves with no key gets zeros from
+scores), or torch's causal bias (torch.nn.attention.bias.causal_lower_right / causal_upper_left:
+the causal mask aligned at the bottom right or the top left, computed from positions as
+is_causal is, no mask array); is_causal is top-left aligned; scale defaults to 1/sqrt(E);
+enable_gqa lets Hq be a multiple of Hkv. One difference: a query row that the mask leaves with no key gets zeros from
 qkv, where PyTorch's math kernel gives NaN.
 
 It runs on torch.get_num_threads() threads (torch.set_num_threads sets them), as torch's own
@@ -36,6 +38,11 @@ import torch
 import qkv
 
 __all__ = ["scaled_dot_product_attention"]
+
+try:  # torch >= 2.3: the causal biases that torch's SDPA takes as attn_mask
+    from torch.nn.attention.bias import CausalBias, CausalVariant
+except ImportError:  # pragma: no cover (older torch: no such attn_mask to accept)
+    CausalBias = CausalVariant = None
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # The dtypes whose out qkv writes as float32 / float64 (bfloat16 and float16 get out in their
@@ -79,6 +86,24 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _causal_from_bias(query: torch.Tensor, key: torch.Tensor, attn_mask, is_causal: bool):
+    """attn_mask as (attn_mask, is_causal, lower_right): a torch CausalBias becomes the causal
+    mask qkv computes from positions (lower_right: aligned at the bottom right, i' = i + S - L);
+    any other attn_mask passes as it is."""
+    if CausalBias is None or not isinstance(attn_mask, CausalBias):
+        return attn_mask, is_causal, False
+    if is_causal:
+        raise RuntimeError("scaled_dot_product_attention: explicit attn_mask should not be set "
+                           "when is_causal=True (PyTorch's rule)")
+    seq_q, seq_kv = query.shape[-2], key.shape[-2]
+    if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (seq_q, seq_kv):
+        raise ValueError(f"attn_mask: a causal bias of {attn_mask.seq_len_q} x "
+                         f"{attn_mask.seq_len_kv} does not match query's {seq_q} rows and key's "
+                         f"{seq_kv} (query shape {tuple(query.shape)}, key shape "
+                         f"{tuple(key.shape)})")
+    return None, True, attn_mask.variant == CausalVariant.LOWER_RIGHT
+
+
 def _mask_and_bias(query, key, attn_mask):
     """attn_mask as qkv's (mask, bias): bool -> mask, float -> bias (float32), both 4-D when the
     inputs have more than 4 dims."""
@@ -98,8 +123,12 @@ def _mask_and_bias(query, key, attn_mask):
     return mask, bias
 
 
+def _align(lower_right: bool) -> str:
+    return "bottom_right" if lower_right else "top_left"
+
+
 def _forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
-             return_lse):
+             lower_right, return_lse):
     """out in query's dtype (and, with return_lse, lse (B, Hq, L) over the inputs folded to
     4-D: float32, float64 for float64 inputs)."""
     _check(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
@@ -107,7 +136,7 @@ def _forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
     # bfloat16 / float16 out straight from the kernel (the float32 result rounded to nearest
     # even, as .to(query.dtype) would give): no float32 buffer to fault in, no copy.
     result = qkv.attention(_as_4d(query), _as_4d(key), _as_4d(value), layout="bhsd",
-                           causal=is_causal, align="top_left", mask=mask, bias=bias,
+                           causal=is_causal, align=_align(lower_right), mask=mask, bias=bias,
                            scale=scale, num_threads=torch.get_num_threads(),
                            dropout_p=dropout_p, seed=seed, return_lse=return_lse,
                            out_dtype=None if query.dtype in _NATIVE_OUT else query.dtype)
@@ -119,17 +148,18 @@ def _forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
 @torch.library.custom_op("qkv::sdpa_forward", mutates_args=(), device_types="cpu")
 def _sdpa_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attn_mask: Optional[torch.Tensor], dropout_p: float, is_causal: bool,
-                  scale: Optional[float], enable_gqa: bool,
-                  seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                  scale: Optional[float], enable_gqa: bool, seed: int,
+                  lower_right: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out in query's dtype, lse (B, Hq, L) over the inputs folded to 4-D: float32, float64
-    for float64 inputs)."""
+    for float64 inputs). lower_right: is_causal aligned at the bottom right (torch's
+    causal_lower_right) instead of the top left."""
     return _forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, seed,
-                    return_lse=True)
+                    lower_right, return_lse=True)
 
 
 @_sdpa_forward.register_fake
 def _sdpa_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                       seed):
+                       seed, lower_right=False):
     batch = _as_4d(query).shape[0]
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     return (query.new_empty((*query.shape[:-1], value.shape[-1])),
@@ -140,8 +170,9 @@ def _sdpa_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, scale
 def _sdpa_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor, attn_mask: Optional[torch.Tensor], out: torch.Tensor,
                    lse: torch.Tensor, is_causal: bool, scale: Optional[float],
-                   dropout_p: float, seed: int, mask_grad: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                             torch.Tensor]:
+                   dropout_p: float, seed: int, mask_grad: bool,
+                   lower_right: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                       torch.Tensor]:
     """(d query, d key, d value in their dtypes, d attn_mask: its shape and dtype when
     mask_grad, else an empty tensor)."""
     mask, bias = _mask_and_bias(query, key, attn_mask)
@@ -149,7 +180,8 @@ def _sdpa_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tenso
     as32 = lambda t: t if t.dtype in _NATIVE_OUT else t.to(torch.float32)  # noqa: E731
     grads = qkv.attention_backward(
         _as_4d(query), _as_4d(key), _as_4d(value), _as_4d(as32(out)), lse,
-        _as_4d(as32(grad_out)).contiguous(), layout="bhsd", causal=is_causal, align="top_left",
+        _as_4d(as32(grad_out)).contiguous(), layout="bhsd", causal=is_causal,
+        align=_align(lower_right),
         mask=mask, bias=bias, scale=scale, num_threads=torch.get_num_threads(),
         dropout_p=dropout_p, seed=seed, return_dbias=mask_grad)
     dq, dk, dv = (g.reshape(t.shape).to(t.dtype) for g, t in zip(grads[:3], (query, key, value)))
@@ -165,20 +197,21 @@ def _sdpa_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tenso
 
 @_sdpa_backward.register_fake
 def _sdpa_backward_fake(grad_out, query, key, value, attn_mask, out, lse, is_causal, scale,
-                        dropout_p, seed, mask_grad):
+                        dropout_p, seed, mask_grad, lower_right=False):
     dmask = attn_mask.new_empty(attn_mask.shape) if mask_grad else query.new_empty((0,))
     return (query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape),
             dmask)
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, dropout_p, is_causal, scale, _, seed = inputs
+    query, key, value, attn_mask, dropout_p, is_causal, scale, _, seed, lower_right = inputs
     out, lse = output
     ctx.save_for_backward(query, key, value, attn_mask, out, lse)
     ctx.is_causal = is_causal
     ctx.scale = scale
     ctx.dropout_p = dropout_p
     ctx.seed = seed
+    ctx.lower_right = lower_right
     ctx.mask_grad = (attn_mask is not None and attn_mask.is_floating_point()
                      and attn_mask.requires_grad)
 
@@ -187,8 +220,8 @@ def _backward(ctx, grad_out, grad_lse):
     query, key, value, attn_mask, out, lse = ctx.saved_tensors
     dq, dk, dv, dmask = torch.ops.qkv.sdpa_backward(grad_out, query, key, value, attn_mask, out,
                                                     lse, ctx.is_causal, ctx.scale, ctx.dropout_p,
-                                                    ctx.seed, ctx.mask_grad)
-    return dq, dk, dv, (dmask if ctx.mask_grad else None), None, None, None, None, None
+                                                    ctx.seed, ctx.mask_grad, ctx.lower_right)
+    return dq, dk, dv, (dmask if ctx.mask_grad else None), None, None, None, None, None, None
 
 
 _sdpa_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -228,12 +261,14 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                                  enable_gqa: bool = False) -> torch.Tensor:
     """torch.nn.functional.scaled_dot_product_attention with PyTorch's semantics, computed by
     qkv (see the module docstring). query (N, ..., Hq, L, E), key (N, ..., Hkv, S, E), value
-    (N, ..., Hkv, S, Ev) -> (N, ..., Hq, L, Ev), query's dtype."""
+    (N, ..., Hkv, S, Ev) -> (N, ..., Hq, L, Ev), query's dtype. attn_mask may be torch's
+    causal_lower_right(L, S) or causal_upper_left(L, S)."""
+    attn_mask, is_causal, lower_right = _causal_from_bias(query, key, attn_mask, is_causal)
     seed = 0
     if dropout_p > 0.0:  # a fresh mask per call, from torch's default generator
         seed = int(torch.randint(0, 2**62, (1,)).item())
     args = (query, key, value, attn_mask, float(dropout_p), bool(is_causal),
-            None if scale is None else float(scale), bool(enable_gqa), seed)
+            None if scale is None else float(scale), bool(enable_gqa), seed, lower_right)
     if _direct((query, key, value, attn_mask)):  # the op's own computation, without its dispatch
         return _forward(*args, return_lse=False)
     return _sdpa_forward(*args)[0]

@@ -79,6 +79,70 @@ def test_float_mask_is_added(mask_shape):
     check(q, k, v, attn_mask=bias)
 
 
+def causal_bias(variant, seq_q, seq_kv):
+    from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+    return (causal_lower_right if variant == "lower_right" else causal_upper_left)(seq_q, seq_kv)
+
+
+def causal_mask(variant, seq_q, seq_kv):
+    """The bool mask the bias stands for: key j <= i + (S - L) (lower right) or j <= i."""
+    shift = seq_kv - seq_q if variant == "lower_right" else 0
+    return torch.ones(seq_q, seq_kv, dtype=torch.bool).tril(diagonal=shift)
+
+
+@pytest.mark.filterwarnings("ignore:Lower right causal bias will produce NaNs")
+@pytest.mark.parametrize("variant", ["lower_right", "upper_left"])
+@pytest.mark.parametrize("shape", [{"seq_q": 4, "seq_kv": 53, "heads_q": 8, "heads_kv": 2},
+                                   {"seq_q": 37, "seq_kv": 53}, {"seq_q": 1, "seq_kv": 77},
+                                   {"seq_q": 19, "seq_kv": 19, "heads_q": 6, "heads_kv": 3},
+                                   {"seq_q": 30, "seq_kv": 11}])
+def test_causal_bias_is_the_causal_mask_it_stands_for(variant, shape):
+    """torch's causal_lower_right / causal_upper_left as attn_mask: computed as qkv's causal
+    mask aligned there, against torch's own SDPA with the same bias and float64 on the bool mask
+    it stands for; rows with no key (lower right, L > S) are zeros, as for any mask."""
+    q, k, v = tensors(30, **shape)
+    seq_q, seq_kv = shape["seq_q"], shape["seq_kv"]
+    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+    ours = qt.scaled_dot_product_attention(q, k, v, attn_mask=causal_bias(variant, seq_q, seq_kv),
+                                           **gqa)
+    mask = causal_mask(variant, seq_q, seq_kv)
+    expected = torch.nan_to_num(torch_reference(q, k, v, attn_mask=mask, **gqa))
+    theirs = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_bias(variant, seq_q, seq_kv),
+                                            **gqa)
+    theirs_error = torch.nan_to_num((theirs.double() - expected).abs().max(), nan=0.0).item()
+    assert ours.shape == theirs.shape and ours.dtype == q.dtype
+    assert (ours.double() - expected).abs().max().item() <= max(2e-5, 4 * theirs_error)
+    empty = ~mask.any(dim=1)
+    assert (ours[:, :, empty] == 0).all()
+    # The explicit mask's values (another code path: the mask read, not computed), and
+    # is_causal's bits where both alignments agree.
+    explicit = qt.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+    assert (ours - explicit).abs().max().item() <= 2e-6
+    if variant == "upper_left" or seq_q == seq_kv:
+        assert torch.equal(ours, qt.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa))
+
+
+@pytest.mark.parametrize("variant", ["lower_right", "upper_left"])
+def test_causal_bias_gradients_match_torch(variant):
+    q, k, v = tensors(31, seq_q=11, seq_kv=40, heads_q=6, heads_kv=3)
+    bias = causal_bias(variant, 11, 40)
+    ours = grads_of(lambda *x, attn_mask: qt.scaled_dot_product_attention(
+        *x, attn_mask=bias, enable_gqa=True), q, k, v)
+    expected = grads_of(f64, q, k, v, causal_mask(variant, 11, 40), enable_gqa=True)
+    for name, a, e in zip(("out", "dq", "dk", "dv"), ours, expected):
+        assert a.shape == e.shape, name
+        assert (a.double() - e).abs().max().item() <= 2e-5 * max(1.0, e.abs().max().item()), name
+
+
+def test_causal_bias_errors():
+    q, k, v = tensors(32, seq_q=4, seq_kv=53)
+    with pytest.raises(ValueError, match="causal bias of 4 x 52 does not match"):
+        qt.scaled_dot_product_attention(q, k, v, attn_mask=causal_bias("lower_right", 4, 52))
+    with pytest.raises(RuntimeError, match="should not be set when is_causal=True"):
+        qt.scaled_dot_product_attention(q, k, v, attn_mask=causal_bias("lower_right", 4, 53),
+                                        is_causal=True)
+
+
 def test_fully_masked_rows_are_zero_not_nan():
     q, k, v = tensors(6)
     mask = torch.ones(37, 53, dtype=torch.bool)
