@@ -76,7 +76,7 @@ constexpr std::int64_t kTaskBlocks =
 constexpr std::int64_t kSplitTasks = 16;      // tasks a key split aims for
 constexpr std::int64_t kMinSplitKeys = 1024;  // keys per split, at least (a multiple of kBlockK)
 // ... or this many, where that keeps more of an entry's kv heads in one group (PlanWork).
-constexpr std::int64_t kMinSplitKeysWholeRows = 512;
+constexpr std::int64_t kMinSplitKeysWholeRows = 256;
 constexpr std::int64_t kMaxSplits = 16;
 constexpr std::int64_t kMergeRows = 64;  // output rows per merge task
 // Decode steps whose blocks are wide (9-32 rows per kv head on AVX2: a few queries of a GQA
@@ -125,7 +125,45 @@ WorkPlan PlanWork(const AttentionKernelParams& p) {
                    : std::clamp<std::int64_t>(w.items / kMinGroups, 1, kMaxBlocksPerTask);
   w.splits = 1;
   w.split_keys = p.seq_kv;
+  const std::int64_t batch_items = p.num_heads_kv * w.blocks_per_kv_head;
+  const std::int64_t group_blocks = one_per_group ? 1
+                                    : narrow      ? SplitGroupNarrowBlocks()
+                                                  : kSplitGroupBlocks;
+  // Blocks per group of a key split with at most `splits` splits (below).
+  const auto group_size = [&](std::int64_t splits) {
+    const std::int64_t groups_needed = (kMinTasks + splits - 1) / splits;
+    const std::int64_t size =
+        std::clamp<std::int64_t>(w.items / groups_needed, 1, std::min(group_blocks, batch_items));
+    // A size that divides an entry's blocks, if one is at least half as large: no group then
+    // straddles two entries.
+    for (std::int64_t s = size; 2 * s > size; --s) {
+      if (batch_items % s == 0) return s;
+    }
+    return size;
+  };
   std::int64_t max_splits = std::min(kMaxSplits, p.seq_kv / kMinSplitKeys);
+  // In BSHD (heads inner) a group of all of an entry's kv heads reads each key's K and V rows
+  // whole, and groups of some of them read their parts of every row: where kMinTasks tasks
+  // split the heads for want of splits (Lk < 8192 at B = 1, or no split under 2048 keys), the
+  // fewest shorter splits (down to kMinSplitKeysWholeRows keys, from Lk = kMinSplitKeys on) that
+  // keep the most of them together. Zen 2, 2 threads, D = 128, alternating binaries, 3-5
+  // rounds: GQA 32:8 decode at Lk = 7168 (7 splits in two groups of 4 kv heads before, 8 splits
+  // in one now) bf16 1.28x, f32 1.22x; Lk = 8064 1.41x, 1.23x; Lk = 2000 (single-head tasks
+  // before) 1.12x, 1.25x; four draft tokens (1,32,8,4,8000) 1.14x; multi-head (1,32,32,1,6000)
+  // 1.10x, 1.09x; (1,32,32,1,1500) bf16 1.74x (docs/kernels.md, "Shorter splits"). Shorter
+  // splits where the groups stay as they were (B = 2, Lk = 6000) measured 0.97x, and under
+  // 1024 keys 0.95-1.07x: hence only where a group grows, and from 1024 keys.
+  if (HeadsInner(p) && p.seq_kv >= kMinSplitKeys) {
+    std::int64_t largest = group_size(std::max<std::int64_t>(max_splits, 1));
+    const std::int64_t most = std::min(kMaxSplits, p.seq_kv / kMinSplitKeysWholeRows);
+    for (std::int64_t splits = std::max<std::int64_t>(max_splits, 1) + 1; splits <= most;
+         ++splits) {
+      if (group_size(splits) > largest) {
+        max_splits = splits;
+        largest = group_size(splits);
+      }
+    }
+  }
   if (w.items < (narrow ? kSplitBelowNarrowItems : kSplitBelowItems) && max_splits >= 2) {
     // Few blocks, long keys (decoding): the splits supply the parallelism, so a group can take
     // more blocks (all kv heads of a decode step: each key tile is then one contiguous stretch of
@@ -136,42 +174,7 @@ WorkPlan PlanWork(const AttentionKernelParams& p) {
     // Hkv = 32 bf16 1.55-2.0x and f32 1.32-1.6x, Hq = Hkv = 16 bf16 1.34x, B = 4 with Hq = 32,
     // Hkv = 8 bf16 2.7-3.5x and f32 1.25-1.38x; B = 1, H = 8, Lq = 256, Lk = 8192 f32
     // 1.05-1.11x; docs/kernels.md, "Flash-decoding".)
-    const std::int64_t batch_items = p.num_heads_kv * w.blocks_per_kv_head;
-    const std::int64_t group_blocks = one_per_group ? 1
-                                      : narrow      ? SplitGroupNarrowBlocks()
-                                                    : kSplitGroupBlocks;
-    // Blocks per group, with at most `splits` splits.
-    const auto group_size = [&](std::int64_t splits) {
-      const std::int64_t groups_needed = (kMinTasks + splits - 1) / splits;
-      const std::int64_t size =
-          std::clamp<std::int64_t>(w.items / groups_needed, 1, std::min(group_blocks, batch_items));
-      // A size that divides an entry's blocks, if one is at least half as large: no group then
-      // straddles two entries.
-      for (std::int64_t s = size; 2 * s > size; --s) {
-        if (batch_items % s == 0) return s;
-      }
-      return size;
-    };
     w.per_task = group_size(max_splits);
-    // In BSHD (heads inner) a group of all of an entry's kv heads reads each key's K and V rows
-    // whole, and groups of some of them read their parts of every row: where kMinTasks tasks
-    // split the heads for want of splits (Lk < 8192 at B = 1), the fewest shorter splits (down
-    // to kMinSplitKeysWholeRows keys) that keep the most of them together. Zen 2, 2 threads,
-    // D = 128, alternating binaries, 3 rounds: GQA 32:8 decode at Lk = 7168 (7 splits in two
-    // groups of 4 kv heads before, 8 splits in one now) bf16 1.28x, f32 1.22x; Lk = 8064 1.41x,
-    // 1.23x; Lk = 3000 1.06x, 1.14x; four draft tokens (1,32,8,4,8000) 1.14x; multi-head
-    // (1,32,32,1,6000) 1.10x, 1.09x (docs/kernels.md, "Shorter splits"). Shorter splits where
-    // the groups stay as they were (B = 2, Lk = 6000) measured 0.97x: hence only where one grows.
-    if (HeadsInner(p)) {
-      // The fewest splits that give the largest group.
-      const std::int64_t most = std::min(kMaxSplits, p.seq_kv / kMinSplitKeysWholeRows);
-      for (std::int64_t splits = max_splits + 1; splits <= most; ++splits) {
-        if (group_size(splits) > w.per_task) {
-          max_splits = splits;
-          w.per_task = group_size(splits);
-        }
-      }
-    }
     const std::int64_t groups = (w.items + w.per_task - 1) / w.per_task;
     const std::int64_t splits =
         std::clamp<std::int64_t>((kSplitTasks + groups - 1) / groups, 1, max_splits);
