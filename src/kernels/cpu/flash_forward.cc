@@ -148,9 +148,10 @@ WorkPlan PlanWork(const AttentionKernelParams& p) {
   // fewest shorter splits (down to kMinSplitKeysWholeRows keys, from Lk = kMinSplitKeys on) that
   // keep the most of them together. Zen 2, 2 threads, D = 128, alternating binaries, 3-5
   // rounds: GQA 32:8 decode at Lk = 7168 (7 splits in two groups of 4 kv heads before, 8 splits
-  // in one now) bf16 1.28x, f32 1.22x; Lk = 8064 1.41x, 1.23x; Lk = 2000 (single-head tasks
-  // before) 1.12x, 1.25x; four draft tokens (1,32,8,4,8000) 1.14x; multi-head (1,32,32,1,6000)
-  // 1.10x, 1.09x; (1,32,32,1,1500) bf16 1.74x (docs/kernels.md, "Shorter splits"). Shorter
+  // in one now) bf16 1.27-1.28x, f32 1.22-1.28x; Lk = 8064 1.41x, 1.23x; Lk = 2000 (single-head
+  // tasks before) 1.16x, 1.26x; four draft tokens (1,32,8,4,8000) 1.13x; multi-head
+  // (1,32,32,1,6000) 1.10x, 1.09x; (1,32,32,1,1500) 1.56x, 1.90x (docs/kernels.md, "Shorter
+  // splits that keep the heads together"). Shorter
   // splits where the groups stay as they were (B = 2, Lk = 6000) measured 0.97x, and under
   // 1024 keys 0.95-1.07x: hence only where a group grows, and from 1024 keys.
   if (HeadsInner(p) && p.seq_kv >= kMinSplitKeys) {
