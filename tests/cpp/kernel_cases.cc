@@ -113,6 +113,12 @@ std::vector<Case> kernel_cases() {
     c = Case{.seq_q = 3, .seq_kv = 1100, .num_heads_q = 16, .num_heads_kv = 4, .head_dim = 128};
     c.head_dim_v = 40;
     add(c);
+    // A chunk of queries against a long cache: 9 blocks of 16 rows per kv head on AVX2 (72 in
+    // all), fewer than kSplitBelowItems there, so the keys split with groups of wide blocks;
+    // causal (bottom-right) with an odd last tile.
+    c = Case{.seq_q = 130, .seq_kv = 2100, .num_heads_q = 8, .num_heads_kv = 8, .head_dim = 16};
+    c.causal = true;
+    add(c);
   }
   // Causal and windows, both alignments, Lq <, =, > Lk.
   for (Align align : {Align::kBottomRight, Align::kTopLeft}) {

@@ -51,7 +51,16 @@ using namespace tiles;
 constexpr std::int64_t kMinTasks = 8;           // tasks a key split keeps, when it can
 constexpr std::int64_t kMinGroups = 16;         // groups the block grouping keeps, when it can
 constexpr std::int64_t kSplitGroupBlocks = 16;  // blocks per group at most, with a key split
-constexpr std::int64_t kSplitBelowItems = 64;   // fewer query blocks than this: split the keys
+// Fewer query blocks than this: split the keys. 64 blocks of 64 rows (AVX-512) when it was set;
+// in rows, so AVX2's blocks of 16 take 256 (before 2026-12-06 they took 64 too, and a chunk of
+// 128 or 256 queries against a long cache did not split: each of 16 tasks walked all keys for
+// half of one head's rows, so every head's K/V was read by two or more tasks, and in BSHD as
+// slices of its rows. Zen 2, 2 threads, alternating, 3 rounds: (1,8,8,128,8192,64) BSHD f32
+// 1.31x, causal 1.26x; (1,8,8,256,8192,64) 1.14x, causal 1.11x, BHSD 1.10x, bf16 1.05x;
+// (1,8,8,256,4096,128) 1.10x; (2,8,8,128,4096,64) 1.05x; 256 blocks and more unchanged:
+// (1,8,8,512,8192,64) 1.006x, (1,32,8,128,8192,128) 0.996x.)
+constexpr std::int64_t kSplitBelowRows = 4096;
+constexpr std::int64_t kSplitBelowItems = kSplitBelowRows / kBlockQ;
 // The same two for narrow blocks (decoding: at most kNarrowRows rows per kv head), whose scratch
 // and per-tile work are small, and batches of multi-head decode steps still split. On AMD a
 // group of 32 takes all heads of a 32-head decode step (each key's K and V rows then read
