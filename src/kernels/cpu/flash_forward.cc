@@ -168,9 +168,10 @@ WorkPlan PlanWork(const AttentionKernelParams& p) {
     const std::int64_t most = std::min(kMaxSplits, p.seq_kv / kMinSplitKeysWholeRows);
     for (std::int64_t splits = std::max<std::int64_t>(max_splits, 1) + 1; splits <= most;
          ++splits) {
-      if (group_size(splits) > largest) {
+      const std::int64_t size = group_size(splits);
+      if (size > largest) {
         max_splits = splits;
-        largest = group_size(splits);
+        largest = size;
       }
     }
   }
