@@ -10,8 +10,8 @@ attn_mask broadcastable to (N, ..., Hq, L, S), bool (True = takes part) or float
 scores), or torch's causal bias (torch.nn.attention.bias.causal_lower_right / causal_upper_left:
 the causal mask aligned at the bottom right or the top left, computed from positions as
 is_causal is, no mask array); is_causal is top-left aligned; scale defaults to 1/sqrt(E);
-enable_gqa lets Hq be a multiple of Hkv. One difference: a query row that the mask leaves with no key gets zeros from
-qkv, where PyTorch's math kernel gives NaN.
+enable_gqa lets Hq be a multiple of Hkv. One difference: a query row that the mask leaves with
+no key gets zeros from qkv, where PyTorch's math kernel gives NaN.
 
 It runs on torch.get_num_threads() threads (torch.set_num_threads sets them), as torch's own
 does. It is the torch.library custom op torch.ops.qkv.sdpa_forward (out and the log-sum-exp)
