@@ -49,9 +49,10 @@ and a GQA decoder's prefill; model_cases below), no decode.
 
 Method: each implementation is warmed up, then timed once per round; rounds interleave the
 implementations (in a fresh seeded order each round) so that they share the machine's noise,
-and the median over rounds is reported. A call under 20 ms is repeated to fill 20 ms and divided; in decode
-cases each of those calls follows an untimed read of a buffer of 256 MiB or twice the last-level
-cache (Evictor), so that it finds K and V in memory, as qkv bench's repeats do. Cases where
+and the median over rounds is reported. A call under 20 ms is repeated to fill 20 ms and
+divided; in decode cases each of those calls follows an untimed read of a buffer of 256 MiB or
+twice the last-level cache (Evictor), so that it finds K and V in memory, as qkv bench's
+repeats do. Cases where
 one call takes over 2 s get 3 rounds instead of --rounds. The peers in this process read one
 shared (B, H, L, D) copy of the inputs per dtype (ORT's decode cache included; ORT's MHA its
 BSH packing): on the VM of these sessions, decode ratios between private copies moved by up to

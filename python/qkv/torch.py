@@ -50,10 +50,10 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _NATIVE_OUT = (torch.float32, torch.float64)
 
 
-def _mask_with_causal():
-    """PyTorch's rule: no attn_mask (a causal bias included) together with is_causal."""
-    raise RuntimeError("scaled_dot_product_attention: explicit attn_mask should not be set when "
-                       "is_causal=True (PyTorch's rule)")
+def _mask_with_causal() -> RuntimeError:
+    """The error for PyTorch's rule: no attn_mask (a causal bias included) with is_causal."""
+    return RuntimeError("scaled_dot_product_attention: explicit attn_mask should not be set when "
+                        "is_causal=True (PyTorch's rule)")
 
 
 def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -74,7 +74,7 @@ def _check(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         raise ValueError(f"query, key and value must have the same number of dims, got shapes "
                          f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}")
     if attn_mask is not None and is_causal:
-        _mask_with_causal()
+        raise _mask_with_causal()
     heads_q, heads_kv = query.shape[-3], key.shape[-3]
     if heads_q != heads_kv and not enable_gqa:
         raise ValueError(f"query has {heads_q} heads and key {heads_kv}: pass enable_gqa=True "
@@ -98,7 +98,7 @@ def _causal_from_bias(query: torch.Tensor, key: torch.Tensor, attn_mask, is_caus
     if CausalBias is None or not isinstance(attn_mask, CausalBias):
         return attn_mask, is_causal, False
     if is_causal:
-        _mask_with_causal()
+        raise _mask_with_causal()
     seq_q, seq_kv = query.shape[-2], key.shape[-2]
     if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (seq_q, seq_kv):
         raise ValueError(f"attn_mask: a causal bias of {attn_mask.seq_len_q} x "
