@@ -50,11 +50,16 @@ def _framework(x: Any) -> str:
     return "numpy"
 
 
-def _shape(name: str, x: Any, expected: str) -> Tuple[int, ...]:
+def _array_shape(name: str, x: Any) -> Tuple[int, ...]:
     shape = getattr(x, "shape", None)
     if shape is None:
         raise TypeError(f"{name}: expected an array (numpy, torch or jax: DLPack or the buffer "
                         f"protocol), got {type(x).__name__}")
+    return tuple(shape)
+
+
+def _shape(name: str, x: Any, expected: str) -> Tuple[int, ...]:
+    shape = _array_shape(name, x)
     if len(shape) != 4:
         raise ValueError(f"{name}: shape {tuple(shape)} has {len(shape)} dims; expected 4: "
                          f"{expected}")
@@ -296,7 +301,7 @@ def attention_backward(q: Array, k: Array, v: Array, out: Array, lse: Array, dou
     if return_dbias:
         if bias is None:
             raise ValueError("return_dbias: needs a bias")
-        dbias = _empty(framework, tuple(bias.shape))
+        dbias = _empty(framework, _array_shape("bias", bias))
     q, k, v, bits, mask, bias, left, right = _shared(q, k, v, mask, bias, sparsity, window)
     _qkv.attention_backward(
         q, k, v, _input("out", out)[0], _input("lse", lse)[0], _input("dout", dout)[0],

@@ -10,8 +10,10 @@ attn_mask broadcastable to (N, ..., Hq, L, S), bool (True = takes part) or float
 scores), or torch's causal bias (torch.nn.attention.bias.causal_lower_right / causal_upper_left:
 the causal mask aligned at the bottom right or the top left, computed from positions as
 is_causal is, no mask array); is_causal is top-left aligned; scale defaults to 1/sqrt(E);
-enable_gqa lets Hq be a multiple of Hkv. One difference: a query row that the mask leaves with
-no key gets zeros from qkv, where PyTorch's math kernel gives NaN.
+enable_gqa lets Hq be a multiple of Hkv; sizes of 0 (an empty batch, L = 0, S = 0) give what
+torch's gives (S = 0: zeros; gradients 0). Two differences: a query row that the mask leaves
+with no key gets zeros from qkv, where PyTorch's math kernel gives NaN; and a head dim E of 0
+(with keys) is refused.
 
 It runs on torch.get_num_threads() threads (torch.set_num_threads sets them), as torch's own
 does. It is the torch.library custom op torch.ops.qkv.sdpa_forward (out and the log-sum-exp)
@@ -31,6 +33,7 @@ reused by the backward; the mask is not torch's own (no CPU kernel shares one).
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -91,6 +94,11 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _folded_batch(t: torch.Tensor) -> int:
+    """B of _as_4d(t), without the reshape (which a tensor of 0 elements cannot take)."""
+    return math.prod(t.shape[:-3])
+
+
 def _causal_from_bias(query: torch.Tensor, key: torch.Tensor, attn_mask, is_causal: bool):
     """attn_mask as (attn_mask, is_causal, lower_right): a torch CausalBias becomes the causal
     mask qkv computes from positions (lower_right: aligned at the bottom right, i' = i + S - L);
@@ -127,6 +135,42 @@ def _mask_and_bias(query, key, attn_mask):
     return mask, bias
 
 
+def _is_empty(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether a size is 0 (qkv's kernels take sizes >= 1; torch's SDPA takes 0 too)."""
+    return 0 in (*query.shape, *key.shape, *value.shape)
+
+
+def _empty_forward(query, key, value, attn_mask):
+    """(out, lse) for inputs with a size of 0, as torch's SDPA gives them: out has a size of 0,
+    or (S = 0) its rows see no key, so they are zeros (qkv's rule, and torch's too here); lse is
+    -inf. Checks first what qkv would check on inputs of sizes >= 1. A head dim E of 0 with
+    rows that see keys is refused (torch averages V there: scores of no dims are all 0)."""
+    shapes = (f"(query shape {tuple(query.shape)}, key shape {tuple(key.shape)}, value shape "
+              f"{tuple(value.shape)})")
+    if query.shape[:-3] != key.shape[:-3] or key.shape[:-1] != value.shape[:-1] or \
+            query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"query, key and value do not match: batch dims, key and value heads "
+                         f"and lengths, and query and key head dims must agree {shapes}")
+    heads_q, heads_kv = query.shape[-3], key.shape[-3]
+    if (heads_kv == 0 and heads_q != 0) or (heads_kv != 0 and heads_q % heads_kv != 0):
+        raise ValueError(f"query has {heads_q} heads, not a multiple of key's {heads_kv} "
+                         f"{shapes}")
+    out_shape = (*query.shape[:-1], value.shape[-1])
+    if attn_mask is not None:
+        try:
+            torch.broadcast_shapes(attn_mask.shape, (*query.shape[:-1], key.shape[-2]))
+        except RuntimeError:
+            raise ValueError(f"attn_mask: shape {tuple(attn_mask.shape)} is not broadcastable "
+                             f"to (N, ..., Hq, L, S) = {(*query.shape[:-1], key.shape[-2])}") \
+                from None
+    if query.shape[-1] == 0 and key.shape[-2] != 0 and 0 not in out_shape:
+        raise ValueError(f"query: head dim E = 0 is not supported by qkv {shapes}")
+    batch = _folded_batch(query)
+    lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    return (query.new_zeros(out_shape),
+            query.new_full((batch, heads_q, query.shape[-2]), float("-inf"), dtype=lse_dtype))
+
+
 def _align(lower_right: bool) -> str:
     return "bottom_right" if lower_right else "top_left"
 
@@ -136,6 +180,9 @@ def _forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
     """out in query's dtype (and, with return_lse, lse (B, Hq, L) over the inputs folded to
     4-D: float32, float64 for float64 inputs)."""
     _check(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+    if _is_empty(query, key, value):
+        out, lse = _empty_forward(query, key, value, attn_mask)
+        return (out, lse) if return_lse else out
     mask, bias = _mask_and_bias(query, key, attn_mask)
     # bfloat16 / float16 out straight from the kernel (the float32 result rounded to nearest
     # even, as .to(query.dtype) would give): no float32 buffer to fault in, no copy.
@@ -164,7 +211,7 @@ def _sdpa_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 @_sdpa_forward.register_fake
 def _sdpa_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                        seed, lower_right=False):
-    batch = _as_4d(query).shape[0]
+    batch = _folded_batch(query)
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     return (query.new_empty((*query.shape[:-1], value.shape[-1])),
             query.new_empty((batch, query.shape[-3], query.shape[-2]), dtype=lse_dtype))
@@ -179,6 +226,9 @@ def _sdpa_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tenso
                                                        torch.Tensor]:
     """(d query, d key, d value in their dtypes, d attn_mask: its shape and dtype when
     mask_grad, else an empty tensor)."""
+    if _is_empty(query, key, value):  # nothing reaches out: every gradient is 0
+        dmask = torch.zeros_like(attn_mask) if mask_grad else query.new_empty((0,))
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), dmask
     mask, bias = _mask_and_bias(query, key, attn_mask)
     # out and grad_out as qkv reads them: float32, or float64 for float64 inputs.
     as32 = lambda t: t if t.dtype in _NATIVE_OUT else t.to(torch.float32)  # noqa: E731

@@ -108,6 +108,8 @@ def test_errors(rng):
         qkv.attention_backward(q, k, v, out, lse, dout[..., :4])
     with pytest.raises(ValueError, match="return_dbias: needs a bias"):
         qkv.attention_backward(q, k, v, out, lse, dout, return_dbias=True)
+    with pytest.raises(TypeError, match="bias: expected an array"):
+        qkv.attention_backward(q, k, v, out, lse, dout, bias=(1.0, 2.0), return_dbias=True)
     with pytest.raises(ValueError, match="no chunked kernel"):
         qkv.attention_backward(q, k, v, out, lse, dout, kernel="chunked")
     with pytest.raises(ValueError, match="dout: dtype f64 is not supported .expected f32."):

@@ -226,6 +226,68 @@ def test_bad_tensors():
         qt.scaled_dot_product_attention(q, k[..., :5], v, enable_gqa=True)
 
 
+EMPTY_SHAPES = {  # query, key, value shapes with a size of 0 (qkv's kernels take sizes >= 1)
+    "batch_0": ((0, 2, 3, 8), (0, 2, 4, 8), (0, 2, 4, 5)),
+    "keys_0": ((1, 2, 3, 8), (1, 2, 0, 8), (1, 2, 0, 5)),
+    "queries_0": ((1, 2, 0, 8), (1, 2, 4, 8), (1, 2, 4, 5)),
+    "value_dim_0_gqa": ((1, 4, 3, 8), (1, 2, 4, 8), (1, 2, 4, 0)),
+    "five_dims_queries_0": ((2, 3, 4, 0, 6), (2, 3, 2, 5, 6), (2, 3, 2, 5, 6)),
+    "five_dims_heads_0": ((2, 0, 4, 3, 6), (2, 0, 2, 5, 6), (2, 0, 2, 5, 6)),
+    "three_dims_keys_0": ((3, 1, 8), (3, 0, 8), (3, 0, 8)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EMPTY_SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sizes_of_zero_give_what_torch_gives(case, dtype):
+    """out (zeros where rows see no key) and gradients (all 0) as torch's SDPA gives them, by the
+    direct call and through the op with autograd."""
+    g = torch.Generator().manual_seed(30)
+    ours, theirs = ([torch.randn(s, generator=g).to(dtype).requires_grad_() for s in
+                     EMPTY_SHAPES[case]] for _ in range(2))
+    with torch.no_grad():
+        direct = qt.scaled_dot_product_attention(*ours, enable_gqa=True, is_causal=True)
+    out = qt.scaled_dot_product_attention(*ours, enable_gqa=True, is_causal=True)
+    expected = F.scaled_dot_product_attention(*theirs, enable_gqa=True, is_causal=True)
+    for got in (direct, out):
+        assert got.dtype == dtype and got.shape == expected.shape
+        assert torch.equal(got, expected.detach())
+    grad = torch.randn(expected.shape, generator=g).to(dtype)
+    out.backward(grad)
+    expected.backward(grad)
+    for mine, torchs in zip(ours, theirs):
+        assert mine.grad.shape == torchs.grad.shape and torch.equal(mine.grad, torchs.grad)
+
+
+def test_sizes_of_zero_with_a_float_mask_and_fake_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = tensors(31, seq_kv=0)
+    bias = torch.randn(37, 0, requires_grad=True)
+    out = qt.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    assert out.shape == (2, 4, 37, 16) and not out.any()
+    out.sum().backward()
+    assert bias.grad.shape == bias.shape
+    with FakeTensorMode() as mode:  # 5-D: the batch dims fold into one, of 0 elements here
+        fake = [mode.from_tensor(x.unsqueeze(1)) for x in tensors(31, seq_q=0)]
+        out = qt.scaled_dot_product_attention(*fake)
+    assert out.shape == (2, 1, 4, 0, 16)
+
+
+def test_sizes_of_zero_still_check_shapes():
+    q, k, v = tensors(32, seq_kv=0)
+    with pytest.raises(ValueError, match="do not match"):
+        qt.scaled_dot_product_attention(q, k[..., :5], v[..., :5])
+    with pytest.raises(ValueError, match="do not match"):
+        qt.scaled_dot_product_attention(q, k, v[:1])
+    with pytest.raises(ValueError, match="not a multiple"):
+        qt.scaled_dot_product_attention(q, k[:, :3], v[:, :3], enable_gqa=True)
+    with pytest.raises(ValueError, match="not broadcastable"):
+        qt.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(36, 0, dtype=torch.bool))
+    with pytest.raises(ValueError, match="head dim E = 0"):
+        qt.scaled_dot_product_attention(*tensors(33, head_dim=0, head_dim_v=4))
+
+
 def test_is_a_torch_library_op_that_compiles():
     q, k, v = tensors(15)
     op = torch.ops.qkv.sdpa_forward.default
