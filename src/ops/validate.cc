@@ -85,9 +85,11 @@ AttentionShape validate_operands(const TensorView& q, const TensorView& k, const
                                  const std::string& dtype_hint, bool out_in_input_dtype) {
   const std::pair<const char*, const TensorView*> operands[] = {
       {"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}};
+  // Sizes first: an empty array (from DLPack, a torch tensor of 0 elements) has no data either,
+  // and its shape is what the user can act on.
   for (const auto& [name, view] : operands) {
-    require_data(name, *view);
     require_positive_sizes(name, *view);
+    require_data(name, *view);
   }
   const bool half = q.dtype == DType::kBF16 || q.dtype == DType::kF16 || q.dtype == DType::kF64;
   if (!(q.dtype == DType::kF32 || (half_inputs && half))) {

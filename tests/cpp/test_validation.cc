@@ -102,6 +102,13 @@ TEST(Validation, Dtypes) {
 
 TEST(Validation, ZeroSizes) {
   expect_error([](Valid& p) { p.kv.sizes[1] = 0; }, {"k: shape (2, 0, 2, 8)", ">= 1"});
+  // An empty array may come with no data (DLPack): its shape is still what the message names.
+  expect_error(
+      [](Valid& p) {
+        p.qv.sizes[0] = 0;
+        p.qv.data = nullptr;
+      },
+      {"q: shape (0, 3, 4, 8)", ">= 1"});
 }
 
 TEST(Validation, ShapeMismatchesNameBothShapes) {
