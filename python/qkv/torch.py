@@ -13,7 +13,7 @@ is_causal is, no mask array); is_causal is top-left aligned; scale defaults to 1
 enable_gqa lets Hq be a multiple of Hkv; sizes of 0 (an empty batch, L = 0, S = 0) give what
 torch's gives (S = 0: zeros; gradients 0). Two differences: a query row that the mask leaves
 with no key gets zeros from qkv, where PyTorch's math kernel gives NaN; and a head dim E of 0
-(with keys) is refused.
+(with keys) is refused. scale may be negative or 0, as in torch.
 
 It runs on torch.get_num_threads() threads (torch.set_num_threads sets them), as torch's own
 does. It is the torch.library custom op torch.ops.qkv.sdpa_forward (out and the log-sum-exp)
@@ -318,6 +318,10 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     (N, ..., Hkv, S, Ev) -> (N, ..., Hq, L, Ev), query's dtype. attn_mask may be torch's
     causal_lower_right(L, S) or causal_upper_left(L, S)."""
     attn_mask, is_causal, lower_right = _causal_from_bias(query, key, attn_mask, is_causal)
+    if scale is not None and scale <= 0.0:  # torch takes any scale, qkv's kernels one > 0:
+        # q . k * s = (-q) . k * (-s); with s = 0 every score is 0, as (0 * q) . k * 1 gives
+        # (autograd sees the negation or the product, so the query's gradient follows).
+        query, scale = (query.neg(), -float(scale)) if scale < 0.0 else (query.mul(0.0), 1.0)
     seed = 0
     if dropout_p > 0.0:  # a fresh mask per call, from torch's default generator
         seed = int(torch.randint(0, 2**62, (1,)).item())

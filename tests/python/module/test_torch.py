@@ -392,6 +392,17 @@ def grads_of(fn, q, k, v, mask=None, **options):
                                                else None]
 
 
+def test_negative_scale_with_is_causal_is_the_softmax():
+    """torch 2.15's SDPA gives NaN here (float32 and float64); qkv.torch the plain softmax of
+    the scaled scores, masked causally (top left)."""
+    q, k, v = tensors(24, seq_q=37, seq_kv=53)
+    out = qt.scaled_dot_product_attention(q, k, v, scale=-0.3, is_causal=True)
+    scores = (q.double() @ k.double().transpose(-1, -2)) * -0.3
+    allowed = torch.ones(37, 53, dtype=torch.bool).tril()
+    expected = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v.double()
+    assert (out.double() - expected).abs().max().item() < 2e-5
+
+
 def f64(q, k, v, attn_mask=None, **options):
     if attn_mask is not None and attn_mask.is_floating_point():
         attn_mask = attn_mask.double()
@@ -400,7 +411,7 @@ def f64(q, k, v, attn_mask=None, **options):
 
 
 @pytest.mark.parametrize("case", ["plain", "causal", "gqa", "bool_mask", "float_mask", "scale",
-                                  "causal_lq_gt_lk", "five_dims"])
+                                  "negative_scale", "zero_scale", "causal_lq_gt_lk", "five_dims"])
 def test_gradients_match_torch(case):
     q, k, v = tensors(20, seq_q=37, seq_kv=53)
     mask, options = None, {}
@@ -415,6 +426,13 @@ def test_gradients_match_torch(case):
         mask = torch.randn(4, 37, 53, generator=torch.Generator().manual_seed(4))
     elif case == "scale":
         options = dict(scale=0.3)
+    elif case == "negative_scale":  # torch takes any scale; qkv.torch negates q for it
+        # (with is_causal, torch 2.15 gives NaN for a negative scale; a bool mask it takes)
+        mask = torch.rand(37, 53, generator=torch.Generator().manual_seed(7)) < 0.7
+        options = dict(scale=-0.3)
+    elif case == "zero_scale":  # every score 0: V averaged over the keys the mask allows
+        mask = torch.randn(4, 37, 53, generator=torch.Generator().manual_seed(6))
+        options = dict(scale=0.0)
     elif case == "causal_lq_gt_lk":
         q, k, v = tensors(22, seq_q=53, seq_kv=37)
         options = dict(is_causal=True)
