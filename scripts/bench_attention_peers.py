@@ -52,12 +52,11 @@ implementations (in a fresh seeded order each round) so that they share the mach
 and the median over rounds is reported. A call under 20 ms is repeated to fill 20 ms and
 divided; in decode cases each of those calls follows an untimed read of a buffer of 256 MiB or
 twice the last-level cache (Evictor), so that it finds K and V in memory, as qkv bench's
-repeats do. Cases where
-one call takes over 2 s get 3 rounds instead of --rounds. The peers in this process read one
-shared (B, H, L, D) copy of the inputs per dtype (ORT's decode cache included; ORT's MHA its
-BSH packing): on the VM of these sessions, decode ratios between private copies moved by up to
-1.6x between runs. qkv bench (its own process) allocates its own; its JSON quotes its K/V rate
-against a plain read of its own arrays too.
+repeats do. Cases where one call takes over 2 s get 3 rounds instead of --rounds. The peers in
+this process read one shared (B, H, L, D) copy of the inputs per dtype (ORT's decode cache
+included; ORT's MHA its BSH packing): on the VM of these sessions, decode ratios between
+private copies moved by up to 1.6x between runs. qkv bench (its own process) allocates its
+own; its JSON quotes its K/V rate against a plain read of its own arrays too.
 
 Columns: median ms; GFLOP/s = 4 * B * Hq * Lq * Lk * D / time, counting only the pairs the causal
 mask allows (bottom-right aligned; "effective" GFLOP/s, DESIGN.md section 6); %peak = GFLOP/s /

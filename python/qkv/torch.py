@@ -94,9 +94,13 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _folded_batch(t: torch.Tensor) -> int:
-    """B of _as_4d(t), without the reshape (which a tensor of 0 elements cannot take)."""
-    return math.prod(t.shape[:-3])
+def _result_shapes(query: torch.Tensor, value: torch.Tensor):
+    """(out's shape, lse's shape, lse's dtype) of the op: out (N, ..., Hq, L, Ev); lse (B, Hq, L)
+    over the inputs folded to 4-D, float32 (float64 for float64 inputs). B is _as_4d's, taken
+    without its reshape, which a tensor of 0 elements cannot take."""
+    lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    return ((*query.shape[:-1], value.shape[-1]),
+            (math.prod(query.shape[:-3]), query.shape[-3], query.shape[-2]), lse_dtype)
 
 
 def _causal_from_bias(query: torch.Tensor, key: torch.Tensor, attn_mask, is_causal: bool):
@@ -155,7 +159,7 @@ def _empty_forward(query, key, value, attn_mask):
     if (heads_kv == 0 and heads_q != 0) or (heads_kv != 0 and heads_q % heads_kv != 0):
         raise ValueError(f"query has {heads_q} heads, not a multiple of key's {heads_kv} "
                          f"{shapes}")
-    out_shape = (*query.shape[:-1], value.shape[-1])
+    out_shape, lse_shape, lse_dtype = _result_shapes(query, value)
     if attn_mask is not None:
         try:
             torch.broadcast_shapes(attn_mask.shape, (*query.shape[:-1], key.shape[-2]))
@@ -165,10 +169,7 @@ def _empty_forward(query, key, value, attn_mask):
                 from None
     if query.shape[-1] == 0 and key.shape[-2] != 0 and 0 not in out_shape:
         raise ValueError(f"query: head dim E = 0 is not supported by qkv {shapes}")
-    batch = _folded_batch(query)
-    lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    return (query.new_zeros(out_shape),
-            query.new_full((batch, heads_q, query.shape[-2]), float("-inf"), dtype=lse_dtype))
+    return query.new_zeros(out_shape), query.new_full(lse_shape, float("-inf"), dtype=lse_dtype)
 
 
 def _align(lower_right: bool) -> str:
@@ -211,10 +212,8 @@ def _sdpa_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 @_sdpa_forward.register_fake
 def _sdpa_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                        seed, lower_right=False):
-    batch = _folded_batch(query)
-    lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    return (query.new_empty((*query.shape[:-1], value.shape[-1])),
-            query.new_empty((batch, query.shape[-3], query.shape[-2]), dtype=lse_dtype))
+    out_shape, lse_shape, lse_dtype = _result_shapes(query, value)
+    return query.new_empty(out_shape), query.new_empty(lse_shape, dtype=lse_dtype)
 
 
 @torch.library.custom_op("qkv::sdpa_backward", mutates_args=(), device_types="cpu")
