@@ -322,11 +322,13 @@ void Linear::run(const void* x, bool x_bf16, std::int64_t rows, void* y, bool y_
     if (m.rounds_in_f32()) {
       if (x_rounded.size() < static_cast<std::size_t>(rows * in)) x_rounded.resize(rows * in);
       float* dst = x_rounded.data();
-      parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
-        if (x_bf16) {
-          for (std::int64_t i = 0; i < in; ++i) dst[r * in + i] = bf16_bits_to_f32(xb[r * in + i]);
-        } else {
-          layers::round_to_bf16_kernel(xf + r * x_stride, in, dst + r * in);
+      parallel_for_blocks(rows, in, resolve_num_threads(0), [&](std::int64_t r0, std::int64_t r1) {
+        for (std::int64_t r = r0; r < r1; ++r) {
+          if (x_bf16) {
+            for (std::int64_t i = 0; i < in; ++i) dst[r * in + i] = bf16_bits_to_f32(xb[r * in + i]);
+          } else {
+            layers::round_to_bf16_kernel(xf + r * x_stride, in, dst + r * in);
+          }
         }
       });
       src_data = dst;
@@ -335,8 +337,10 @@ void Linear::run(const void* x, bool x_bf16, std::int64_t rows, void* y, bool y_
         x_bf16_buffer.resize(rows * in);
       }
       std::uint16_t* dst = x_bf16_buffer.data();
-      parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
-        layers::round_to_bf16_kernel(xf + r * x_stride, in, dst + r * in);
+      parallel_for_blocks(rows, in, resolve_num_threads(0), [&](std::int64_t r0, std::int64_t r1) {
+        for (std::int64_t r = r0; r < r1; ++r) {
+          layers::round_to_bf16_kernel(xf + r * x_stride, in, dst + r * in);
+        }
       });
       src_data = dst;
     }
@@ -366,8 +370,10 @@ void Linear::run(const void* x, bool x_bf16, std::int64_t rows, void* y, bool y_
       // Pointers taken here: the workers' own thread_local y_f32 is not this thread's.
       const float* yf = y_f32.data();
       auto* yb = static_cast<std::uint16_t*>(y);
-      parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
-        layers::round_to_bf16_kernel(yf + r * out, out, yb + r * out);
+      parallel_for_blocks(rows, out, resolve_num_threads(0), [&](std::int64_t r0, std::int64_t r1) {
+        for (std::int64_t r = r0; r < r1; ++r) {
+          layers::round_to_bf16_kernel(yf + r * out, out, yb + r * out);
+        }
       });
     }
   } catch (const dnnl::error& e) {
@@ -431,8 +437,10 @@ void Linear::run_backward(const void* x_data, bool x_bf16, std::int64_t rows, co
       if (!bits && dy_values.size() < n) dy_values.resize(n);
       // dy's rows rounded into `to` (bits or values), the kind chosen once.
       const auto round_rows = [&](auto* to) {
-        parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
-          layers::round_to_bf16_kernel(dy + r * out, out, to + r * out);
+        parallel_for_blocks(rows, out, resolve_num_threads(0), [&](std::int64_t r0, std::int64_t r1) {
+          for (std::int64_t r = r0; r < r1; ++r) {
+            layers::round_to_bf16_kernel(dy + r * out, out, to + r * out);
+          }
         });
         dy_op = to;
       };
@@ -497,12 +505,14 @@ void Linear::run_backward(const void* x_data, bool x_bf16, std::int64_t rows, co
       } else if (bf16 && !bits) {
         if (x_values.size() < static_cast<std::size_t>(rows * in)) x_values.resize(rows * in);
         float* values = x_values.data();
-        parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
-          if (x_bf16) {
-            for (std::int64_t i = 0; i < in; ++i)
-              values[r * in + i] = bf16_bits_to_f32(x_bits[r * in + i]);
-          } else {
-            layers::round_to_bf16_kernel(x + r * x_stride, in, values + r * in);
+        parallel_for_blocks(rows, in, resolve_num_threads(0), [&](std::int64_t r0, std::int64_t r1) {
+          for (std::int64_t r = r0; r < r1; ++r) {
+            if (x_bf16) {
+              for (std::int64_t i = 0; i < in; ++i)
+                values[r * in + i] = bf16_bits_to_f32(x_bits[r * in + i]);
+            } else {
+              layers::round_to_bf16_kernel(x + r * x_stride, in, values + r * in);
+            }
           }
         });
         given_md = memory::desc(Dims{rows, in}, type, memory::format_tag::ab);

@@ -215,10 +215,12 @@ void MultiHeadAttention::backward(const MhaTape& tape, const float* x, const flo
       params);
   // The projection's rows [dq | dk | dv].
   float* d_qkv = layers::scratch_floats(scratch->d_qkv, rows * F);
-  parallel_for(rows, resolve_num_threads(0), [&](std::int64_t r, int) {
-    std::copy_n(dq + r * E, E, d_qkv + r * F);
-    std::copy_n(dk + r * kvw, kvw, d_qkv + r * F + E);
-    std::copy_n(dv + r * kvw, kvw, d_qkv + r * F + E + kvw);
+  parallel_for_blocks(rows, F, resolve_num_threads(0), [&](std::int64_t r0, std::int64_t r1) {
+    for (std::int64_t r = r0; r < r1; ++r) {
+      std::copy_n(dq + r * E, E, d_qkv + r * F);
+      std::copy_n(dk + r * kvw, kvw, d_qkv + r * F + E);
+      std::copy_n(dv + r * kvw, kvw, d_qkv + r * F + E + kvw);
+    }
   });
   // Its backward on the canonical [Wq; Wk; Wv]: straight into the gradients where they are in
   // that order (kFusedBlocks; the product accumulates into them), else into a buffer whose

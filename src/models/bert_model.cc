@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string>
 
+#include "core/parallel.h"
 #include "io/safetensors.h"
 #include "qkv/error.h"
 
@@ -171,14 +172,16 @@ void BertModel::forward(std::span<const std::int32_t> ids, std::span<const std::
   // Embeddings: hidden[b, t] = word[ids[b, t]] + position[t] + token_type[0], then LayerNorm.
   const std::int64_t e = config_.hidden_size;
   const std::int64_t rows = batch * seq;
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const float* word = word_embeddings_.data() + ids[r] * e;
-    const float* position = position_embeddings_.data() + (r % seq) * e;
-    const float* type = token_type_embedding_.data();
-    float* out = hidden + r * e;
-    // BertEmbeddings' order: (word + token_type) + position.
-    for (std::int64_t c = 0; c < e; ++c) out[c] = (word[c] + type[c]) + position[c];
-  }
+  parallel_for_blocks(rows, e, resolve_num_threads(0), [&](std::int64_t r0, std::int64_t r1) {
+    for (std::int64_t r = r0; r < r1; ++r) {
+      const float* word = word_embeddings_.data() + ids[r] * e;
+      const float* position = position_embeddings_.data() + (r % seq) * e;
+      const float* type = token_type_embedding_.data();
+      float* out = hidden + r * e;
+      // BertEmbeddings' order: (word + token_type) + position.
+      for (std::int64_t c = 0; c < e; ++c) out[c] = (word[c] + type[c]) + position[c];
+    }
+  });
   embeddings_norm_.forward(hidden, nullptr, rows, hidden);
 
   MhaOptions options;

@@ -36,24 +36,27 @@ void merge_attention(const TensorView& out, const TensorView& lse, const TensorV
   float* l = static_cast<float*>(lse.data);
   const float* ob = static_cast<const float*>(out_b.data);
   const float* lb = static_cast<const float*>(lse_b.data);
-  // One task per (b, h, i) row.
-  parallel_for(batch * heads * seq_q, resolve_num_threads(num_threads),
-               [&](std::int64_t task, int) {
-                 const std::int64_t i = task % seq_q, h = task / seq_q % heads;
-                 const std::int64_t b = task / (seq_q * heads);
-                 float& la = l[lse.offset(b, h, i, 0)];
-                 const float lb_row = lb[lse_b.offset(b, h, i, 0)];
-                 const float m = std::max(la, lb_row);
-                 // Both -inf: nothing on either side, and exp(-inf - -inf) would be NaN.
-                 if (m == -std::numeric_limits<float>::infinity()) return;
-                 const float wa = std::exp(la - m), wb = std::exp(lb_row - m);
-                 const float inv = 1.0f / (wa + wb);
-                 for (std::int64_t d = 0; d < dim_v; ++d) {
-                   float& x = o[out.offset(b, i, h, d)];
-                   x = (wa * x + wb * ob[out_b.offset(b, i, h, d)]) * inv;
-                 }
-                 la = m + std::log(wa + wb);
-               });
+  // (b, h, i) rows, in blocks of rows per task.
+  const auto merge_row = [&](std::int64_t row) {
+    const std::int64_t i = row % seq_q, h = row / seq_q % heads;
+    const std::int64_t b = row / (seq_q * heads);
+    float& la = l[lse.offset(b, h, i, 0)];
+    const float lb_row = lb[lse_b.offset(b, h, i, 0)];
+    const float m = std::max(la, lb_row);
+    // Both -inf: nothing on either side, and exp(-inf - -inf) would be NaN.
+    if (m == -std::numeric_limits<float>::infinity()) return;
+    const float wa = std::exp(la - m), wb = std::exp(lb_row - m);
+    const float inv = 1.0f / (wa + wb);
+    for (std::int64_t d = 0; d < dim_v; ++d) {
+      float& x = o[out.offset(b, i, h, d)];
+      x = (wa * x + wb * ob[out_b.offset(b, i, h, d)]) * inv;
+    }
+    la = m + std::log(wa + wb);
+  };
+  parallel_for_blocks(batch * heads * seq_q, dim_v, resolve_num_threads(num_threads),
+                      [&](std::int64_t begin, std::int64_t end) {
+                        for (std::int64_t row = begin; row < end; ++row) merge_row(row);
+                      });
 }
 
 }  // namespace qkv
