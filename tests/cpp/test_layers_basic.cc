@@ -66,8 +66,10 @@ TEST(LayersActivation, GeluErfRelativeError) {
 // The hidden activations of mixed-precision training: act(x) in f32 lanes rounded to bf16
 // (activation_to_bf16_kernel) against the float64 activation rounded once: never more than one
 // bf16 step apart, and equal for nearly all (the f32 evaluation is within ~1e-6 of it; only
-// values near a rounding boundary of bf16's 2^-9 can differ), down to magnitudes of 1e-30 (GELU
-// erf's far negative tail, where both are that small); every target, a vector's tail.
+// values near a rounding boundary of bf16's 2^-9 can differ), down to magnitudes of 1e-30 (the
+// GELUs' far negative tails, where both are that small and the f32 exp stops at FLT_MIN: GELU
+// tanh of x < -10 flushes to -0 where float64 has 1e-38 .. 1e-45); every target, a vector's
+// tail.
 TEST(LayersActivation, ToBf16IsTheRoundedActivation) {
   for_each_target(layers::layer_kernels_target_name, [&](std::int64_t) {
     std::vector<float> x = random_floats(4000 + 7, 71, -12.0f, 12.0f);
@@ -84,7 +86,7 @@ TEST(LayersActivation, ToBf16IsTheRoundedActivation) {
         const bool tiny = std::abs(want) < 1e-30f && std::abs(bf16_bits_to_f32(bits[i])) < 1e-30f;
         ASSERT_TRUE(step <= 1 || tiny)
             << activation_name(act) << " x = " << x[i] << ": " << bits[i] << " vs " << w;
-        differ += bits[i] != w;
+        differ += bits[i] != w && !tiny;
       }
       EXPECT_LE(differ, n / 100) << activation_name(act);
       EXPECT_EQ(bits[n], 0xabcd);  // nothing past n
