@@ -27,7 +27,8 @@ void parallel_for(std::int64_t num_tasks, int num_threads,
 // dynamic scheduling than the row's own work (the bf16 embed's rounding passes: 1.14x).
 template <class F>
 void parallel_for_blocks(std::int64_t n, std::int64_t item_elements, int num_threads, F body) {
-  const std::int64_t block = std::max<std::int64_t>(1, (1 << 14) / std::max<std::int64_t>(1, item_elements));
+  const std::int64_t block =
+      std::max<std::int64_t>(1, (1 << 14) / std::max<std::int64_t>(1, item_elements));
   parallel_for((n + block - 1) / block, num_threads, [&](std::int64_t task, int) {
     body(task * block, std::min(n, (task + 1) * block));
   });

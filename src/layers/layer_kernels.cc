@@ -61,8 +61,9 @@ HWY_INLINE VD OnePlusErf(DD dd, VD xc) {
   return hn::IfThenElse(hn::Lt(xc, hn::Zero(dd)), erfc_abs, hn::Sub(hn::Set(dd, 2.0), erfc_abs));
 }
 
-// 1 / d for d in [1, 6] (1 + z / 2 of the erfc fit, 1 + e of the tanh form): the estimate (14 bits on AVX-512, 12 on
-// AVX2, exact on the scalar target) and one Newton step, r (2 - d r): within about an ulp.
+// 1 / d for d in [1, 6] (1 + z / 2 of the erfc fit, 1 + e of the tanh form): the estimate (14 bits
+// on AVX-512, 12 on AVX2, exact on the scalar target) and one Newton step, r (2 - d r): within
+// about an ulp.
 HWY_INLINE VF ReciprocalNewton(DF df, VF d) {
   const VF estimate = hn::ApproximateReciprocal(d);
   return hn::Mul(estimate, hn::NegMulAdd(d, estimate, hn::Set(df, 2.0f)));

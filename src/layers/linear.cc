@@ -325,7 +325,8 @@ void Linear::run(const void* x, bool x_bf16, std::int64_t rows, void* y, bool y_
       parallel_for_blocks(rows, in, resolve_num_threads(0), [&](std::int64_t r0, std::int64_t r1) {
         for (std::int64_t r = r0; r < r1; ++r) {
           if (x_bf16) {
-            for (std::int64_t i = 0; i < in; ++i) dst[r * in + i] = bf16_bits_to_f32(xb[r * in + i]);
+            for (std::int64_t i = 0; i < in; ++i)
+              dst[r * in + i] = bf16_bits_to_f32(xb[r * in + i]);
           } else {
             layers::round_to_bf16_kernel(xf + r * x_stride, in, dst + r * in);
           }
@@ -437,11 +438,12 @@ void Linear::run_backward(const void* x_data, bool x_bf16, std::int64_t rows, co
       if (!bits && dy_values.size() < n) dy_values.resize(n);
       // dy's rows rounded into `to` (bits or values), the kind chosen once.
       const auto round_rows = [&](auto* to) {
-        parallel_for_blocks(rows, out, resolve_num_threads(0), [&](std::int64_t r0, std::int64_t r1) {
-          for (std::int64_t r = r0; r < r1; ++r) {
-            layers::round_to_bf16_kernel(dy + r * out, out, to + r * out);
-          }
-        });
+        parallel_for_blocks(rows, out, resolve_num_threads(0),
+                            [&](std::int64_t r0, std::int64_t r1) {
+                              for (std::int64_t r = r0; r < r1; ++r) {
+                                layers::round_to_bf16_kernel(dy + r * out, out, to + r * out);
+                              }
+                            });
         dy_op = to;
       };
       if (bits) {
@@ -505,16 +507,17 @@ void Linear::run_backward(const void* x_data, bool x_bf16, std::int64_t rows, co
       } else if (bf16 && !bits) {
         if (x_values.size() < static_cast<std::size_t>(rows * in)) x_values.resize(rows * in);
         float* values = x_values.data();
-        parallel_for_blocks(rows, in, resolve_num_threads(0), [&](std::int64_t r0, std::int64_t r1) {
-          for (std::int64_t r = r0; r < r1; ++r) {
-            if (x_bf16) {
-              for (std::int64_t i = 0; i < in; ++i)
-                values[r * in + i] = bf16_bits_to_f32(x_bits[r * in + i]);
-            } else {
-              layers::round_to_bf16_kernel(x + r * x_stride, in, values + r * in);
-            }
-          }
-        });
+        parallel_for_blocks(
+            rows, in, resolve_num_threads(0), [&](std::int64_t r0, std::int64_t r1) {
+              for (std::int64_t r = r0; r < r1; ++r) {
+                if (x_bf16) {
+                  for (std::int64_t i = 0; i < in; ++i)
+                    values[r * in + i] = bf16_bits_to_f32(x_bits[r * in + i]);
+                } else {
+                  layers::round_to_bf16_kernel(x + r * x_stride, in, values + r * in);
+                }
+              }
+            });
         given_md = memory::desc(Dims{rows, in}, type, memory::format_tag::ab);
         given = values;
       }

@@ -135,14 +135,15 @@ struct TokenTagger::Impl {
                     std::vector<float>& x) const {
     const std::int64_t E = config.embed_dim;
     x.resize(static_cast<std::size_t>(batch * seq * E));
-    parallel_for_blocks(batch * seq, E, resolve_num_threads(0), [&](std::int64_t r0, std::int64_t r1) {
-      for (std::int64_t r = r0; r < r1; ++r) {
-        const float* e = embed.data() + tokens[r] * E;
-        const float* p = pos.data() + r % seq * E;
-        float* row = x.data() + r * E;
-        for (std::int64_t d = 0; d < E; ++d) row[d] = e[d] + p[d];
-      }
-    });
+    parallel_for_blocks(batch * seq, E, resolve_num_threads(0),
+                        [&](std::int64_t r0, std::int64_t r1) {
+                          for (std::int64_t r = r0; r < r1; ++r) {
+                            const float* e = embed.data() + tokens[r] * E;
+                            const float* p = pos.data() + r % seq * E;
+                            float* row = x.data() + r * E;
+                            for (std::int64_t d = 0; d < E; ++d) row[d] = e[d] + p[d];
+                          }
+                        });
   }
 
   // Every parameter and its gradient, in one fixed order.
