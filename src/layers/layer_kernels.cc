@@ -69,12 +69,12 @@ HWY_INLINE VF ReciprocalNewton(DF df, VF d) {
   return hn::Mul(estimate, hn::NegMulAdd(d, estimate, hn::Set(df, 2.0f)));
 }
 
-// The same in f32 lanes for |xc| <= 13, without a division or Highway's exp: t from the
-// reciprocal estimate (14 bits on AVX-512, 12 on AVX2) and one Newton step, and
-// exp(-z^2 + c) by fastexp::ExpNonPositive (1.8e-7 relative). The argument is >= -85.8 at
-// |xc| = 13 (above its cut at -87.34) and at most ~3e-8 where the fit's c(1) rounds above 0 (so
-// clamped to 0: exp there is 1 to f32). About 1.5 times fewer vector operations than a
-// division and hwy::Exp, and no divider: the bf16 activations and GELU's derivative in training.
+// The same in f32 lanes for |xc| <= 13, without a division or Highway's exp: t by
+// ReciprocalNewton and exp(-z^2 + c) by fastexp::ExpNonPositive (1.8e-7 relative). The
+// argument is >= -85.8 at |xc| = 13 (above its cut at -87.34) and at most ~3e-8 where the fit's
+// c(1) rounds above 0 (so clamped to 0: exp there is 1 to f32). About 1.5 times fewer vector
+// operations than a division and hwy::Exp, and no divider: the bf16 activations and GELU's
+// derivative in training.
 HWY_INLINE VF OnePlusErfF32(DF df, VF xc) {
   const VF z = hn::Mul(hn::Abs(xc), hn::Set(df, 0.70710678118654752440f));
   const VF t = ReciprocalNewton(df, hn::MulAdd(z, hn::Set(df, 0.5f), hn::Set(df, 1.0f)));
