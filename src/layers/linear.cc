@@ -181,6 +181,24 @@ std::vector<float> bf16_values(std::span<const float> w) {
   return out;
 }
 
+// x's bf16 values as f32 into dst ([rows, in] contiguous; bf16 products on f32 storage), the
+// rows over the threads: bf16 bits ([rows, in] contiguous) widened, exactly, or f32 rows
+// (x_stride apart) rounded to nearest even.
+void bf16_values_of_rows(const void* x, bool x_bf16, std::int64_t rows, std::int64_t in,
+                         std::int64_t x_stride, float* dst) {
+  const auto* xf = static_cast<const float*>(x);
+  const auto* xb = static_cast<const std::uint16_t*>(x);
+  parallel_for_blocks(rows, in, resolve_num_threads(0), [&](std::int64_t r0, std::int64_t r1) {
+    for (std::int64_t r = r0; r < r1; ++r) {
+      if (x_bf16) {
+        for (std::int64_t i = 0; i < in; ++i) dst[r * in + i] = bf16_bits_to_f32(xb[r * in + i]);
+      } else {
+        layers::round_to_bf16_kernel(xf + r * x_stride, in, dst + r * in);
+      }
+    }
+  });
+}
+
 dnnl::post_ops activation_post_ops(Activation act) {
   dnnl::post_ops ops;
   switch (act) {
@@ -318,21 +336,10 @@ void Linear::run(const void* x, bool x_bf16, std::int64_t rows, void* y, bool y_
     void* src_data = const_cast<void*>(x);
     const std::int64_t in = m.in_features;
     const float* xf = static_cast<const float*>(x);
-    const auto* xb = static_cast<const std::uint16_t*>(x);
     if (m.rounds_in_f32()) {
       if (x_rounded.size() < static_cast<std::size_t>(rows * in)) x_rounded.resize(rows * in);
-      float* dst = x_rounded.data();
-      parallel_for_blocks(rows, in, resolve_num_threads(0), [&](std::int64_t r0, std::int64_t r1) {
-        for (std::int64_t r = r0; r < r1; ++r) {
-          if (x_bf16) {
-            for (std::int64_t i = 0; i < in; ++i)
-              dst[r * in + i] = bf16_bits_to_f32(xb[r * in + i]);
-          } else {
-            layers::round_to_bf16_kernel(xf + r * x_stride, in, dst + r * in);
-          }
-        }
-      });
-      src_data = dst;
+      bf16_values_of_rows(x, x_bf16, rows, in, x_stride, x_rounded.data());
+      src_data = x_rounded.data();
     } else if (m.dtype == DType::kBF16 && !x_bf16) {
       if (x_bf16_buffer.size() < static_cast<std::size_t>(rows * in)) {
         x_bf16_buffer.resize(rows * in);
@@ -506,20 +513,9 @@ void Linear::run_backward(const void* x_data, bool x_bf16, std::int64_t rows, co
         given = x_bits;
       } else if (bf16 && !bits) {
         if (x_values.size() < static_cast<std::size_t>(rows * in)) x_values.resize(rows * in);
-        float* values = x_values.data();
-        parallel_for_blocks(
-            rows, in, resolve_num_threads(0), [&](std::int64_t r0, std::int64_t r1) {
-              for (std::int64_t r = r0; r < r1; ++r) {
-                if (x_bf16) {
-                  for (std::int64_t i = 0; i < in; ++i)
-                    values[r * in + i] = bf16_bits_to_f32(x_bits[r * in + i]);
-                } else {
-                  layers::round_to_bf16_kernel(x + r * x_stride, in, values + r * in);
-                }
-              }
-            });
+        bf16_values_of_rows(x_data, x_bf16, rows, in, x_stride, x_values.data());
         given_md = memory::desc(Dims{rows, in}, type, memory::format_tag::ab);
-        given = values;
+        given = x_values.data();
       }
       execute(pd, {{DNNL_ARG_SRC, memory(dyt_md, cpu_engine(), const_cast<void*>(dy_op))},
                    {DNNL_ARG_WEIGHTS, operand(pd.weights_desc(), given_md, given, x_buffer)},
