@@ -181,21 +181,27 @@ std::vector<float> bf16_values(std::span<const float> w) {
   return out;
 }
 
-// x's bf16 values as f32 into dst ([rows, in] contiguous; bf16 products on f32 storage), the
-// rows over the threads: bf16 bits ([rows, in] contiguous) widened, exactly, or f32 rows
-// (x_stride apart) rounded to nearest even.
+// f32 rows (src_stride apart, `width` each) rounded to bf16 (nearest even) into dst ([rows,
+// width] contiguous), as bf16 bits (T = std::uint16_t) or as their f32 values (T = float), the
+// rows over the threads in blocks.
+template <typename T>
+void round_rows(const float* src, std::int64_t src_stride, std::int64_t rows, std::int64_t width,
+                T* dst) {
+  parallel_for_blocks(rows, width, resolve_num_threads(0), [&](std::int64_t r0, std::int64_t r1) {
+    for (std::int64_t r = r0; r < r1; ++r) {
+      layers::round_to_bf16_kernel(src + r * src_stride, width, dst + r * width);
+    }
+  });
+}
+
+// x's bf16 values as f32 into dst ([rows, in] contiguous; bf16 products on f32 storage): bf16
+// bits ([rows, in] contiguous) widened, exactly, or f32 rows (x_stride apart) rounded.
 void bf16_values_of_rows(const void* x, bool x_bf16, std::int64_t rows, std::int64_t in,
                          std::int64_t x_stride, float* dst) {
-  const auto* xf = static_cast<const float*>(x);
+  if (!x_bf16) return round_rows(static_cast<const float*>(x), x_stride, rows, in, dst);
   const auto* xb = static_cast<const std::uint16_t*>(x);
   parallel_for_blocks(rows, in, resolve_num_threads(0), [&](std::int64_t r0, std::int64_t r1) {
-    for (std::int64_t r = r0; r < r1; ++r) {
-      if (x_bf16) {
-        for (std::int64_t i = 0; i < in; ++i) dst[r * in + i] = bf16_bits_to_f32(xb[r * in + i]);
-      } else {
-        layers::round_to_bf16_kernel(xf + r * x_stride, in, dst + r * in);
-      }
-    }
+    for (std::int64_t i = r0 * in; i < r1 * in; ++i) dst[i] = bf16_bits_to_f32(xb[i]);
   });
 }
 
@@ -344,13 +350,8 @@ void Linear::run(const void* x, bool x_bf16, std::int64_t rows, void* y, bool y_
       if (x_bf16_buffer.size() < static_cast<std::size_t>(rows * in)) {
         x_bf16_buffer.resize(rows * in);
       }
-      std::uint16_t* dst = x_bf16_buffer.data();
-      parallel_for_blocks(rows, in, resolve_num_threads(0), [&](std::int64_t r0, std::int64_t r1) {
-        for (std::int64_t r = r0; r < r1; ++r) {
-          layers::round_to_bf16_kernel(xf + r * x_stride, in, dst + r * in);
-        }
-      });
-      src_data = dst;
+      round_rows(xf, x_stride, rows, in, x_bf16_buffer.data());
+      src_data = x_bf16_buffer.data();
     }
     const std::int64_t out = m.out_features;
     const bool rounds_y = y_bf16 && !dst_bf16;
@@ -375,14 +376,8 @@ void Linear::run(const void* x, bool x_bf16, std::int64_t rows, void* y, bool y_
     e->matmul.execute(stream, args);
     stream.wait();
     if (rounds_y) {
-      // Pointers taken here: the workers' own thread_local y_f32 is not this thread's.
-      const float* yf = y_f32.data();
-      auto* yb = static_cast<std::uint16_t*>(y);
-      parallel_for_blocks(rows, out, resolve_num_threads(0), [&](std::int64_t r0, std::int64_t r1) {
-        for (std::int64_t r = r0; r < r1; ++r) {
-          layers::round_to_bf16_kernel(yf + r * out, out, yb + r * out);
-        }
-      });
+      // y_f32's data taken here: the workers' own thread_local y_f32 is not this thread's.
+      round_rows(y_f32.data(), out, rows, out, static_cast<std::uint16_t*>(y));
     }
   } catch (const dnnl::error& e) {
     throw Error(where + ": oneDNN failed for x shape [" + std::to_string(rows) +
@@ -443,20 +438,13 @@ void Linear::run_backward(const void* x_data, bool x_bf16, std::int64_t rows, co
       const auto n = static_cast<std::size_t>(rows * out);
       if (bits && dy_bits.size() < n) dy_bits.resize(n);
       if (!bits && dy_values.size() < n) dy_values.resize(n);
-      // dy's rows rounded into `to` (bits or values), the kind chosen once.
-      const auto round_rows = [&](auto* to) {
-        parallel_for_blocks(rows, out, resolve_num_threads(0),
-                            [&](std::int64_t r0, std::int64_t r1) {
-                              for (std::int64_t r = r0; r < r1; ++r) {
-                                layers::round_to_bf16_kernel(dy + r * out, out, to + r * out);
-                              }
-                            });
-        dy_op = to;
-      };
+      // dy's rows rounded into bits or values, the kind chosen once.
       if (bits) {
-        round_rows(dy_bits.data());
+        round_rows(dy, out, rows, out, dy_bits.data());
+        dy_op = dy_bits.data();
       } else {
-        round_rows(dy_values.data());
+        round_rows(dy, out, rows, out, dy_values.data());
+        dy_op = dy_values.data();
       }
     }
     const float* plain = nullptr;
