@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <bit>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <optional>
 #include <string_view>
@@ -313,34 +314,47 @@ const SafetensorsTensor& SafetensorsFile::tensor(const std::string& name) const 
   return it->second;
 }
 
-std::vector<float> SafetensorsFile::read_f32(const std::string& name,
-                                             std::span<const std::int64_t> expected_shape) const {
+std::span<const float> SafetensorsFile::view_f32(const std::string& name,
+                                                 std::span<const std::int64_t> expected_shape,
+                                                 std::vector<float>& storage) const {
   const SafetensorsTensor& t = tensor(name);
   if (!std::equal(t.shape.begin(), t.shape.end(), expected_shape.begin(), expected_shape.end())) {
     throw Error(path_ + ": tensor '" + name + "' has shape " + npy_shape_string(t.shape) +
                 ", expected " + npy_shape_string(expected_shape));
   }
-  const int size = safetensors_dtype_size(t.dtype);
-  std::vector<float> out(t.bytes / static_cast<std::size_t>(size));
+  const std::size_t count = t.bytes / static_cast<std::size_t>(safetensors_dtype_size(t.dtype));
   switch (t.dtype) {
     case SafetensorsDType::kF32:
-      if (t.bytes > 0) std::memcpy(out.data(), t.data, t.bytes);
-      break;
+      // (The mapping's bytes are no object of another type; little-endian like the host.)
+      if (reinterpret_cast<std::uintptr_t>(t.data) % alignof(float) == 0) {
+        return {reinterpret_cast<const float*>(t.data), count};
+      }
+      storage.resize(count);
+      if (t.bytes > 0) std::memcpy(storage.data(), t.data, t.bytes);
+      return storage;
     case SafetensorsDType::kF16:
     case SafetensorsDType::kBF16: {
       const bool is_f16 = t.dtype == SafetensorsDType::kF16;
-      for (std::size_t i = 0; i < out.size(); ++i) {
+      storage.resize(count);
+      for (std::size_t i = 0; i < count; ++i) {
         std::uint16_t bits;
         std::memcpy(&bits, t.data + 2 * i, 2);  // the mapping gives no alignment
-        out[i] = is_f16 ? qkv::f16_bits_to_f32(bits) : qkv::bf16_bits_to_f32(bits);
+        storage[i] = is_f16 ? qkv::f16_bits_to_f32(bits) : qkv::bf16_bits_to_f32(bits);
       }
-      break;
+      return storage;
     }
     default:
       throw Error(path_ + ": tensor '" + name + "' has dtype " + lower_name(t.dtype) +
                   "; only f32, f16 and bf16 convert to f32");
   }
-  return out;
+}
+
+std::vector<float> SafetensorsFile::read_f32(const std::string& name,
+                                             std::span<const std::int64_t> expected_shape) const {
+  std::vector<float> storage;
+  const std::span<const float> values = view_f32(name, expected_shape, storage);
+  if (values.data() == storage.data()) return storage;
+  return {values.begin(), values.end()};  // one copy, no zero-fill before it
 }
 
 }  // namespace qkv::io

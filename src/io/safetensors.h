@@ -83,6 +83,14 @@ class SafetensorsFile {
   // Other dtypes throw; nothing is rounded or narrowed.
   std::vector<float> read_f32(const std::string& name,
                               std::span<const std::int64_t> expected_shape) const;
+  // The same values without a copy where the file allows one: an f32 tensor whose bytes lie
+  // 4-byte aligned in the mapping (as Hugging Face's writer leaves them) is viewed where it lies,
+  // valid for this file's lifetime; any other tensor is converted into `storage` (replacing what
+  // it held) and viewed there. The same checks and errors as read_f32. (A model's load then
+  // copies each weight once, into the layer that owns it; docs/cli-embed.md, "Start-up".)
+  std::span<const float> view_f32(const std::string& name,
+                                  std::span<const std::int64_t> expected_shape,
+                                  std::vector<float>& storage) const;
 
  private:
   void unmap();

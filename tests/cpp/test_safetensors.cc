@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -452,6 +453,44 @@ TEST_F(SafetensorsTest, ReadF32ConvertsHalfTypes) {
       "model.safetensors: tensor 'f' has shape (4,), expected (2, 2)");
   expect_error([&] { file.read_f32("nope", std::vector<std::int64_t>{4}); },
                "model.safetensors: no tensor 'nope'");
+}
+
+TEST_F(SafetensorsTest, ViewF32ReadsAlignedF32InPlaceAndConvertsTheRest) {
+  const std::vector<float> a = {1.5f, -2.0f, 3.25f};
+  const std::vector<float> u = {4.0f, 5.0f};
+  const std::uint8_t pad = 7;
+  const std::vector<std::uint16_t> half = {0x3f80, 0xbf80};
+  // 'a' at data offset 0 (the writer pads the header to 8 bytes): 4-byte aligned in the
+  // mapping; 'u' after one byte of 'pad': not aligned.
+  const std::string path = (dir_ / "views.safetensors").string();
+  write_safetensors(path, {{"a", SafetensorsDType::kF32, {3}, a.data()},
+                           {"pad", SafetensorsDType::kU8, {1}, &pad},
+                           {"u", SafetensorsDType::kF32, {2}, u.data()},
+                           {"b", SafetensorsDType::kBF16, {2}, half.data()}});
+  const SafetensorsFile file(path);
+  std::vector<float> storage;
+  const std::span<const float> in_place = file.view_f32("a", std::vector<std::int64_t>{3}, storage);
+  EXPECT_EQ(static_cast<const void*>(in_place.data()), file.tensor("a").data);
+  EXPECT_TRUE(storage.empty());
+  EXPECT_EQ(std::vector<float>(in_place.begin(), in_place.end()), a);
+  EXPECT_EQ(file.read_f32("a", std::vector<std::int64_t>{3}), a);
+
+  ASSERT_NE(reinterpret_cast<std::uintptr_t>(file.tensor("u").data) % alignof(float), 0u);
+  const std::span<const float> copied = file.view_f32("u", std::vector<std::int64_t>{2}, storage);
+  EXPECT_EQ(copied.data(), storage.data());
+  EXPECT_EQ(storage, u);
+  EXPECT_EQ(file.read_f32("u", std::vector<std::int64_t>{2}), u);
+  const std::span<const float> widened = file.view_f32("b", std::vector<std::int64_t>{2}, storage);
+  EXPECT_EQ(widened.data(), storage.data());
+  EXPECT_EQ(storage, (std::vector<float>{1.0f, -1.0f}));
+
+  expect_error(
+      [&] {
+        file.view_f32("a", std::vector<std::int64_t>{1, 3}, storage);
+      },
+      "views.safetensors: tensor 'a' has shape (3,), expected (1, 3)");
+  expect_error([&] { file.view_f32("pad", std::vector<std::int64_t>{1}, storage); },
+               "views.safetensors: tensor 'pad' has dtype u8; only f32, f16 and bf16 convert");
 }
 
 TEST_F(SafetensorsTest, ShapeMismatchMessageMatchesTheDesign) {
