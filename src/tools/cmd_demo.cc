@@ -8,11 +8,14 @@
 // Exact methods: "standard" is the article's scaled_dot_product_attention, which returns the
 // attention weights and so holds all B*H L x L probability matrices (here: attention() asked for
 // probs, which the chunked kernel writes), "chunked" the article's MemoryEfficientAttention
-// (query chunks), "flash" the tiled online softmax. Long-context methods: Longformer and BigBird (block-sparse, exact over the
-// pairs they keep) and the Linear Transformer (elu+1) and Performer (FAVOR+) approximations.
-// Every method is compared with float64 softmax attention computed here, with plain double
-// loops, on sampled query rows: the error of an exact method is rounding, that of a sparse or
-// linear one is what it gives up for reach.
+// (query chunks), "flash" the tiled online softmax. Long-context methods: Longformer and BigBird
+// (block-sparse, exact over the pairs they keep) and the Linear Transformer (elu+1) and Performer
+// (FAVOR+) approximations. Every method is compared with float64 softmax attention computed here,
+// with plain double loops, on sampled query rows: the error of an exact method is rounding, that of
+// a sparse or linear one is what it gives up for reach. "flash-bf16" is the articles' mixed
+// precision: the flash kernel on q, k and v stored as bf16 (f32 accumulation and softmax), on the
+// instructions this CPU has for it (AMX tiles, vdpbf16ps, or widened to f32), checked against the
+// same float64 attention of the f32 inputs, so its error is what mixed precision costs.
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -24,7 +27,9 @@
 #include <string>
 #include <vector>
 
+#include "core/float16.h"
 #include "core/parallel.h"
+#include "kernels/product_path.h"
 #include "qkv/attention.h"
 #include "qkv/linear_attention.h"
 #include "qkv/sparse.h"
@@ -53,12 +58,16 @@ constexpr const char* kDemoUsage =
     "              article's scaled_dot_product_attention does\n"
     "  chunked     query-chunked 'memory-efficient' attention (exact)\n"
     "  flash       tiled online softmax, O(L) memory (exact)\n"
+    "  flash-bf16  the same on q, k, v stored as bf16 (mixed precision: f32 accumulation and\n"
+    "              softmax; AMX tiles where the CPU has them)\n"
     "  longformer  sliding window w=512 plus global token 0 (block-sparse, exact on its pairs)\n"
     "  bigbird     block 64, 3-block window, 2 global blocks, 3 random blocks, seed 1\n"
     "  linear      Linear Transformer, feature map elu(x)+1\n"
     "  performer   Performer FAVOR+, 256 positive orthogonal random features, seed 1\n"
-    "One table: time, GFLOP/s, fraction of this machine's FMA peak (measured first, in the same\n"
-    "process), peak extra memory, and the error against float64 softmax attention.\n"
+    "One table: time, GFLOP/s, fraction of this machine's peak for the row's instructions (the\n"
+    "FMA peak, or for flash-bf16 the peak of its bf16 products; measured first, in the same\n"
+    "process), peak extra memory, and the error against float64 softmax attention of the f32\n"
+    "inputs.\n"
     "\n"
     "options:\n"
     "  --max-len N      lengths 1024, 4096, ... (x4) up to N <= 2^24 (default 65536)\n"
@@ -224,6 +233,7 @@ struct Method {
   bool quadratic;  // time ~ L^2 (for the --max-seconds estimate)
   bool weights = false;  // also return the [B, H, L, L] probabilities (standard attention)
   Kernel kernel = Kernel::kAuto;
+  DType dtype = DType::kF32;  // storage of q, k and v (bf16: the inputs rounded, out f32)
   std::optional<Sparsity> sparsity = {};
   std::optional<LinearAttentionParams> linear = {};
 };
@@ -236,6 +246,11 @@ std::vector<Method> methods() {
   list.push_back({.label = "chunked", .exact = true, .quadratic = true,
                   .kernel = Kernel::kChunked});
   list.push_back({.label = "flash", .exact = true, .quadratic = true, .kernel = Kernel::kFlash});
+  list.push_back({.label = "flash-bf16",
+                  .exact = true,
+                  .quadratic = true,
+                  .kernel = Kernel::kFlash,
+                  .dtype = DType::kBF16});
   list.push_back({.label = "longformer", .exact = false, .quadratic = false,
                   .kernel = Kernel::kFlash,
                   .sparsity = LongformerSparsity{.window = 512, .global = kLongformerGlobal}});
@@ -341,18 +356,37 @@ std::string size_text(double bytes) {
   return text;
 }
 
-void print_header(const DemoOptions& options, int threads, const tools::FmaPeak& peak) {
+// The peak flash-bf16's % peak divides by: that of the instructions its products run on.
+struct Bf16Peak {
+  ProductPath path;
+  tools::FmaPeak peak;
+  const char* probe;
+};
+
+Bf16Peak measure_bf16_products_peak(int threads, const tools::FmaPeak& fma) {
+  const ProductPath path = attention_flash_product_path(DType::kBF16);
+  if (path == ProductPath::kBf16Amx) {
+    return {path, tools::measure_amx_peak(threads), "AMX tile probe"};
+  }
+  if (path == ProductPath::kBf16Pairs) {
+    return {path, tools::measure_bf16_peak(threads), "vdpbf16ps probe"};
+  }
+  return {path, fma, "fp32 FMA peak: bf16 is widened to f32"};
+}
+
+void print_header(const DemoOptions& options, int threads, const tools::FmaPeak& peak,
+                  const Bf16Peak& bf16) {
   std::printf(
       "qkv demo: the seed articles' scenario, measured here (their performance table, filled "
       "in)\n"
       "  B=1, 8 heads, embed 512 -> head_dim 64, self-attention Lq = Lk = L, f32, %s\n"
       "  %d thread%s; fp32 FMA peak measured in this run: %.1f GFLOP/s (Highway %s)\n"
+      "  flash-bf16 runs its products on %s: %% peak of %.1f GFLOP/s (%s)\n"
       "  memory: %s\n\n",
       options.causal ? "causal" : "no mask", threads, threads == 1 ? "" : "s", peak.gflops,
-      peak.hwy_target.c_str(),
-      tools::process_peak_available()
-          ? "peak RSS during the call above RSS before it (VmHWM)"
-          : "kernel scratch only (/proc/self/clear_refs not writable)");
+      peak.hwy_target.c_str(), product_path_name(bf16.path), bf16.peak.gflops, bf16.probe,
+      tools::process_peak_available() ? "peak RSS during the call above RSS before it (VmHWM)"
+                                      : "kernel scratch only (/proc/self/clear_refs not writable)");
   std::printf("%7s  %-10s  %4s  %11s  %9s  %7s  %9s  %10s  %10s  %9s\n", "L", "method", "runs",
               "median ms", "GFLOP/s", "% peak", "extra MiB", "max err", "mean err", "rel err");
   std::fflush(stdout);
@@ -371,7 +405,8 @@ int run_demo(std::vector<std::string> args) {
   std::fprintf(stderr, "qkv demo: measuring the fp32 FMA peak on %d thread%s...\n", threads,
                threads == 1 ? "" : "s");
   const tools::FmaPeak peak = tools::measure_fma_peak(threads);
-  print_header(options, threads, peak);
+  const Bf16Peak bf16_peak = measure_bf16_products_peak(threads, peak);
+  print_header(options, threads, peak, bf16_peak);
 
   const std::vector<Method> all = methods();
   // Per method: the last length it ran at and its time there (for the --max-seconds estimate).
@@ -390,6 +425,13 @@ int run_demo(std::vector<std::string> args) {
     const TensorView q_view = TensorView::contiguous(q.data(), DType::kF32, sizes);
     const TensorView k_view = TensorView::contiguous(k.data(), DType::kF32, sizes);
     const TensorView v_view = TensorView::contiguous(v.data(), DType::kF32, sizes);
+    // flash-bf16's inputs: the same values rounded to bf16 (to nearest even).
+    std::vector<std::uint16_t> q16 = to_half_bits(DType::kBF16, q);
+    std::vector<std::uint16_t> k16 = to_half_bits(DType::kBF16, k);
+    std::vector<std::uint16_t> v16 = to_half_bits(DType::kBF16, v);
+    const TensorView q16_view = TensorView::contiguous(q16.data(), DType::kBF16, sizes);
+    const TensorView k16_view = TensorView::contiguous(k16.data(), DType::kBF16, sizes);
+    const TensorView v16_view = TensorView::contiguous(v16.data(), DType::kBF16, sizes);
 
     // Rows checked in float64: all when L is small, else 32 spread over [0, L), ends included.
     std::vector<std::int64_t> rows;
@@ -406,6 +448,20 @@ int run_demo(std::vector<std::string> args) {
     double max_expected = 0.0;
     for (double value : expected) max_expected = std::max(max_expected, std::abs(value));
     const double tolerance = 2e-5 * std::max(1.0, max_expected);
+    // bf16's tolerance (DESIGN.md section 5): 4x the error of the exact computation on the
+    // inputs rounded to bf16, against the f32 inputs' (what rounding the inputs alone costs).
+    const auto widened = [](const std::vector<std::uint16_t>& bits) {
+      std::vector<float> values(bits.size());
+      for (std::size_t i = 0; i < bits.size(); ++i) values[i] = bf16_bits_to_f32(bits[i]);
+      return values;
+    };
+    const std::vector<double> expected_rounded =
+        exact_rows(widened(q16), widened(k16), widened(v16), length, rows, options.causal);
+    double rounding_error = 0.0;
+    for (std::size_t i = 0; i < expected.size(); ++i) {
+      rounding_error = std::max(rounding_error, std::abs(expected_rounded[i] - expected[i]));
+    }
+    const double bf16_tolerance = tolerance + 4.0 * rounding_error;
 
     for (std::size_t m = 0; m < all.size(); ++m) {
       const Method& method = all[m];
@@ -435,16 +491,19 @@ int run_demo(std::vector<std::string> args) {
           continue;
         }
       }
+      const bool bf16 = method.dtype == DType::kBF16;
       const MethodResult result =
-          run_method(method, q_view, k_view, v_view, out, options, threads, length);
+          bf16 ? run_method(method, q16_view, k16_view, v16_view, out, options, threads, length)
+               : run_method(method, q_view, k_view, v_view, out, options, threads, length);
       last[m] = std::make_pair(length, result.seconds);
       const Errors errors = errors_of(out, expected, rows);
-      const bool over = method.exact && !(errors.max_abs <= tolerance);
+      const bool over = method.exact && !(errors.max_abs <= (bf16 ? bf16_tolerance : tolerance));
       any_over_tolerance = any_over_tolerance || over;
       const double gflops = method_flops(method, length, options.causal) / result.seconds / 1e9;
+      const double peak_gflops = bf16 ? bf16_peak.peak.gflops : peak.gflops;
       std::printf("%7lld  %-10s  %4d  %11.3f  %9.2f  %6.1f%%  %9.1f  %10.2e  %10.2e  %9.2e%s\n",
                   static_cast<long long>(length), method.label, result.runs, result.seconds * 1e3,
-                  gflops, 100.0 * gflops / peak.gflops,
+                  gflops, 100.0 * gflops / peak_gflops,
                   static_cast<double>(result.memory.peak_extra_bytes()) / (1024.0 * 1024.0),
                   errors.max_abs, errors.mean_abs, errors.relative, over ? " !" : "");
       std::fflush(stdout);
@@ -458,13 +517,14 @@ int run_demo(std::vector<std::string> args) {
       "computes for the softmax methods (all pairs for the exact ones%s; the pairs the sparsity\n"
       "keeps for longformer and bigbird), and the linear formula of docs/linear-attention.md for\n"
       "linear and performer. %% peak divides it by the fp32 FMA peak measured at the start of\n"
-      "this run on the same %d thread%s. extra MiB is the peak resident memory during the call\n"
-      "above the memory before it (inputs and output were already allocated). Errors compare\n"
-      "the sampled output rows (32 spread over L, every head) with float64 softmax attention\n"
-      "computed independently by this command: max and mean absolute error, and rel err =\n"
-      "|out - exact|_2 / |exact|_2. For the exact methods it is rounding%s; for the sparse and\n"
-      "linear ones it is the approximation (random inputs spread attention over all keys, the\n"
-      "hardest case for them).\n"
+      "this run on the same %d thread%s (flash-bf16: by the peak of its products, in the header).\n"
+      "extra MiB is the peak resident memory during the call above the memory before it (inputs\n"
+      "and output were already allocated). Errors compare the sampled output rows (32 spread\n"
+      "over L, every head) with float64 softmax attention of the f32 inputs, computed\n"
+      "independently by this command: max and mean absolute error, and rel err =\n"
+      "|out - exact|_2 / |exact|_2. For the exact methods it is rounding%s (flash-bf16's\n"
+      "includes the inputs' rounding to bf16); for the sparse and linear ones it is the\n"
+      "approximation (random inputs spread attention over all keys, the hardest case for them).\n"
       "standard = the article's scaled_dot_product_attention: it returns the attention weights,\n"
       "so all B*H L x L probabilities are held at once (qkv computes them with the chunked\n"
       "kernel and writes them out; the weights are the memory, allocated inside the call).\n"
@@ -472,7 +532,9 @@ int run_demo(std::vector<std::string> args) {
       "drift from run to run, fractions of peak less than times.\n",
       options.causal ? "; with --causal only the L*(L+1)/2 allowed ones" : "", threads,
       threads == 1 ? "" : "s",
-      any_over_tolerance ? " ('!' marks an error above 2e-5 * max(1, max|expected|))" : "",
+      any_over_tolerance ? " ('!' marks an error above 2e-5 * max(1, max|expected|), for\n"
+                           "flash-bf16 plus 4x what rounding the inputs to bf16 alone changes)"
+                         : "",
       seconds_since(demo_start));
   return 0;
 }
