@@ -72,22 +72,27 @@ EncoderLayer read_layer(const WeightReader& reader, const BertConfig& config, st
                         DType matmul_dtype) {
   const std::string at = "encoder.layer." + std::to_string(index) + ".";
   const std::int64_t e = config.hidden_size, f = config.intermediate_size;
-  const std::span<const float> q_w = reader.read(at + "attention.self.query.weight", {e, e});
-  const std::span<const float> q_b = reader.read(at + "attention.self.query.bias", {e});
-  const std::span<const float> k_w = reader.read(at + "attention.self.key.weight", {e, e});
-  const std::span<const float> k_b = reader.read(at + "attention.self.key.bias", {e});
-  const std::span<const float> v_w = reader.read(at + "attention.self.value.weight", {e, e});
-  const std::span<const float> v_b = reader.read(at + "attention.self.value.bias", {e});
-  const std::span<const float> o_w = reader.read(at + "attention.output.dense.weight", {e, e});
-  const std::span<const float> o_b = reader.read(at + "attention.output.dense.bias", {e});
-  const std::span<const float> n1_g = reader.read(at + "attention.output.LayerNorm.weight", {e});
-  const std::span<const float> n1_b = reader.read(at + "attention.output.LayerNorm.bias", {e});
-  const std::span<const float> f1_w = reader.read(at + "intermediate.dense.weight", {f, e});
-  const std::span<const float> f1_b = reader.read(at + "intermediate.dense.bias", {f});
-  const std::span<const float> f2_w = reader.read(at + "output.dense.weight", {e, f});
-  const std::span<const float> f2_b = reader.read(at + "output.dense.bias", {e});
-  const std::span<const float> n2_g = reader.read(at + "output.LayerNorm.weight", {e});
-  const std::span<const float> n2_b = reader.read(at + "output.LayerNorm.bias", {e});
+  // The tensors in the file's order of sub-modules (so a missing one is reported in that order),
+  // as spans the reader keeps valid until the layer has copied them.
+  EncoderLayerWeights weights;
+  MultiHeadAttentionWeights& attention = weights.attention;
+  attention.packing = QkvPacking::kSeparate;
+  attention.q_weight = reader.read(at + "attention.self.query.weight", {e, e});
+  attention.q_bias = reader.read(at + "attention.self.query.bias", {e});
+  attention.k_weight = reader.read(at + "attention.self.key.weight", {e, e});
+  attention.k_bias = reader.read(at + "attention.self.key.bias", {e});
+  attention.v_weight = reader.read(at + "attention.self.value.weight", {e, e});
+  attention.v_bias = reader.read(at + "attention.self.value.bias", {e});
+  attention.out_weight = reader.read(at + "attention.output.dense.weight", {e, e});
+  attention.out_bias = reader.read(at + "attention.output.dense.bias", {e});
+  weights.norm1_gamma = reader.read(at + "attention.output.LayerNorm.weight", {e});
+  weights.norm1_beta = reader.read(at + "attention.output.LayerNorm.bias", {e});
+  weights.ff1_weight = reader.read(at + "intermediate.dense.weight", {f, e});
+  weights.ff1_bias = reader.read(at + "intermediate.dense.bias", {f});
+  weights.ff2_weight = reader.read(at + "output.dense.weight", {e, f});
+  weights.ff2_bias = reader.read(at + "output.dense.bias", {e});
+  weights.norm2_gamma = reader.read(at + "output.LayerNorm.weight", {e});
+  weights.norm2_beta = reader.read(at + "output.LayerNorm.bias", {e});
 
   const EncoderLayerConfig layer_config{
       .embed_dim = e,
@@ -98,24 +103,6 @@ EncoderLayer read_layer(const WeightReader& reader, const BertConfig& config, st
       .eps = static_cast<float>(config.layer_norm_eps),
       .matmul_dtype = matmul_dtype,
   };
-  EncoderLayerWeights weights;
-  weights.attention.packing = QkvPacking::kSeparate;
-  weights.attention.q_weight = q_w;
-  weights.attention.q_bias = q_b;
-  weights.attention.k_weight = k_w;
-  weights.attention.k_bias = k_b;
-  weights.attention.v_weight = v_w;
-  weights.attention.v_bias = v_b;
-  weights.attention.out_weight = o_w;
-  weights.attention.out_bias = o_b;
-  weights.norm1_gamma = n1_g;
-  weights.norm1_beta = n1_b;
-  weights.ff1_weight = f1_w;
-  weights.ff1_bias = f1_b;
-  weights.ff2_weight = f2_w;
-  weights.ff2_bias = f2_b;
-  weights.norm2_gamma = n2_g;
-  weights.norm2_beta = n2_b;
   return EncoderLayer(layer_config, weights);
 }
 
