@@ -84,10 +84,7 @@ def run_once(env, argv, timeout):
 
 def main():
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="See the module docstring (python3 scripts/ab_bench.py --help) and "
-               "docs/benchmarks.md.")
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("variants", nargs="+", metavar="NAME=COMMAND",
                         help="a `qkv bench` command line per variant, led by VAR=VALUE settings "
                              "if any; the first is the baseline of the ratios")
