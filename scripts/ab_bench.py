@@ -17,31 +17,12 @@ result per row. See docs/benchmarks.md, "A/B runs".
 import argparse
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
 import sys
 
-
-def cpu_name():
-    """The CPU as lscpu names it: model name, family and model (every figure names its CPU)."""
-    fields = {}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("model name", "cpu family", "model") and key not in fields:
-                    fields[key] = value.strip()
-                if not line.strip() and fields:
-                    break
-    except OSError:
-        return platform.processor() or "unknown CPU"
-    name = fields.get("model name", platform.processor() or "unknown CPU")
-    if "cpu family" in fields and "model" in fields:
-        name += f" (family {fields['cpu family']} model {fields['model']})"
-    return f"{name}, {os.cpu_count()} CPUs"
+from host_cpu import cpu_name  # scripts/host_cpu.py (this folder is on sys.path)
 
 
 def parse_variant(text):
@@ -107,7 +88,8 @@ def main():
         parser.error(f"variant names must differ: {names}")
     extra = shlex.split(args.args) + ["--json"]
 
-    print(f"ab_bench: {len(variants)} variants x {args.rounds} rounds on {cpu_name()}; "
+    cpu = f"{cpu_name()}, {os.cpu_count()} CPUs"
+    print(f"ab_bench: {len(variants)} variants x {args.rounds} rounds on {cpu}; "
           f"metric {args.metric}", flush=True)
     values = {}  # (variant, row label) -> [value per round]
     for r in range(args.rounds):
@@ -143,7 +125,7 @@ def main():
                   f"{min(v):10.4g}  {max(v):10.4g}  {shown}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"cpu": cpu_name(), "rounds": args.rounds, "metric": args.metric,
+            json.dump({"cpu": cpu, "rounds": args.rounds, "metric": args.metric,
                        "args": args.args,
                        "variants": {n: {"env": e, "command": shlex.join(a)}
                                     for n, e, a in variants},

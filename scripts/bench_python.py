@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from host_cpu import cpu_name  # scripts/host_cpu.py (this folder is on sys.path)
+
 ROOT = Path(__file__).resolve().parent.parent
 MODULE_DIR = ROOT / "build" / "release" / "python"
 
@@ -46,16 +48,6 @@ def ensure_environment():
                                 capture_output=True, text=True).stdout.strip().splitlines()[-1]
         os.environ["QKV_BENCH_PYTHON_REEXEC"] = "1"
         os.execv(python, [python, __file__, *sys.argv[1:]])
-
-
-def cpu_name():
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def median_us(call, calls):

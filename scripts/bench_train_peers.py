@@ -34,18 +34,9 @@ import subprocess
 import sys
 import time
 
+from host_cpu import cpu_name  # scripts/host_cpu.py (this folder is on sys.path)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def torch_step_seconds(args, bf16):
