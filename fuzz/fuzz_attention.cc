@@ -2,16 +2,18 @@
 // strides and layout, causal / alignment / window, key lengths, a broadcast mask and bias,
 // softcap, sparsity) and the values in it; the flash and chunked kernels must agree with the
 // reference kernel within DESIGN.md's tolerance (loosened for bf16/f16), give the same lse,
-// never NaN, or all three must refuse the problem with the same qkv::Error. Then the backward
-// of the same problem for a dout from the input: the flash backward (bf16 on AMX tiles where
-// the CPU has them) against the reference's, finite, within a bound from the problem's sizes,
-// or both refuse it alike and leave the gradients untouched.
+// never NaN, or all three must refuse the problem with the same qkv::Error; where the input
+// asks, the flash kernel runs again on a head-major copy of K and V and must give the same
+// bits. Then the backward of the same problem for a dout from the input: the flash backward
+// (bf16 on AMX tiles where the CPU has them) against the reference's, finite, within a bound
+// from the problem's sizes, or both refuse it alike and leave the gradients untouched.
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <span>
 #include <string>
@@ -19,6 +21,7 @@
 #include <vector>
 
 #include "core/float16.h"
+#include "kernels/cpu/kv_head_major.h"
 #include "qkv/attention.h"
 #include "qkv/attention_backward.h"
 #include "qkv/error.h"
@@ -140,6 +143,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const TensorView k = view(half ? static_cast<void*>(k16.data()) : k32.data(), seq_kv, heads_kv, dim, dtype);
   const TensorView v = view(half ? static_cast<void*>(v16.data()) : v32.data(), seq_kv, heads_kv, dim_v, dtype);
 
+  // The flash kernel forced onto a head-major copy of K and V where its walk allows one
+  // (kernels/cpu/kv_head_major.h; taken by itself only at long sequences): the same bits.
+  const bool copy_kv = in.ConsumeBool();
+
   auto run = [&](Kernel kernel) {
     Run r;
     r.out.assign(static_cast<std::size_t>(batch * seq_q * heads_q * dim_v), 7.0f);
@@ -218,6 +225,19 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       if (!both_empty && !(std::abs(a - b) <= lse_tolerance)) {
         std::fprintf(stderr, "kernel %d: lse[%zu] = %g, reference %g (tolerance %g)\n",
                      static_cast<int>(kernel), i, a, b, lse_tolerance);
+        std::abort();
+      }
+    }
+    if (kernel == Kernel::kFlash && copy_kv) {
+      force_kv_head_major(true);
+      const Run c = run(kernel);
+      force_kv_head_major(false);
+      const auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+        return a.size() == b.size() &&
+               std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+      };
+      if (c.error != r.error || !same(c.out, r.out) || !same(c.lse, r.lse)) {
+        std::fprintf(stderr, "flash over a head-major K/V copy: other bits than in place\n");
         std::abort();
       }
     }
