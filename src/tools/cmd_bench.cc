@@ -19,6 +19,7 @@
 #include "core/float16.h"
 #include "core/huge_pages.h"
 #include "core/parallel.h"
+#include "kernels/cpu/kv_head_major.h"
 #include "kernels/product_path.h"
 #include "qkv/attention.h"
 #include "qkv/attention_backward.h"
@@ -80,7 +81,9 @@ constexpr const char* kBenchUsage =
     "  --layout bshd|bhsd\n"
     "                   how q, k, v and out (and --backward's arrays) are stored: bshd (default)\n"
     "                   as --shape's order, or bhsd = (B, H, L, D), PyTorch's order and qkv's\n"
-    "                   KvCache's, passed as strided views (json: layout)\n"
+    "                   KvCache's, passed as strided views (json: layout). Long bshd K/V\n"
+    "                   may be walked from a head-major copy (a line under the row; json:\n"
+    "                   kv_head_major_copy; its bytes count in the extra MiB)\n"
     "  --repeats R      timed repeats per case, median reported (default 5; fewer when one call\n"
     "                   takes over 2 s, unless given)\n"
     "  --linear SPEC    time linear attention instead: elu or favor[:features=N][,seed=S]\n"
@@ -334,6 +337,7 @@ std::vector<BenchCase> default_sweep(bool causal_only) {
 struct BenchResult {
   std::string kernel;
   std::string products;  // the instructions the products ran on (resolved_product_path)
+  bool kv_copy = false;  // the flash walk read a head-major copy of K and V (kv_head_major.h)
   double seconds;  // median per call
   int repeats;
   int calls_per_repeat;
@@ -481,9 +485,11 @@ std::vector<BenchResult> run_case(const BenchCase& c, Kernel kernel, const Bench
                                   ? backward_product_path(params, options.dtype)
                                   : resolved_product_path(q_view, k_view, v_view, outputs, params);
     }
+    const std::int64_t copies = kv_head_major_copies();
     const auto warm_start = std::chrono::steady_clock::now();
     call();
     const double warm_seconds = seconds_since(warm_start);
+    results[row].kv_copy = kv_head_major_copies() > copies;
     // Calls shorter than the timer's comfort zone are batched to >= 10 ms per repeat.
     results[row].calls_per_repeat =
         warm_seconds >= 0.01 ? 1
@@ -606,7 +612,7 @@ void print_json(const BenchCase& c, const BenchResult& r, int threads, DType dty
       "\"effective_gflops\": %.6g, \"peak_gflops\": %.6g, \"fraction_of_peak\": %.6g, "
       "\"effective_fraction_of_peak\": %.6g, \"peak_extra_rss_bytes\": %lld, "
       "\"scratch_peak_bytes\": %lld, \"memory_method\": \"%s\", \"hwy_target\": \"%s\", "
-      "\"products\": \"%s\", "
+      "\"products\": \"%s\", \"kv_head_major_copy\": %s, "
       "\"read_gbytes_per_second\": %.6g, \"read_buffer_mib\": %.6g, \"read_huge_pages\": %s, "
       "\"kv_gbytes_per_second\": "
       "%.6g, "
@@ -624,8 +630,8 @@ void print_json(const BenchCase& c, const BenchResult& r, int threads, DType dty
       finite(r.effective_gflops), finite(peak.gflops), finite(r.gflops / peak.gflops),
       finite(r.effective_gflops / peak.gflops), static_cast<long long>(r.memory.peak_extra_bytes()),
       static_cast<long long>(r.memory.scratch_peak_extra), r.memory.method, peak.hwy_target.c_str(),
-      r.products.c_str(), finite(bandwidth.gbytes_per_second), finite(bandwidth.buffer_mib),
-      bandwidth.huge_pages ? "true" : "false", finite(kv_gbs),
+      r.products.c_str(), r.kv_copy ? "true" : "false", finite(bandwidth.gbytes_per_second),
+      finite(bandwidth.buffer_mib), bandwidth.huge_pages ? "true" : "false", finite(kv_gbs),
       finite(kv_gbs / bandwidth.gbytes_per_second), finite(r.read_between_repeats),
       finite(r.read_between_repeats > 0.0 ? kv_gbs / r.read_between_repeats : 0.0),
       finite(r.kv_read_between_repeats),
@@ -679,6 +685,12 @@ void print_table_row(const BenchCase& c, const BenchResult& r, int threads, DTyp
               r.seconds * 1e3, r.gflops, r.effective_gflops, peak.gflops,
               100.0 * r.gflops / peak.gflops, 100.0 * r.effective_gflops / peak.gflops,
               static_cast<double>(r.memory.peak_extra_bytes()) / (1024.0 * 1024.0));
+  if (r.kv_copy) {
+    std::printf(
+        "%-9s  K/V walked from a head-major copy (their size, in extra MiB; docs/kernels.md, \"A "
+        "head-major copy of K and V\")\n",
+        "");
+  }
   if (c.seq_q <= kDecodeMaxSeqQ) {
     const double kv_gbs = kv_gbytes_per_second(c, r, dtype);
     std::printf(

@@ -628,6 +628,27 @@ def test_bench_layout_bhsd(cli, extra):
     assert json.loads(default.stdout)["layout"] == "bshd"
 
 
+def test_bench_reports_the_head_major_kv_copy(cli):
+    """kv_head_major_copy: whether the flash walk read a head-major copy of K and V (taken for
+    BSHD K/V whose kv heads' rows are read by many tasks: 8 tasks a head in f32 here, 1 MiB of
+    K and V a head), with its bytes in the scratch; not for the same arrays in BHSD."""
+    import json
+    args = ["bench", "--json", "--shape", "1,32,2,512,8192,16", "--repeats", "1", "--threads", "2"]
+    records = {}
+    for layout in ("bshd", "bhsd"):
+        result = cli.run(*args, "--layout", layout)
+        assert result.returncode == 0, result.stderr
+        records[layout] = json.loads(result.stdout)
+    assert records["bshd"]["kv_head_major_copy"] is True
+    assert records["bhsd"]["kv_head_major_copy"] is False
+    kv_bytes = 2 * 2 * 8192 * 16 * 4
+    assert (records["bshd"]["scratch_peak_bytes"] - records["bhsd"]["scratch_peak_bytes"]
+            >= kv_bytes)
+    table = cli.run(*args[:1], *args[2:])
+    assert table.returncode == 0, table.stderr
+    assert "K/V walked from a head-major copy" in table.stdout
+
+
 def test_bench_layout_errors(cli):
     cli.fails("bench", "--shape", "1,2,1,70,90,16", "--repeats", "1", "--layout", "bsdh",
               expect=["--layout: expected bshd or bhsd, got 'bsdh'"])
