@@ -17,6 +17,7 @@
 #define HWY_TARGET_INCLUDE "kernels/cpu/flash_forward.cc"
 #include <cmath>
 #include <numeric>
+#include <optional>
 #include <vector>
 
 #include "core/aligned_buffer.h"
@@ -370,9 +371,9 @@ void Flash(const AttentionKernelParams& given) {
   // lse: [B, Hq, Lq] (nullable)
   const WorkPlan plan = PlanWork(given);
   // p: the given params, or (CopiesKvHeadMajor) the same pointing at a head-major K/V copy.
-  HeadMajorKv copy;
+  std::optional<HeadMajorKv> copy;
   if (CopiesKvHeadMajor(given, plan)) copy = copy_kv_head_major(given);
-  const AttentionKernelParams& p = copy.buffer.bytes() > 0 ? copy.params : given;
+  const AttentionKernelParams& p = copy ? copy->params : given;
   const std::vector<std::int64_t> order = GroupOrder(p, plan);
   const std::int64_t num_tasks = plan.groups * plan.splits;
   const int num_threads = static_cast<int>(std::min<std::int64_t>(p.num_threads, num_tasks));

@@ -3,10 +3,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstring>
 
 #include "core/huge_pages.h"
 #include "core/parallel.h"
+#include "core/view_copy.h"
 
 namespace qkv {
 
@@ -18,19 +18,18 @@ constexpr std::int64_t kCopyKeys = 256;
 std::atomic<bool> g_forced{false};
 std::atomic<std::int64_t> g_copies{0};
 
-// One operand's rows [j0, j1) of batch entry b, every kv head: source order (key, then head), so
-// the reads run ascending; each head's rows land contiguously at dst's [b, h] slab.
+// One operand's rows [j0, j1) of batch entry b, every kv head, in source order (key, then head:
+// the reads run ascending), each head's rows landing contiguously in dst's [b, h] slab
+// (copy_view: a memcpy per row).
 void CopyRows(const AttentionKernelParams& p, const void* src, const std::int64_t* stride,
               std::int64_t dim, char* dst, std::int64_t b, std::int64_t j0, std::int64_t j1) {
   const std::int64_t bytes = dtype_size(p.dtype);
-  for (std::int64_t j = j0; j < j1; ++j) {
-    for (std::int64_t h = 0; h < p.num_heads_kv; ++h) {
-      const std::int64_t to = ((b * p.num_heads_kv + h) * p.seq_kv + j) * dim;
-      std::memcpy(dst + to * bytes,
-                  element_at(src, p.dtype, b * stride[0] + j * stride[1] + h * stride[2]),
-                  static_cast<std::size_t>(dim * bytes));
-    }
-  }
+  const TensorView rows{const_cast<void*>(element_at(src, p.dtype, b * stride[0] + j0 * stride[1])),
+                        p.dtype,
+                        {1, j1 - j0, p.num_heads_kv, dim},
+                        {0, stride[1], stride[2], stride[3]}};
+  copy_view(rows, p.dtype, dst + (b * p.num_heads_kv * p.seq_kv + j0) * dim * bytes,
+            {0, dim, p.seq_kv * dim, 1});
 }
 
 void HeadMajorStrides(const AttentionKernelParams& p, std::int64_t dim, std::int64_t* stride) {
