@@ -48,6 +48,7 @@ std::string Case::name() const {
   if (scale) s += "_scale";
   if (input_scale != 1.0f) s += "_big";
   if (bhsd) s += "_bhsd";
+  if (dim_strided) s += "_dstrided";
   if (dtype != DType::kF32) s += std::string("_") + dtype_name(dtype);
   for (char& ch : s) {  // test names allow [A-Za-z0-9_] only
     if (ch == ',') ch = '_';
@@ -144,6 +145,10 @@ Problem::Problem(const Case& c) : c_(c) {
 
 TensorView Problem::view(std::vector<float>& data, std::int64_t seq, std::int64_t heads,
                          std::int64_t dim) const {
+  if (c_.dim_strided) {
+    return TensorView::contiguous(data.data(), DType::kF32, {c_.batch, seq, dim, heads})
+        .permuted({0, 1, 3, 2});
+  }
   if (!c_.bhsd)
     return TensorView::contiguous(data.data(), DType::kF32, {c_.batch, seq, heads, dim});
   return TensorView::contiguous(data.data(), DType::kF32, {c_.batch, heads, seq, dim})

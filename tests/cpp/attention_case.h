@@ -37,6 +37,7 @@ struct Case {
   std::optional<float> scale = std::nullopt;
   float input_scale = 1.0f;   // multiply q and k: large logits
   bool bhsd = false;          // q/k/v/out stored (B, H, L, D)
+  bool dim_strided = false;   // stored (B, L, D, H): elements along D lie H apart (not bhsd)
   DType dtype = DType::kF32;  // storage of q, k, v (bf16/f16: random values rounded to it)
   std::uint64_t seed = 1;
 

@@ -190,6 +190,9 @@ std::vector<Case> kernel_cases() {
     c.bhsd = true;
     c.num_heads_q = 3;
     add(c);
+    c.bhsd = false;
+    c.dim_strided = true;  // elements along D 3 apart: the packings' strided branches
+    add(c);
   }
   // Large values in a short head (|q|, |k| ~ 30, D = 2, GQA, Dv != D), the shape of the input on
   // which fuzz_attention found f16-amx-split's lse off by more than an f32-level tolerance. These

@@ -142,6 +142,15 @@ std::vector<Case> flash_cases() {
                    .softcap = 2.5f});
   cases.push_back({.batch = 1, .seq_q = 66, .seq_kv = 40, .num_heads_q = 2, .num_heads_kv = 2,
                    .head_dim = 8, .bias = BiasKind::kWithNegInf});
+  // Elements along D H apart: every packing's strided branch (q, dout, K, V, dq, dk, dv).
+  cases.push_back({.batch = 2,
+                   .seq_q = 130,
+                   .seq_kv = 150,
+                   .num_heads_q = 4,
+                   .num_heads_kv = 2,
+                   .head_dim = 40,
+                   .causal = true,
+                   .dim_strided = true});
   cases.push_back({.batch = 2, .seq_q = 150, .seq_kv = 203, .num_heads_q = 4, .num_heads_kv = 2,
                    .head_dim = 40});
   cases.push_back({.batch = 1, .seq_q = 200, .seq_kv = 200, .num_heads_q = 2, .num_heads_kv = 1,

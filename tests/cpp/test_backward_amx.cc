@@ -113,6 +113,14 @@ std::vector<Case> backward_amx_cases() {
        .head_dim = 128,
        .mask = MaskKind::kRandom,
        .input_scale = 3.0f},
+      {.batch = 2,
+       .seq_q = 97,
+       .seq_kv = 140,
+       .num_heads_q = 4,
+       .num_heads_kv = 2,
+       .head_dim = 48,
+       .causal = true,
+       .dim_strided = true},
   };
   for (Case& c : cases) c.dtype = DType::kBF16;
   return cases;

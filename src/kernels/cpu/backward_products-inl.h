@@ -57,13 +57,14 @@ inline std::int64_t RoundUp(std::int64_t x, std::int64_t m) { return (x + m - 1)
 
 // The sizes every task shares, and its scratch layout (offsets in floats; every area starts
 // 64-byte aligned). Both: s, dp, cap, pz, dqt, dkt, dvt. Widened only: kt, vt, kp (the keys and
-// values in f32), qs. AMX only: the bf16 operands named in AmxBackward.
+// values in f32), qs and douts (a row tile's q * scale and dout). AMX only: the bf16 operands
+// named in AmxBackward.
 struct Plan {
   std::int64_t key_tiles, row_tiles, passes;  // passes: head_dim in kBlockQ-wide parts
   // A task takes tiles_per_task consecutive key tiles (groups of them: key_groups per kv head),
   // each with a scratch of its own (`floats` apart).
   std::int64_t tiles_per_task, key_groups;
-  std::int64_t kt, vt, kp, dkt, dvt, qs, s, dp, cap, pz, dqt;
+  std::int64_t kt, vt, kp, qs, douts, dkt, dvt, s, dp, cap, pz, dqt;
   std::int64_t depth, depth_v;  // AMX: D and Dv rounded up to the tiles' 32
   std::int64_t k_pairs, v_pairs, k_cols, q_cols, dout_cols, p_pairs, du_pairs, du_rows;
   std::int64_t floats;
@@ -87,6 +88,7 @@ inline Plan MakePlan(const AttentionKernelParams& p, bool tiles) {
     plan.vt = take(p.head_dim_v * kKeys);
     plan.kp = take(plan.passes * kKeys * kBlockQ);
     plan.qs = take(kRowsPerTile * p.head_dim);
+    plan.douts = take(kRowsPerTile * p.head_dim_v);
   }
   // (rows past D / Dv up to 16: the tiles write them)
   plan.dkt = take(RoundUp(p.head_dim, 16) * kKeys);
@@ -117,32 +119,30 @@ float Element(const void* base, std::int64_t offset) {
   return tiles::WideElement(static_cast<const T*>(base)[offset]);
 }
 
-// Where one row tile's rows start: q and dout of head h, rows from i0.
+// AMX: every row of q (bf16 as stored) and bf16(dout) (to nearest even), zero past D / Dv up
+// to depth / depth_v, rows (b, h, i) in that order, and 16 zero rows past the last (which the
+// tiles of a last, partial row tile read). Made once per row in the pass that computes D_r
+// (AmxBackward::CopyRows), where every key tile would otherwise gather them again (BSHD's rows
+// lie Hq * D elements apart): q rows are s's A operand and dout rows dp's, both transposed per
+// row tile for dk and dv. q's size plus half of dout's. (The widened path copies nothing per
+// call: null.)
+struct RowCopies {
+  std::uint16_t* q16 = nullptr;
+  std::uint16_t* dout16 = nullptr;
+};
+
+// One row tile: head h of batch entry b, rows [i0, i0 + rows).
 struct RowTile {
   std::int64_t b, h, i0, rows;
-  const float* dout;  // dout[b][i0][h][0]; rows g.dout_stride[1] apart
-  // AMX: CopyRows' q rows (depth apart) and bf16(dout) rows (depth_v apart) of (b, h) from i0 on;
-  // null for f32.
-  const std::uint16_t* q16;
+  const std::uint16_t* q16;  // AMX: the copies' rows from i0 on (null widened)
   const std::uint16_t* dout16;
-  // The scratch whose row-tile areas PackRows fills (qs; AMX: q_cols, dout_cols), read by the
-  // products of every key tile of the task.
+  // The scratch whose row-tile areas PackRows fills (widened: qs, douts; AMX: q_cols,
+  // dout_cols), read by the products of every key tile of the task.
   float* row_scratch;
 };
 
-// AMX: every row of q (bf16 as stored) and bf16(dout) (to nearest even), zero past D / Dv up
-// to depth / depth_v, rows (b, h, i) in that order, and 16 zero rows past the last (which the
-// tiles of a last, partial row tile read). Made once per row in the pass that computes D_r,
-// where every key tile would otherwise gather them again (BSHD's rows lie Hq * D elements
-// apart): q rows are s's A operand and dout rows dp's, both transposed per row tile for dk
-// and dv. q's size plus half of dout's.
-struct RowCopies {
-  std::uint16_t* q = nullptr;
-  std::uint16_t* dout = nullptr;
-};
-
-inline void CopyRows(const AttentionBackwardKernelParams& g, const Plan& plan, std::int64_t b,
-                     std::int64_t h, const RowCopies& copies) {
+inline void CopyRowsBf16(const AttentionBackwardKernelParams& g, const Plan& plan, std::int64_t b,
+                         std::int64_t h, const RowCopies& copies) {
   const AttentionKernelParams& p = g.forward;
   const DF df;
   const std::int64_t d = p.head_dim, dv = p.head_dim_v;
@@ -150,7 +150,7 @@ inline void CopyRows(const AttentionBackwardKernelParams& g, const Plan& plan, s
   for (std::int64_t i = 0; i < p.seq_q; ++i) {
     const std::uint16_t* q = static_cast<const std::uint16_t*>(p.q) + b * p.q_stride[0] +
                              i * p.q_stride[1] + h * p.q_stride[2];
-    std::uint16_t* q_dst = copies.q + (first + i) * plan.depth;
+    std::uint16_t* q_dst = copies.q16 + (first + i) * plan.depth;
     if (p.q_stride[3] == 1) {
       std::memcpy(q_dst, q, d * sizeof(std::uint16_t));
     } else {
@@ -158,7 +158,7 @@ inline void CopyRows(const AttentionBackwardKernelParams& g, const Plan& plan, s
     }
     std::fill(q_dst + d, q_dst + plan.depth, std::uint16_t{0});
     const float* src = g.dout + b * g.dout_stride[0] + i * g.dout_stride[1] + h * g.dout_stride[2];
-    std::uint16_t* dst = copies.dout + (first + i) * plan.depth_v;
+    std::uint16_t* dst = copies.dout16 + (first + i) * plan.depth_v;
     std::int64_t e = 0;
     if (g.dout_stride[3] == 1) {
       for (; e + kLanes <= dv; e += kLanes) {
@@ -214,13 +214,28 @@ inline void PairRows(const std::uint16_t* x, std::int64_t row_stride, std::int64
 // A task scope that does nothing (the f32 products need no tile state).
 struct NoScope {};
 
-// The f32 products: the keys and values widened once per task, q * scale once per row tile.
+// The f32 products: the keys and values widened once per task, q * scale and dout once per row
+// tile.
 template <typename T>
 struct WideBackward {
   using TaskScope = NoScope;
+  // The task asks for its dk and dv rows toward L2 when it starts (flash_backward.cc,
+  // PrefetchGradientRows).
+  static constexpr bool kPrefetchGradients = true;
+
+  static std::int64_t CopyBytes(const AttentionKernelParams&, const Plan&) { return 0; }
+  static RowCopies Copies(const AttentionKernelParams&, const Plan&, void*) { return {}; }
+  static void CopyRows(const AttentionBackwardKernelParams&, const Plan&, std::int64_t,
+                       std::int64_t, const RowCopies&) {}
+  static RowTile MakeRowTile(const AttentionKernelParams&, const Plan&, const RowCopies&,
+                             std::int64_t b, std::int64_t h, std::int64_t i0, std::int64_t rows,
+                             float* row_scratch) {
+    return {b, h, i0, rows, nullptr, nullptr, row_scratch};
+  }
 
   // kt[d][l] = k[j0 + l][d], vt[e][l] = v[j0 + l][e], kp[pass][l][x] = k[j0 + l][pass kBlockQ + x]
-  // (f32, zero past num_k).
+  // (f32, zero past num_k). kt and vt are transposed in squares of registers (element by
+  // element, the loads waited on rows that lie Hkv * D elements apart in BSHD, one at a time).
   static void PackKeys(const AttentionKernelParams& p, const Plan& plan, std::int64_t b,
                        std::int64_t hkv, std::int64_t j0, std::int64_t num_k, float* w) {
     float* kt = w + plan.kt;
@@ -229,29 +244,46 @@ struct WideBackward {
     std::fill(kt, kt + p.head_dim * kKeys, 0.0f);
     std::fill(vt, vt + p.head_dim_v * kKeys, 0.0f);
     std::fill(kp, kp + plan.passes * kKeys * kBlockQ, 0.0f);
+    const T* k =
+        static_cast<const T*>(p.k) + b * p.k_stride[0] + j0 * p.k_stride[1] + hkv * p.k_stride[2];
+    const T* v =
+        static_cast<const T*>(p.v) + b * p.v_stride[0] + j0 * p.v_stride[1] + hkv * p.v_stride[2];
+    tiles::TransposeRows(k, p.k_stride[1], p.k_stride[3], p.head_dim, num_k, kt, kKeys);
+    tiles::TransposeRows(v, p.v_stride[1], p.v_stride[3], p.head_dim_v, num_k, vt, kKeys);
     for (std::int64_t l = 0; l < num_k; ++l) {
-      const std::int64_t k_row = b * p.k_stride[0] + (j0 + l) * p.k_stride[1] + hkv * p.k_stride[2];
-      const std::int64_t v_row = b * p.v_stride[0] + (j0 + l) * p.v_stride[1] + hkv * p.v_stride[2];
-      for (std::int64_t d = 0; d < p.head_dim; ++d) {
-        const float x = Element<T>(p.k, k_row + d * p.k_stride[3]);
-        kt[d * kKeys + l] = x;
-        kp[(d / kBlockQ) * kKeys * kBlockQ + l * kBlockQ + d % kBlockQ] = x;
-      }
-      for (std::int64_t e = 0; e < p.head_dim_v; ++e) {
-        vt[e * kKeys + l] = Element<T>(p.v, v_row + e * p.v_stride[3]);
+      const T* row = k + l * p.k_stride[1];
+      for (std::int64_t pass = 0; pass < plan.passes; ++pass) {
+        const std::int64_t d0 = pass * kBlockQ, width = std::min(kBlockQ, p.head_dim - d0);
+        float* dst = kp + (pass * kKeys + l) * kBlockQ;
+        if (p.k_stride[3] == 1) {
+          tiles::WidenRow(row + d0, width, dst);
+        } else {
+          for (std::int64_t x = 0; x < width; ++x) {
+            dst[x] = tiles::WideElement(row[(d0 + x) * p.k_stride[3]]);
+          }
+        }
       }
     }
   }
 
-  // qs[r][d] = q[i0 + r][d] * scale.
+  // qs[r][d] = q[i0 + r][d] * scale, douts[r][e] = dout[i0 + r][e]: every key tile's products
+  // read them, and in BSHD the user's rows lie Hq * D elements apart, so that the 64 rows of a
+  // tile share a few L1 sets (dout read where it lies: 0.94x at L = 4096, D = 128, 0.89x at
+  // (8, 12, 12, 512, 512, 64); docs/kernels.md, "Backward").
   static void PackRows(const AttentionBackwardKernelParams& g, const Plan& plan, const RowTile& t) {
     const AttentionKernelParams& p = g.forward;
     float* qs = t.row_scratch + plan.qs;
+    float* douts = t.row_scratch + plan.douts;
     for (std::int64_t r = 0; r < t.rows; ++r) {
       const std::int64_t q_row =
           t.b * p.q_stride[0] + (t.i0 + r) * p.q_stride[1] + t.h * p.q_stride[2];
       for (std::int64_t d = 0; d < p.head_dim; ++d) {
         qs[r * p.head_dim + d] = Element<T>(p.q, q_row + d * p.q_stride[3]) * p.scale;
+      }
+      const float* dout =
+          g.dout + t.b * g.dout_stride[0] + (t.i0 + r) * g.dout_stride[1] + t.h * g.dout_stride[2];
+      for (std::int64_t e = 0; e < p.head_dim_v; ++e) {
+        douts[r * p.head_dim_v + e] = dout[e * g.dout_stride[3]];
       }
     }
   }
@@ -265,8 +297,9 @@ struct WideBackward {
   // dp[r][l] = dout_r . v_l.
   static void DoutValues(const AttentionBackwardKernelParams& g, const Plan& plan, const RowTile& t,
                          float* w) {
-    tiles::OuterProduct(w + plan.vt, t.dout, t.rows, g.dout_stride[1], g.dout_stride[3],
-                        g.forward.head_dim_v, w + plan.dp, nullptr, false);
+    const std::int64_t dv = g.forward.head_dim_v;
+    tiles::OuterProduct(w + plan.vt, t.row_scratch + plan.douts, t.rows, dv, 1, dv, w + plan.dp,
+                        nullptr, false);
   }
 
   // dv^T[e][l] += sum_r dout[r][e] pv[r][l];  dk^T[d][l] += sum_r qs[r][d] du[r][l] (du in dp);
@@ -275,7 +308,7 @@ struct WideBackward {
                         std::int64_t num_k, const float* pv, float* w, float* dqt,
                         bool add_to_dqt) {
     const AttentionKernelParams& p = g.forward;
-    tiles::OuterProduct(pv, t.dout, p.head_dim_v, g.dout_stride[3], g.dout_stride[1], t.rows,
+    tiles::OuterProduct(pv, t.row_scratch + plan.douts, p.head_dim_v, 1, p.head_dim_v, t.rows,
                         w + plan.dvt, nullptr, true);
     tiles::OuterProduct(w + plan.dp, t.row_scratch + plan.qs, p.head_dim, 1, p.head_dim, t.rows,
                         w + plan.dkt, nullptr, true);
@@ -302,6 +335,42 @@ struct WideBackward {
 //   du_rows [kRowsPerTile][kKeys]      bf16(du) rows              dq's A
 struct AmxBackward {
   using TaskScope = amx::TileScope;
+  // (Its tasks end too soon for the prefetches to pay: 0.94-0.98x at L = 4096, D = 128.)
+  static constexpr bool kPrefetchGradients = false;
+
+  static std::int64_t CopyRowCount(const AttentionKernelParams& p) {
+    return p.batch * p.num_heads_q * p.seq_q + amx::kTileRows;
+  }
+  static std::int64_t CopyBytes(const AttentionKernelParams& p, const Plan& plan) {
+    return sizeof(std::uint16_t) * CopyRowCount(p) * (plan.depth + plan.depth_v);
+  }
+  // The copies in buffer, with their 16 zero rows past the last already written.
+  static RowCopies Copies(const AttentionKernelParams& p, const Plan& plan, void* buffer) {
+    const std::int64_t rows = CopyRowCount(p), used = rows - amx::kTileRows;
+    RowCopies copies;
+    copies.q16 = static_cast<std::uint16_t*>(buffer);
+    copies.dout16 = copies.q16 + rows * plan.depth;
+    std::fill(copies.q16 + used * plan.depth, copies.q16 + rows * plan.depth, std::uint16_t{0});
+    std::fill(copies.dout16 + used * plan.depth_v, copies.dout16 + rows * plan.depth_v,
+              std::uint16_t{0});
+    return copies;
+  }
+  static RowTile MakeRowTile(const AttentionKernelParams& p, const Plan& plan,
+                             const RowCopies& copies, std::int64_t b, std::int64_t h,
+                             std::int64_t i0, std::int64_t rows, float* row_scratch) {
+    const std::int64_t first = (b * p.num_heads_q + h) * p.seq_q + i0;
+    return {b,
+            h,
+            i0,
+            rows,
+            copies.q16 + first * plan.depth,
+            copies.dout16 + first * plan.depth_v,
+            row_scratch};
+  }
+  static void CopyRows(const AttentionBackwardKernelParams& g, const Plan& plan, std::int64_t b,
+                       std::int64_t h, const RowCopies& copies) {
+    CopyRowsBf16(g, plan, b, h, copies);
+  }
 
   static std::uint16_t* Bf16(float* w, std::int64_t at) {
     return reinterpret_cast<std::uint16_t*>(w + at);

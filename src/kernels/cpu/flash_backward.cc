@@ -157,33 +157,16 @@ void Dropout(const AttentionKernelParams& p, const Plan& plan, std::int64_t b, s
   }
 }
 
-// What the tasks share: D_r per (b, h, row); the AMX path's row copies; on that path dq's sums,
+// What the tasks share: D_r per (b, h, row); the row copies (backward::RowCopies); dq's sums,
 // rows (b, h, i) D floats apart, copied out at the end (the user's dq rows may lie Hq * D
 // floats apart, a multiple of 4 KiB that puts every row of a tile in the same L1 sets: 1.12x
-// on the tiles, nothing on the f32 path, which adds into dq in place; null there); and each row
-// tile's turn on them.
+// on the tiles, 1.03x in f32 at L = 4096, D = 128); and each row tile's turn on them.
 struct Shared {
   const float* delta;
   backward::RowCopies copies;
   float* dq_sum;
   std::atomic<std::int64_t>* turns;
 };
-
-// The row tile [i0, i0 + rows) of head h in batch entry b.
-RowTile MakeRowTile(const AttentionBackwardKernelParams& g, const Plan& plan,
-                    const backward::RowCopies& copies, std::int64_t b, std::int64_t h,
-                    std::int64_t i0, std::int64_t rows, float* row_scratch) {
-  const AttentionKernelParams& p = g.forward;
-  const std::int64_t first = (b * p.num_heads_q + h) * p.seq_q + i0;
-  return {b,
-          h,
-          i0,
-          rows,
-          g.dout + b * g.dout_stride[0] + i0 * g.dout_stride[1] + h * g.dout_stride[2],
-          copies.q == nullptr ? nullptr : copies.q + first * plan.depth,
-          copies.dout == nullptr ? nullptr : copies.dout + first * plan.depth_v,
-          row_scratch};
-}
 
 // D_i = out_i . dout_i, summed in f64 (each product exact) and rounded once to f32; on unit
 // strides in f64 vectors (element by element, one dependent add per element, it took 7% of the
@@ -221,6 +204,11 @@ void StoreTransposed(const float* src, std::int64_t depth, std::int64_t rows, fl
   const VF vscale = hn::Set(df, scale);
   for (std::int64_t l0 = 0; l0 < rows; l0 += kLanes) {
     const std::int64_t lanes = std::min(kLanes, rows - l0);
+    // The next kLanes rows' lines toward L1 while these are stored.
+    for (std::int64_t r = l0 + kLanes; r < std::min(rows, l0 + 2 * kLanes); ++r) {
+      for (std::int64_t x = 0; x < depth * step; x += 16)
+        tiles::PrefetchL1(dst + r * row_stride + x);
+    }
     for (std::int64_t d0 = 0; d0 < depth; d0 += kLanes) {
       const std::int64_t width = std::min(kLanes, depth - d0);
       VF v[kLanes];
@@ -238,6 +226,24 @@ void StoreTransposed(const float* src, std::int64_t depth, std::int64_t rows, fl
           for (std::int64_t e = 0; e < width; ++e) out[e * step] = lane[e];
         }
       }
+    }
+  }
+}
+
+// Asks for rows [j0, j0 + rows) of dk and dv of (b, hkv) toward L2, which the task writes at
+// its end (StoreTransposed): in BSHD they lie Hkv * D floats apart, where no hardware stream
+// fetches them, and each store waited for its line.
+HWY_INLINE void PrefetchGradientRows(const AttentionBackwardKernelParams& g, std::int64_t b,
+                                     std::int64_t hkv, std::int64_t j0, std::int64_t rows) {
+  const AttentionKernelParams& p = g.forward;
+  float* dk = g.dk + b * g.dk_stride[0] + j0 * g.dk_stride[1] + hkv * g.dk_stride[2];
+  float* dv = g.dv + b * g.dv_stride[0] + j0 * g.dv_stride[1] + hkv * g.dv_stride[2];
+  for (std::int64_t l = 0; l < rows; ++l) {
+    for (std::int64_t x = 0; x < p.head_dim * g.dk_stride[3]; x += 16) {
+      tiles::PrefetchL2(dk + l * g.dk_stride[1] + x);
+    }
+    for (std::int64_t x = 0; x < p.head_dim_v * g.dv_stride[3]; x += 16) {
+      tiles::PrefetchL2(dv + l * g.dv_stride[1] + x);
     }
   }
 }
@@ -267,6 +273,9 @@ void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, cons
     std::fill(tw[t] + plan.dvt, tw[t] + plan.dvt + backward::RoundUp(p.head_dim_v, 16) * kKeys,
               0.0f);
     if (num_k[t] > 0) Products::PackKeys(p, plan, b, hkv, j0[t], num_k[t], tw[t]);
+    if constexpr (Products::kPrefetchGradients) {
+      PrefetchGradientRows(g, b, hkv, j0[t], std::min(kKeys, p.seq_kv - j0[t]));
+    }
     any_keys = any_keys || num_k[t] > 0;
   }
   float* dqt = w + plan.dqt;
@@ -274,7 +283,7 @@ void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, cons
     for (std::int64_t it = 0; it < plan.row_tiles; ++it) {
       const std::int64_t i0 = it * kRowsPerTile;
       const std::int64_t rows = std::min(kRowsPerTile, p.seq_q - i0);
-      const RowTile tile = MakeRowTile(g, plan, shared.copies, b, h, i0, rows, w);
+      const RowTile tile = Products::MakeRowTile(p, plan, shared.copies, b, h, i0, rows, w);
       bool packed = false;
       for (std::int64_t t = 0; t < plan.tiles_per_task; ++t) {
         if (num_k[t] == 0 || !Interacts(p, key_limit, i0, rows, j0[t], j0[t] + num_k[t])) continue;
@@ -314,24 +323,16 @@ void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, cons
       }
       const VF scale = hn::Set(df, p.scale);
       for (std::int64_t r = 0; r < rows; ++r) {
-        // dq's row: the contiguous sums, or the user's dq (strides dq_row, dq_step).
-        float* dq = g.dq + b * g.dq_stride[0] + (i0 + r) * g.dq_stride[1] + h * g.dq_stride[2];
-        std::int64_t dq_step = g.dq_stride[3];
-        if (shared.dq_sum != nullptr) {
-          dq = shared.dq_sum + ((b * p.num_heads_q + h) * p.seq_q + i0 + r) * p.head_dim;
-          dq_step = 1;
-        }
+        float* dq = shared.dq_sum + ((b * p.num_heads_q + h) * p.seq_q + i0 + r) * p.head_dim;
         for (std::int64_t pass = 0; pass < plan.passes; ++pass) {
           const float* tile_row = dqt + pass * kRowsPerTile * kBlockQ + r * kBlockQ;
           const std::int64_t d0 = pass * kBlockQ, width = std::min(kBlockQ, p.head_dim - d0);
           std::int64_t x = 0;
-          if (dq_step == 1) {
-            for (; x + kLanes <= width; x += kLanes) {
-              hn::StoreU(hn::MulAdd(hn::Load(df, tile_row + x), scale, hn::LoadU(df, dq + d0 + x)),
-                         df, dq + d0 + x);
-            }
+          for (; x + kLanes <= width; x += kLanes) {
+            hn::StoreU(hn::MulAdd(hn::Load(df, tile_row + x), scale, hn::LoadU(df, dq + d0 + x)),
+                       df, dq + d0 + x);
           }
-          for (; x < width; ++x) dq[(d0 + x) * dq_step] += tile_row[x] * p.scale;
+          for (; x < width; ++x) dq[d0 + x] += tile_row[x] * p.scale;
         }
       }
       turn.store(kg + 1, std::memory_order_release);
@@ -383,7 +384,7 @@ void DbiasTask(const AttentionBackwardKernelParams& g, const Plan& plan, const S
       for (std::int64_t it = per_row ? cell : 0; it < (per_row ? cell + 1 : plan.row_tiles); ++it) {
         const std::int64_t i0 = it * kRowsPerTile;
         const std::int64_t rows = std::min(kRowsPerTile, p.seq_q - i0);
-        const RowTile tile = MakeRowTile(g, plan, shared.copies, b, h, i0, rows, w);
+        const RowTile tile = Products::MakeRowTile(p, plan, shared.copies, b, h, i0, rows, w);
         Products::PackRows(g, plan, tile);
         for (std::int64_t jt = 0; jt < plan.key_tiles; ++jt) {
           const std::int64_t j0 = jt * kKeys;
@@ -410,49 +411,29 @@ void DbiasTask(const AttentionBackwardKernelParams& g, const Plan& plan, const S
   }
 }
 
-void FlashBackward(const AttentionBackwardKernelParams& g) {
+template <class Products>
+void RunBackward(const AttentionBackwardKernelParams& g, const Plan& plan) {
   const AttentionKernelParams& p = g.forward;
-  // The products, chosen once here (the instantiations: WithBackwardProducts).
-  const bool tiles_on = backward::BackwardOnTiles(p.dtype);
-  const Plan plan = backward::MakePlan(p, tiles_on);
-  // D_r = dout_r . out_r per (b, h, row), and dq's sums = 0, one (b, h) per task.
-  AlignedBuffer delta(sizeof(float) * p.batch * p.num_heads_q * p.seq_q);
   const std::int64_t heads = p.batch * p.num_heads_q;
-  // AMX: dq summed in a contiguous buffer, copied out at the end (Shared).
-  AlignedBuffer dq_sum(tiles_on ? sizeof(float) * heads * p.seq_q * p.head_dim : 0);
-  // AMX: q and bf16(dout) row by row (backward::CopyRows), and 16 zero rows after the last.
-  const std::int64_t copy_rows = tiles_on ? heads * p.seq_q + amx::kTileRows : 0;
-  AlignedBuffer copy_buffer(sizeof(std::uint16_t) * copy_rows * (plan.depth + plan.depth_v));
-  backward::RowCopies copies;
-  if (tiles_on) {
-    copies.q = copy_buffer.as<std::uint16_t>();
-    copies.dout = copies.q + copy_rows * plan.depth;
-    std::fill(copies.q + heads * p.seq_q * plan.depth, copies.q + copy_rows * plan.depth,
-              std::uint16_t{0});
-    std::fill(copies.dout + heads * p.seq_q * plan.depth_v, copies.dout + copy_rows * plan.depth_v,
-              std::uint16_t{0});
-  }
-  parallel_for(heads, static_cast<int>(std::min<std::int64_t>(p.num_threads, heads)),
-               [&](std::int64_t task, int) {
-                 const std::int64_t b = task / p.num_heads_q, h = task % p.num_heads_q;
-                 for (std::int64_t i = 0; i < p.seq_q; ++i) {
-                   const float* out = p.out + b * p.out_stride[0] + i * p.out_stride[1] + h * p.out_stride[2];
-                   const float* dout = g.dout + b * g.dout_stride[0] + i * g.dout_stride[1] + h * g.dout_stride[2];
-                   delta.as<float>()[task * p.seq_q + i] =
-                       RowDelta(out, p.out_stride[3], dout, g.dout_stride[3], p.head_dim_v);
-                 }
-                 if (!tiles_on) {
-                   for (std::int64_t i = 0; i < p.seq_q; ++i) {
-                     float* dq =
-                         g.dq + b * g.dq_stride[0] + i * g.dq_stride[1] + h * g.dq_stride[2];
-                     for (std::int64_t d = 0; d < p.head_dim; ++d) dq[d * g.dq_stride[3]] = 0.0f;
-                   }
-                   return;
-                 }
-                 float* sums = dq_sum.as<float>() + task * p.seq_q * p.head_dim;
-                 std::fill(sums, sums + p.seq_q * p.head_dim, 0.0f);
-                 backward::CopyRows(g, plan, b, h, copies);
-               });
+  const int head_threads = static_cast<int>(std::min<std::int64_t>(p.num_threads, heads));
+  // D_r = dout_r . out_r per (b, h, row), dq's sums = 0 and the row copies, one (b, h) per task.
+  AlignedBuffer delta(sizeof(float) * heads * p.seq_q);
+  AlignedBuffer dq_sum(sizeof(float) * heads * p.seq_q * p.head_dim);
+  AlignedBuffer copy_buffer(Products::CopyBytes(p, plan));
+  const backward::RowCopies copies = Products::Copies(p, plan, copy_buffer.as<void>());
+  parallel_for(heads, head_threads, [&](std::int64_t task, int) {
+    const std::int64_t b = task / p.num_heads_q, h = task % p.num_heads_q;
+    for (std::int64_t i = 0; i < p.seq_q; ++i) {
+      const float* out = p.out + b * p.out_stride[0] + i * p.out_stride[1] + h * p.out_stride[2];
+      const float* dout =
+          g.dout + b * g.dout_stride[0] + i * g.dout_stride[1] + h * g.dout_stride[2];
+      delta.as<float>()[task * p.seq_q + i] =
+          RowDelta(out, p.out_stride[3], dout, g.dout_stride[3], p.head_dim_v);
+    }
+    float* sums = dq_sum.as<float>() + task * p.seq_q * p.head_dim;
+    std::fill(sums, sums + p.seq_q * p.head_dim, 0.0f);
+    Products::CopyRows(g, plan, b, h, copies);
+  });
   // Each row tile's turn starts at the first key group that touches it.
   const std::int64_t num_turns = heads * plan.row_tiles;
   std::unique_ptr<std::atomic<std::int64_t>[]> turns(new std::atomic<std::int64_t>[num_turns]);
@@ -472,43 +453,42 @@ void FlashBackward(const AttentionBackwardKernelParams& g) {
   const int threads = static_cast<int>(std::min<std::int64_t>(p.num_threads, tasks));
   const std::int64_t thread_floats = plan.floats * plan.tiles_per_task;
   AlignedBuffer scratch(sizeof(float) * thread_floats * threads);
+  const Shared shared{delta.as<float>(), copies, dq_sum.as<float>(), turns.get()};
+  parallel_for(tasks, threads, [&](std::int64_t task, int thread) {
+    [[maybe_unused]] typename Products::TaskScope scope;
+    BackwardTask<Products>(g, plan, shared, task, scratch.as<float>() + thread * thread_floats);
+  });
+  // dq: the sums copied out, one (b, h) per task.
+  parallel_for(heads, head_threads, [&](std::int64_t task, int) {
+    const std::int64_t b = task / p.num_heads_q, h = task % p.num_heads_q;
+    const float* sums = dq_sum.as<float>() + task * p.seq_q * p.head_dim;
+    for (std::int64_t i = 0; i < p.seq_q; ++i, sums += p.head_dim) {
+      float* dq = g.dq + b * g.dq_stride[0] + i * g.dq_stride[1] + h * g.dq_stride[2];
+      if (g.dq_stride[3] == 1) {
+        std::memcpy(dq, sums, p.head_dim * sizeof(float));
+      } else {
+        for (std::int64_t d = 0; d < p.head_dim; ++d) dq[d * g.dq_stride[3]] = sums[d];
+      }
+    }
+  });
   const bool per_row = g.dbias_sizes[2] != 1 || p.seq_q == 1;
   const std::int64_t dbias_tasks =
       g.dbias == nullptr ? 0 : g.dbias_sizes[0] * g.dbias_sizes[1] * (per_row ? plan.row_tiles : 1);
-  const Shared shared{delta.as<float>(), copies, tiles_on ? dq_sum.as<float>() : nullptr,
-                      turns.get()};
-  backward::WithBackwardProducts(p.dtype, tiles_on, [&](auto products) {
-    using Products = decltype(products);
-    parallel_for(tasks, threads, [&](std::int64_t task, int thread) {
-      [[maybe_unused]] typename Products::TaskScope scope;
-      BackwardTask<Products>(g, plan, shared, task, scratch.as<float>() + thread * thread_floats);
-    });
-    // dq: the sums copied out, one (b, h) per task.
-    if (shared.dq_sum != nullptr) {
-      parallel_for(heads, static_cast<int>(std::min<std::int64_t>(p.num_threads, heads)),
-                   [&](std::int64_t task, int) {
-                     const std::int64_t b = task / p.num_heads_q, h = task % p.num_heads_q;
-                     const float* sums = dq_sum.as<float>() + task * p.seq_q * p.head_dim;
-                     for (std::int64_t i = 0; i < p.seq_q; ++i, sums += p.head_dim) {
-                       float* dq =
-                           g.dq + b * g.dq_stride[0] + i * g.dq_stride[1] + h * g.dq_stride[2];
-                       if (g.dq_stride[3] == 1) {
-                         std::memcpy(dq, sums, p.head_dim * sizeof(float));
-                       } else {
-                         for (std::int64_t d = 0; d < p.head_dim; ++d)
-                           dq[d * g.dq_stride[3]] = sums[d];
-                       }
-                     }
-                   });
-    }
-    if (dbias_tasks == 0) return;
-    parallel_for(dbias_tasks, static_cast<int>(std::min<std::int64_t>(threads, dbias_tasks)),
-                 [&](std::int64_t task, int thread) {
-                   [[maybe_unused]] typename Products::TaskScope scope;
-                   DbiasTask<Products>(g, plan, shared, task,
-                                       scratch.as<float>() + thread * thread_floats);
-                 });
-  });
+  if (dbias_tasks == 0) return;
+  parallel_for(dbias_tasks, static_cast<int>(std::min<std::int64_t>(threads, dbias_tasks)),
+               [&](std::int64_t task, int thread) {
+                 [[maybe_unused]] typename Products::TaskScope scope;
+                 DbiasTask<Products>(g, plan, shared, task,
+                                     scratch.as<float>() + thread * thread_floats);
+               });
+}
+
+void FlashBackward(const AttentionBackwardKernelParams& g) {
+  // The products, chosen once here (the instantiations: WithBackwardProducts).
+  const bool tiles_on = backward::BackwardOnTiles(g.forward.dtype);
+  const Plan plan = backward::MakePlan(g.forward, tiles_on);
+  backward::WithBackwardProducts(g.forward.dtype, tiles_on,
+                                 [&](auto products) { RunBackward<decltype(products)>(g, plan); });
 }
 
 }  // namespace

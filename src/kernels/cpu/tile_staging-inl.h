@@ -186,6 +186,52 @@ inline TileRows StageRows(const void* rows, const std::int64_t* stride, std::int
   return {data, dim, 1};
 }
 
+// dst[e * dst_stride + j] = source[j * row_stride + e * elem_stride] as f32 (exact), for rows
+// j < num_k and elements e < dim (T = float, hwy::bfloat16_t, hwy::float16_t): rows turned into
+// columns. With unit elem_stride, squares of kLanes rows x kLanes elements are loaded as vectors
+// and transposed in registers (TransposeSquare; kLanes lines in flight where the rows lie far
+// apart), the rest element by element. With kAhead, each square that starts a cache line of its
+// rows asks for that line of the next kLanes rows.
+template <typename T, bool kAhead = false>
+inline void TransposeRows(const T* source, std::int64_t row_stride, std::int64_t elem_stride,
+                          std::int64_t dim, std::int64_t num_k, float* dst,
+                          std::int64_t dst_stride) {
+  const auto element = [&](std::int64_t j, std::int64_t e) {
+    return WideElement(source[j * row_stride + e * elem_stride]);
+  };
+  std::int64_t j = 0;
+  if (elem_stride == 1) {
+    const DF df;
+    constexpr std::int64_t kLineElements = 64 / sizeof(T);
+    for (; j + kLanes <= num_k; j += kLanes) {
+      std::int64_t e = 0;
+      for (; e + kLanes <= dim; e += kLanes) {
+        VF square[kLanes];
+        for (std::int64_t r = 0; r < kLanes; ++r) {
+          square[r] = LoadWide(df, source + (j + r) * row_stride + e);
+        }
+        if constexpr (kAhead) {
+          if (e % kLineElements == 0 && j + 2 * kLanes <= num_k) {
+            for (std::int64_t r = 0; r < kLanes; ++r) {
+              PrefetchL2(source + (j + kLanes + r) * row_stride + e);
+            }
+          }
+        }
+        TransposeSquare(df, square);
+        for (std::int64_t c = 0; c < kLanes; ++c) {
+          hn::StoreU(square[c], df, dst + (e + c) * dst_stride + j);
+        }
+      }
+      for (; e < dim; ++e) {
+        for (std::int64_t r = 0; r < kLanes; ++r) dst[e * dst_stride + j + r] = element(j + r, e);
+      }
+    }
+  }
+  for (; j < num_k; ++j) {
+    for (std::int64_t e = 0; e < dim; ++e) dst[e * dst_stride + j] = element(j, e);
+  }
+}
+
 // Rows [j0, j0 + num_k) of V (p.v's strides, `dim` elements each, stored as T) as f32 columns:
 // staged.buffer[e * kBlockK + j] = v[j0 + j][e], once per (rows, tile), whatever T. The value
 // product then reads each column as one ascending run (TileRows: row stride 1, element stride
@@ -199,48 +245,12 @@ template <typename T>
 inline TileRows StageColumns(const void* rows, const std::int64_t* stride, std::int64_t dim,
                              std::int64_t j0, std::int64_t num_k, StagedRows& staged,
                              bool read_ahead = false) {
-  const auto fill = [&](float* dst, auto ahead) {
-    const T* source = static_cast<const T*>(rows) + j0 * stride[1];
-    const auto element = [&](std::int64_t j, std::int64_t e) {
-      return WideElement(source[j * stride[1] + e * stride[3]]);
-    };
-    std::int64_t j = 0;
-    if (stride[3] == 1) {  // squares of kLanes keys x kLanes columns, transposed in registers
-      const DF df;
-      constexpr std::int64_t kLineElements = 64 / sizeof(T);
-      for (; j + kLanes <= num_k; j += kLanes) {
-        std::int64_t e = 0;
-        for (; e + kLanes <= dim; e += kLanes) {
-          VF square[kLanes];
-          for (std::int64_t r = 0; r < kLanes; ++r) {
-            square[r] = LoadWide(df, source + (j + r) * stride[1] + e);
-          }
-          if constexpr (decltype(ahead)::value) {
-            if (e % kLineElements == 0 && j + 2 * kLanes <= num_k) {
-              for (std::int64_t r = 0; r < kLanes; ++r) {
-                PrefetchL2(source + (j + kLanes + r) * stride[1] + e);
-              }
-            }
-          }
-          TransposeSquare(df, square);
-          for (std::int64_t c = 0; c < kLanes; ++c) {
-            hn::StoreU(square[c], df, dst + (e + c) * kBlockK + j);
-          }
-        }
-        for (; e < dim; ++e) {
-          for (std::int64_t r = 0; r < kLanes; ++r) dst[e * kBlockK + j + r] = element(j + r, e);
-        }
-      }
-    }
-    for (; j < num_k; ++j) {
-      for (std::int64_t e = 0; e < dim; ++e) dst[e * kBlockK + j] = element(j, e);
-    }
-  };
+  const T* source = static_cast<const T*>(rows) + j0 * stride[1];
   const float* data = staged.Stage<float>(rows, j0, num_k, [&](float* dst) {
     if (read_ahead) {
-      fill(dst, std::true_type{});
+      TransposeRows<T, true>(source, stride[1], stride[3], dim, num_k, dst, kBlockK);
     } else {
-      fill(dst, std::false_type{});
+      TransposeRows<T>(source, stride[1], stride[3], dim, num_k, dst, kBlockK);
     }
   });
   return {data, 1, kBlockK};
