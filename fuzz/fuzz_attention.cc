@@ -1,9 +1,9 @@
 // Structure-aware: the input drives the choice of a small attention problem (sizes, dtype,
-// strides and layout, causal / alignment / window, key lengths, a broadcast mask and bias,
-// softcap, sparsity) and the values in it; the flash and chunked kernels must agree with the
-// reference kernel within DESIGN.md's tolerance (loosened for bf16/f16), give the same lse,
-// never NaN, or all three must refuse the problem with the same qkv::Error; where the input
-// asks, the flash kernel runs again on a head-major copy of K and V and must give the same
+// strides and layout (BSHD, BHSD, or D strided), causal / alignment / window, key lengths, a
+// broadcast mask and bias, softcap, sparsity) and the values in it; the flash and chunked kernels
+// must agree with the reference kernel within DESIGN.md's tolerance (loosened for bf16/f16), give
+// the same lse, never NaN, or all three must refuse the problem with the same qkv::Error; where the
+// input asks, the flash kernel runs again on a head-major copy of K and V and must give the same
 // bits. Then the backward of the same problem for a dout from the input: the flash backward
 // (bf16 on AMX tiles where the CPU has them) against the reference's, finite, within a bound
 // from the problem's sizes, or both refuse it alike and leave the gradients untouched.
@@ -59,7 +59,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::int64_t dim = in.ConsumeIntegralInRange<std::int64_t>(1, 40);
   const std::int64_t dim_v = in.ConsumeBool() ? dim : in.ConsumeIntegralInRange<std::int64_t>(1, 40);
   const DType dtype = in.PickValueInArray({DType::kF32, DType::kBF16, DType::kF16});
-  const bool bhsd = in.ConsumeBool();  // q, k, v and out stored as [B, H, L, D]
+  // q, k, v, out (and the gradients) stored as [B, L, H, D], [B, H, L, D], or [B, L, D, H]
+  // (elements along D H apart: the kernels' strided packings).
+  const int layout = in.ConsumeIntegralInRange<int>(0, 2);
 
   // Values: mostly moderate, sometimes large (softmax saturation), from the input's bytes.
   const float scale_of_values = in.PickValueInArray({0.5f, 1.0f, 4.0f, 30.0f});
@@ -133,10 +135,15 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       break;
   }
 
-  // Views: BSHD contiguous, or BHSD memory seen through permuted strides.
+  // Views: BSHD contiguous, or BHSD / BSDH memory seen through permuted strides.
   auto view = [&](void* p, std::int64_t seq, std::int64_t heads, std::int64_t d, DType t) {
-    if (!bhsd) return TensorView::contiguous(p, t, {batch, seq, heads, d});
-    return TensorView::contiguous(p, t, {batch, heads, seq, d}).permuted({0, 2, 1, 3});
+    if (layout == 1) {
+      return TensorView::contiguous(p, t, {batch, heads, seq, d}).permuted({0, 2, 1, 3});
+    }
+    if (layout == 2) {
+      return TensorView::contiguous(p, t, {batch, seq, d, heads}).permuted({0, 1, 3, 2});
+    }
+    return TensorView::contiguous(p, t, {batch, seq, heads, d});
   };
   const bool half = dtype != DType::kF32;
   const TensorView q = view(half ? static_cast<void*>(q16.data()) : q32.data(), seq_q, heads_q, dim, dtype);
