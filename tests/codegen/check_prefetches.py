@@ -33,10 +33,11 @@ REQUIRED = [
        rf"ForEachChunk<qkv::N_{t}::tiles::NarrowValuesWide<float>)", 1, 1)
       for t in ("AVX2", "AVX3")],
     # V's next rows, asked for while a tile of V is transposed for the wide blocks of a decode
-    # step (StageColumns with Staging::read_ahead, which only AVX2 sets), in StageColumns, its
-    # fill lambda or the Values it is inlined into.
+    # step (StageColumns with Staging::read_ahead, which only AVX2 sets), in StageColumns, the
+    # TransposeRows<T, true> it calls (kept apart in the ASan build) or the Values it is
+    # inlined into.
     (r"^[a-z ]*qkv::N_AVX2::tiles::(TileRows qkv::N_AVX2::tiles::StageColumns<|"
-     r"WideProducts<[^<>]*>::Values\()", 1, 1),
+     r"TransposeRows<[^<>]*, true>\(|WideProducts<[^<>]*>::Values\()", 1, 1),
     # A flash task (one of Flash's lambdas): the next tile's K and V rows (PrefetchRows), on each
     # x86 target.
     (r"^qkv::N_AVX(2|3)::Flash<qkv::N_AVX(2|3)::tiles::WideProducts<float> >.*lambda", 2, 2),
