@@ -41,6 +41,12 @@ REQUIRED = [
     # A flash task (one of Flash's lambdas): the next tile's K and V rows (PrefetchRows), on each
     # x86 target.
     (r"^qkv::N_AVX(2|3)::Flash<qkv::N_AVX(2|3)::tiles::WideProducts<float> >.*lambda", 2, 2),
+    # The backward's dk and dv rows, which a widened task asks for toward L2 when it starts
+    # (PrefetchGradientRows), on each x86 target; and the next rows StoreTransposed asks for
+    # toward L1 while it stores dk and dv.
+    (r"^[a-z ]*qkv::N_AVX(2|3)::\(anonymous namespace\)::(BackwardTask<[^<>]*WideBackward<float> >|"
+     r"PrefetchGradientRows)", 2, 2, "prefetcht1"),
+    (r"^qkv::N_AVX(2|3)::\(anonymous namespace\)::StoreTransposed\(", 1, 2, "prefetcht0"),
     # The out rows a flash task and a chunked task ask for before the finish (PrefetchOutRows,
     # prefetcht0; GCC 12 deleted them as a const call before PrefetchL1 became a volatile asm).
     (r"^qkv::N_AVX(2|3)::Flash<qkv::N_AVX(2|3)::tiles::WideProducts<float> >.*lambda", 1, 2,

@@ -236,16 +236,10 @@ void StoreTransposed(const float* src, std::int64_t depth, std::int64_t rows, fl
 HWY_INLINE void PrefetchGradientRows(const AttentionBackwardKernelParams& g, std::int64_t b,
                                      std::int64_t hkv, std::int64_t j0, std::int64_t rows) {
   const AttentionKernelParams& p = g.forward;
-  float* dk = g.dk + b * g.dk_stride[0] + j0 * g.dk_stride[1] + hkv * g.dk_stride[2];
-  float* dv = g.dv + b * g.dv_stride[0] + j0 * g.dv_stride[1] + hkv * g.dv_stride[2];
-  for (std::int64_t l = 0; l < rows; ++l) {
-    for (std::int64_t x = 0; x < p.head_dim * g.dk_stride[3]; x += 16) {
-      tiles::PrefetchL2(dk + l * g.dk_stride[1] + x);
-    }
-    for (std::int64_t x = 0; x < p.head_dim_v * g.dv_stride[3]; x += 16) {
-      tiles::PrefetchL2(dv + l * g.dv_stride[1] + x);
-    }
-  }
+  tiles::PrefetchRows(g.dk + b * g.dk_stride[0] + hkv * g.dk_stride[2], g.dk_stride, p.head_dim,
+                      sizeof(float), j0, j0 + rows);
+  tiles::PrefetchRows(g.dv + b * g.dv_stride[0] + hkv * g.dv_stride[2], g.dv_stride, p.head_dim_v,
+                      sizeof(float), j0, j0 + rows);
 }
 
 // One task: the key tiles [kt0, kt0 + plan.tiles_per_task) of kv head hkv in batch entry b, each
