@@ -112,10 +112,11 @@ constexpr const char* kBenchUsage =
     "kv_fraction_of_read_between_repeats; 0 for other shapes) and of the median of a plain read\n"
     "of the K and V arrays themselves after each repeat (json: kv_arrays_read_gbytes_per_second,\n"
     "kv_fraction_of_kv_arrays_read; 0 for other shapes): on a VM, pages allocated at different\n"
-    "times can read at different speeds, and this one reads the kernel's own. The operands\n"
-    "and the probe's buffer are advised onto transparent huge pages (madvise), as numpy's\n"
-    "arrays and qkv's KvCache are; the header says \"huge pages\" where the kernel took the\n"
-    "advice (json: read_huge_pages). See docs/cli-bench-demo.md.\n";
+    "times can read at different speeds, and this one reads the kernel's own. The operands,\n"
+    "out (and --backward's dout, dq, dk, dv) and the probe's buffer are advised onto\n"
+    "transparent huge pages (madvise), as numpy's arrays and qkv's KvCache are; the header\n"
+    "says \"huge pages\" where the kernel took the advice (json: read_huge_pages). See\n"
+    "docs/cli-bench-demo.md.\n";
 
 struct BenchCase {
   std::int64_t batch, num_heads_q, num_heads_kv, seq_q, seq_kv, head_dim;
@@ -385,7 +386,8 @@ std::vector<BenchResult> run_case(const BenchCase& c, Kernel kernel, const Bench
   std::vector<float> q = operand_values(c.batch * c.seq_q * c.num_heads_q * c.head_dim);
   std::vector<float> k = operand_values(c.batch * c.seq_kv * c.num_heads_kv * c.head_dim);
   std::vector<float> v = operand_values(static_cast<std::int64_t>(k.size()));
-  std::vector<float> out(q.size(), 0.0f);  // zero-filled: its pages are resident before timing
+  // (zero-filled, as the gradients below: their pages are resident before timing)
+  std::vector<float> out = operand_values(static_cast<std::int64_t>(q.size()));
   tools::fill_normal(q, 1);
   tools::fill_normal(k, 2);
   tools::fill_normal(v, 3);
@@ -446,12 +448,12 @@ std::vector<BenchResult> run_case(const BenchCase& c, Kernel kernel, const Bench
     AttentionParams forward = params;
     forward.kernel = Kernel::kAuto;
     attention(q_view, k_view, v_view, outputs, forward);
-    dout.resize(out.size());
+    dout = operand_values(static_cast<std::int64_t>(out.size()));
     tools::fill_normal(dout, 4);
     dout_view = view_of(dout.data(), DType::kF32, q_sizes);
-    dq.assign(out.size(), 0.0f);
-    dk.assign(static_cast<std::size_t>(c.batch * c.seq_kv * c.num_heads_kv * c.head_dim), 0.0f);
-    dv.assign(dk.size(), 0.0f);
+    dq = operand_values(static_cast<std::int64_t>(out.size()));
+    dk = operand_values(c.batch * c.seq_kv * c.num_heads_kv * c.head_dim);
+    dv = operand_values(static_cast<std::int64_t>(dk.size()));
     grads = {.dq = view_of(dq.data(), DType::kF32, q_sizes),
              .dk = view_of(dk.data(), DType::kF32, kv_sizes),
              .dv = view_of(dv.data(), DType::kF32, kv_sizes)};

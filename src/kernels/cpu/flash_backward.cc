@@ -74,6 +74,17 @@ std::int64_t KeyLimit(const AttentionKernelParams& p, std::int64_t b) {
   return p.key_lengths != nullptr ? p.key_lengths[b] : p.seq_kv;
 }
 
+// Whether key group kg (plan.tiles_per_task key tiles) has a key that some row of
+// [i0, i0 + rows) may attend. The groups that do are one contiguous range (the rows' allowed
+// keys form one interval).
+bool GroupInteracts(const AttentionKernelParams& p, const Plan& plan, std::int64_t key_limit,
+                    std::int64_t i0, std::int64_t rows, std::int64_t kg) {
+  const std::int64_t group_keys = plan.tiles_per_task * kKeys;
+  return kg >= 0 && kg < plan.key_groups &&
+         Interacts(p, key_limit, i0, rows, kg * group_keys,
+                   std::min(p.seq_kv, (kg + 1) * group_keys));
+}
+
 // The scores s[r][l] (Products::Scores) of rows [i0, i0 + rows) of head h against the task's
 // keys, in place: softcap (cap[r][l] = 1 - tanh^2, its derivative), bias, every mask (not
 // allowed: -inf); then p = exp(s - lse).
@@ -157,10 +168,11 @@ void Dropout(const AttentionKernelParams& p, const Plan& plan, std::int64_t b, s
   }
 }
 
-// What the tasks share: D_r per (b, h, row); the row copies (backward::RowCopies); dq's sums,
-// rows (b, h, i) D floats apart, copied out at the end (the user's dq rows may lie Hq * D
-// floats apart, a multiple of 4 KiB that puts every row of a tile in the same L1 sets: 1.12x
-// on the tiles, 1.03x in f32 at L = 4096, D = 128); and each row tile's turn on them.
+// What the tasks share: D_r per (b, h, row); the row copies (backward::RowCopies); dq's
+// running sums between a row tile's first and last key group, rows (b, h, i) D floats apart
+// (the user's dq rows may lie Hq * D floats apart, a multiple of 4 KiB that puts every row of a
+// tile in the same L1 sets: 1.12x on the tiles, 1.03x in f32 at L = 4096, D = 128, against
+// adding there); and each row tile's turn on them.
 struct Shared {
   const float* delta;
   backward::RowCopies copies;
@@ -190,6 +202,44 @@ float RowDelta(const float* out, std::int64_t out_step, const float* dout, std::
   }
   for (; e < n; ++e) sum += static_cast<double>(out[e * out_step]) * dout[e * dout_step];
   return static_cast<float>(sum);
+}
+
+// delta[(b * Hq + h) * Lq + i] = D_r (RowDelta) for rows [i0, i1) of heads [h0, h1) of batch
+// entry b, the heads inner.
+void RowDeltas(const AttentionBackwardKernelParams& g, std::int64_t b, std::int64_t i0,
+               std::int64_t i1, std::int64_t h0, std::int64_t h1, float* delta) {
+  const AttentionKernelParams& p = g.forward;
+  for (std::int64_t i = i0; i < i1; ++i) {
+    for (std::int64_t h = h0; h < h1; ++h) {
+      const float* out = p.out + b * p.out_stride[0] + i * p.out_stride[1] + h * p.out_stride[2];
+      const float* dout =
+          g.dout + b * g.dout_stride[0] + i * g.dout_stride[1] + h * g.dout_stride[2];
+      delta[(b * p.num_heads_q + h) * p.seq_q + i] =
+          RowDelta(out, p.out_stride[3], dout, g.dout_stride[3], p.head_dim_v);
+    }
+  }
+}
+
+// Every row's D_r, reading out in memory order: in BSHD a row's heads lie side by side, so a
+// task takes 64 rows of a batch entry, every head; otherwise (BHSD) one (b, h), every row. (One
+// (b, h) per task in BSHD jumps Hq * D floats from row to row: at (32,12,12,128,128,64) the
+// pass took twice BHSD's time.)
+void RowDeltas(const AttentionBackwardKernelParams& g, float* delta) {
+  const AttentionKernelParams& p = g.forward;
+  const bool heads_inner = p.out_stride[2] < p.out_stride[1];
+  const std::int64_t per_batch =
+      heads_inner ? (p.seq_q + kRowsPerTile - 1) / kRowsPerTile : p.num_heads_q;
+  const std::int64_t tasks = p.batch * per_batch;
+  const int threads = static_cast<int>(std::min<std::int64_t>(p.num_threads, tasks));
+  parallel_for(tasks, threads, [&](std::int64_t task, int) {
+    const std::int64_t b = task / per_batch, part = task % per_batch;
+    if (heads_inner) {
+      const std::int64_t i0 = part * kRowsPerTile;
+      RowDeltas(g, b, i0, std::min(p.seq_q, i0 + kRowsPerTile), 0, p.num_heads_q, delta);
+    } else {
+      RowDeltas(g, b, 0, p.seq_q, part, part + 1, delta);
+    }
+  });
 }
 
 // A key tile's gradient rows: dst[l * row_stride + d * step] = src[d * kKeys + l] * scale for
@@ -227,6 +277,35 @@ void StoreTransposed(const float* src, std::int64_t depth, std::int64_t rows, fl
         }
       }
     }
+  }
+}
+
+// out[d * out_step] = tile[d] * scale + (in ? in[d] : 0) for d < head_dim, from a row of the
+// dq tile (passes of kBlockQ columns, kRowsPerTile * kBlockQ floats apart). Without `in`, the
+// product added to zero: the bits of a sum that starts from a zeroed buffer. A strided row is
+// written from a vector's worth of results at a time, so it has the same bits too.
+void AddDqRow(const float* tile, std::int64_t passes, std::int64_t head_dim, float scale,
+              const float* in, float* out, std::int64_t out_step) {
+  const DF df;
+  const VF vscale = hn::Set(df, scale);
+  for (std::int64_t pass = 0; pass < passes; ++pass) {
+    const float* tile_row = tile + pass * kRowsPerTile * kBlockQ;
+    const std::int64_t d0 = pass * kBlockQ, width = std::min(kBlockQ, head_dim - d0);
+    HWY_ALIGN float strided[kBlockQ];
+    float* dst = out_step == 1 ? out + d0 : strided;
+    std::int64_t x = 0;
+    if (in == nullptr) {  // (the zero added turns a -0 product into +0, as the zeroed sum did)
+      for (; x + kLanes <= width; x += kLanes)
+        hn::StoreU(hn::MulAdd(hn::Load(df, tile_row + x), vscale, hn::Zero(df)), df, dst + x);
+      for (; x < width; ++x) dst[x] = 0.0f + tile_row[x] * scale;
+    } else {
+      for (; x + kLanes <= width; x += kLanes) {
+        hn::StoreU(hn::MulAdd(hn::Load(df, tile_row + x), vscale, hn::LoadU(df, in + d0 + x)), df,
+                   dst + x);
+      }
+      for (; x < width; ++x) dst[x] = in[d0 + x] + tile_row[x] * scale;
+    }
+    for (x = 0; out_step != 1 && x < width; ++x) out[(d0 + x) * out_step] = strided[x];
   }
 }
 
@@ -315,19 +394,16 @@ void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, cons
       for (int spins = 0; turn.load(std::memory_order_acquire) != kg; ++spins) {
         if (spins > 64) std::this_thread::yield();
       }
-      const VF scale = hn::Set(df, p.scale);
+      // The first group to touch these rows starts their sums (no zeroed buffer to add to), the
+      // last writes the user's rows (no copy-out pass); where one group is both, dq_sum is
+      // never touched. The same operations in the same order as adding to zeros: same bits.
+      const bool first = !GroupInteracts(p, plan, key_limit, i0, rows, kg - 1);
+      const bool last = !GroupInteracts(p, plan, key_limit, i0, rows, kg + 1);
       for (std::int64_t r = 0; r < rows; ++r) {
-        float* dq = shared.dq_sum + ((b * p.num_heads_q + h) * p.seq_q + i0 + r) * p.head_dim;
-        for (std::int64_t pass = 0; pass < plan.passes; ++pass) {
-          const float* tile_row = dqt + pass * kRowsPerTile * kBlockQ + r * kBlockQ;
-          const std::int64_t d0 = pass * kBlockQ, width = std::min(kBlockQ, p.head_dim - d0);
-          std::int64_t x = 0;
-          for (; x + kLanes <= width; x += kLanes) {
-            hn::StoreU(hn::MulAdd(hn::Load(df, tile_row + x), scale, hn::LoadU(df, dq + d0 + x)),
-                       df, dq + d0 + x);
-          }
-          for (; x < width; ++x) dq[d0 + x] += tile_row[x] * p.scale;
-        }
+        float* sum = shared.dq_sum + ((b * p.num_heads_q + h) * p.seq_q + i0 + r) * p.head_dim;
+        float* dq = g.dq + b * g.dq_stride[0] + (i0 + r) * g.dq_stride[1] + h * g.dq_stride[2];
+        AddDqRow(dqt + r * kBlockQ, plan.passes, p.head_dim, p.scale, first ? nullptr : sum,
+                 last ? dq : sum, last ? g.dq_stride[3] : 1);
       }
       turn.store(kg + 1, std::memory_order_release);
     }
@@ -410,38 +486,34 @@ void RunBackward(const AttentionBackwardKernelParams& g, const Plan& plan) {
   const AttentionKernelParams& p = g.forward;
   const std::int64_t heads = p.batch * p.num_heads_q;
   const int head_threads = static_cast<int>(std::min<std::int64_t>(p.num_threads, heads));
-  // D_r = dout_r . out_r per (b, h, row), dq's sums = 0 and the row copies, one (b, h) per task.
+  // D_r per (b, h, row), then the row copies, one (b, h) per task. dq's sums are kept only
+  // where more than one key group adds to a row tile.
   AlignedBuffer delta(sizeof(float) * heads * p.seq_q);
-  AlignedBuffer dq_sum(sizeof(float) * heads * p.seq_q * p.head_dim);
+  AlignedBuffer dq_sum(plan.key_groups > 1 ? sizeof(float) * heads * p.seq_q * p.head_dim : 0);
   AlignedBuffer copy_buffer(Products::CopyBytes(p, plan));
   const backward::RowCopies copies = Products::Copies(p, plan, copy_buffer.as<void>());
-  parallel_for(heads, head_threads, [&](std::int64_t task, int) {
-    const std::int64_t b = task / p.num_heads_q, h = task % p.num_heads_q;
-    for (std::int64_t i = 0; i < p.seq_q; ++i) {
-      const float* out = p.out + b * p.out_stride[0] + i * p.out_stride[1] + h * p.out_stride[2];
-      const float* dout =
-          g.dout + b * g.dout_stride[0] + i * g.dout_stride[1] + h * g.dout_stride[2];
-      delta.as<float>()[task * p.seq_q + i] =
-          RowDelta(out, p.out_stride[3], dout, g.dout_stride[3], p.head_dim_v);
-    }
-    float* sums = dq_sum.as<float>() + task * p.seq_q * p.head_dim;
-    std::fill(sums, sums + p.seq_q * p.head_dim, 0.0f);
-    Products::CopyRows(g, plan, b, h, copies);
-  });
-  // Each row tile's turn starts at the first key group that touches it.
+  RowDeltas(g, delta.as<float>());
+  if (copy_buffer.bytes() > 0) {
+    parallel_for(heads, head_threads, [&](std::int64_t task, int) {
+      Products::CopyRows(g, plan, task / p.num_heads_q, task % p.num_heads_q, copies);
+    });
+  }
+  // Each row tile's turn starts at the first key group that touches it; the dq rows of a row
+  // tile that none touches are 0 (the tasks write the others).
   const std::int64_t num_turns = heads * plan.row_tiles;
   std::unique_ptr<std::atomic<std::int64_t>[]> turns(new std::atomic<std::int64_t>[num_turns]);
   for (std::int64_t t = 0; t < num_turns; ++t) {
     const std::int64_t b = t / (p.num_heads_q * plan.row_tiles), it = t % plan.row_tiles;
+    const std::int64_t h = t / plan.row_tiles % p.num_heads_q;
     const std::int64_t i0 = it * kRowsPerTile, rows = std::min(kRowsPerTile, p.seq_q - i0);
     const std::int64_t key_limit = KeyLimit(p, b);
-    const std::int64_t group_keys = plan.tiles_per_task * kKeys;
     std::int64_t first = 0;
-    while (first < plan.key_groups && !Interacts(p, key_limit, i0, rows, first * group_keys,
-                                                 std::min(p.seq_kv, (first + 1) * group_keys))) {
-      ++first;
-    }
+    while (first < plan.key_groups && !GroupInteracts(p, plan, key_limit, i0, rows, first)) ++first;
     turns[t].store(first, std::memory_order_relaxed);
+    for (std::int64_t i = i0; first == plan.key_groups && i < i0 + rows; ++i) {
+      float* dq = g.dq + b * g.dq_stride[0] + i * g.dq_stride[1] + h * g.dq_stride[2];
+      for (std::int64_t d = 0; d < p.head_dim; ++d) dq[d * g.dq_stride[3]] = 0.0f;
+    }
   }
   const std::int64_t tasks = p.batch * p.num_heads_kv * plan.key_groups;
   const int threads = static_cast<int>(std::min<std::int64_t>(p.num_threads, tasks));
@@ -451,19 +523,6 @@ void RunBackward(const AttentionBackwardKernelParams& g, const Plan& plan) {
   parallel_for(tasks, threads, [&](std::int64_t task, int thread) {
     [[maybe_unused]] typename Products::TaskScope scope;
     BackwardTask<Products>(g, plan, shared, task, scratch.as<float>() + thread * thread_floats);
-  });
-  // dq: the sums copied out, one (b, h) per task.
-  parallel_for(heads, head_threads, [&](std::int64_t task, int) {
-    const std::int64_t b = task / p.num_heads_q, h = task % p.num_heads_q;
-    const float* sums = dq_sum.as<float>() + task * p.seq_q * p.head_dim;
-    for (std::int64_t i = 0; i < p.seq_q; ++i, sums += p.head_dim) {
-      float* dq = g.dq + b * g.dq_stride[0] + i * g.dq_stride[1] + h * g.dq_stride[2];
-      if (g.dq_stride[3] == 1) {
-        std::memcpy(dq, sums, p.head_dim * sizeof(float));
-      } else {
-        for (std::int64_t d = 0; d < p.head_dim; ++d) dq[d * g.dq_stride[3]] = sums[d];
-      }
-    }
   });
   const bool per_row = g.dbias_sizes[2] != 1 || p.seq_q == 1;
   const std::int64_t dbias_tasks =
