@@ -482,6 +482,7 @@ void Flash(const AttentionKernelParams& given) {
     // While the task computes tile j0, block n asks for its share of the next tile's K and V
     // rows toward L2, so staging the next tile finds them in cache (docs/kernels.md, "flash").
     const std::int64_t bytes = dtype_size(p.dtype);
+    staging.cold_k = key_end - first_tile <= kBlockK;  // (one tile: no tile asked for it)
     for (std::int64_t j0 = first_tile; j0 < key_end; j0 += kBlockK) {
       const std::int64_t next = j0 + kBlockK;
       const std::int64_t next_keys = std::clamp<std::int64_t>(key_end - next, 0, kBlockK);

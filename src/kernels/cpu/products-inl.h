@@ -82,8 +82,12 @@ struct WideProducts {
                      const std::int64_t* vec_end) {
     const TileRows k =
         StageRows<T>(qb.k, p.k_stride, p.head_dim, j0, num_k, staging.k, staging.k_in_place);
+    // K read where it lies, first in the task: its rows come from memory, 6 at a time, a line
+    // waited for at a time; so each block of rows asks for the next block's toward L1
+    // (docs/kernels.md, "Cold K rows").
+    const bool cold = staging.cold_k && k.data != staging.k.buffer && k.elem_stride == 1;
     OuterProduct<true>(qb.qt, k.data, num_k, k.row_stride, k.elem_stride, p.head_dim, st, nullptr,
-                       false, vec_end, nullptr, UsedQueryVecs(qb));
+                       false, vec_end, nullptr, UsedQueryVecs(qb), cold);
   }
   static void Values(const AttentionKernelParams& p, const QueryBlock& qb, std::int64_t j0,
                      std::int64_t num_k, const float* st, const float* alpha, Staging& staging,

@@ -107,6 +107,10 @@ struct Staging {
   // next rows as it goes (StageColumns), and an f32 K is read where it lies (StageRows).
   bool read_ahead = false;
   bool k_in_place = false;
+  // A task of one key tile (short sequences), whose K rows nothing asked for before
+  // (flash_forward.cc's PrefetchRows asks for the next tile's): an f32 K read in place asks for
+  // its next rows toward L1 as the scores go (WideProducts::Scores).
+  bool cold_k = false;
 };
 
 // Floats of the K and V staging tiles: kBlockK rows of dim f32 (an f32 K uses its part only
