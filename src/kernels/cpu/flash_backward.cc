@@ -400,7 +400,9 @@ void BackwardTask(const AttentionBackwardKernelParams& g, const Plan& plan, cons
       const bool first = !GroupInteracts(p, plan, key_limit, i0, rows, kg - 1);
       const bool last = !GroupInteracts(p, plan, key_limit, i0, rows, kg + 1);
       for (std::int64_t r = 0; r < rows; ++r) {
-        float* sum = shared.dq_sum + ((b * p.num_heads_q + h) * p.seq_q + i0 + r) * p.head_dim;
+        // (one group alone needs no running sum, and then there may be no dq_sum at all)
+        const std::int64_t row = (b * p.num_heads_q + h) * p.seq_q + i0 + r;
+        float* sum = first && last ? nullptr : shared.dq_sum + row * p.head_dim;
         float* dq = g.dq + b * g.dq_stride[0] + (i0 + r) * g.dq_stride[1] + h * g.dq_stride[2];
         AddDqRow(dqt + r * kBlockQ, plan.passes, p.head_dim, p.scale, first ? nullptr : sum,
                  last ? dq : sum, last ? g.dq_stride[3] : 1);
