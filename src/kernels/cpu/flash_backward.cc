@@ -256,8 +256,7 @@ void StoreTransposed(const float* src, std::int64_t depth, std::int64_t rows, fl
     const std::int64_t lanes = std::min(kLanes, rows - l0);
     // The next kLanes rows' lines toward L1 while these are stored.
     for (std::int64_t r = l0 + kLanes; r < std::min(rows, l0 + 2 * kLanes); ++r) {
-      for (std::int64_t x = 0; x < depth * step; x += 16)
-        tiles::PrefetchL1(dst + r * row_stride + x);
+      tiles::PrefetchLinesL1(dst + r * row_stride, depth * step * std::int64_t{sizeof(float)});
     }
     for (std::int64_t d0 = 0; d0 < depth; d0 += kLanes) {
       const std::int64_t width = std::min(kLanes, depth - d0);

@@ -133,8 +133,7 @@ inline void PrefetchOutRows(const AttentionKernelParams& p, const QueryBlock& qb
                           : reinterpret_cast<const char*>(p.out);
   const std::int64_t bytes = half ? 2 : 4;
   for (std::int64_t l = 0; l < qb.num_q; ++l) {
-    const char* row = base + LaneRow(p.out_stride, qb, l) * bytes;
-    for (std::int64_t x = 0; x < p.head_dim_v * bytes; x += 64) PrefetchL1(row + x);
+    PrefetchLinesL1(base + LaneRow(p.out_stride, qb, l) * bytes, p.head_dim_v * bytes);
   }
 }
 

@@ -89,6 +89,11 @@ HWY_INLINE void PrefetchL1(const void* p) {
   __builtin_prefetch(p, 0, 3);
 #endif
 }
+// The cache lines of bytes bytes from row on, toward L1 (PrefetchL1 per 64 bytes).
+HWY_INLINE void PrefetchLinesL1(const void* row, std::int64_t bytes) {
+  const char* first = static_cast<const char*>(row);
+  for (std::int64_t x = 0; x < bytes; x += 64) PrefetchL1(first + x);
+}
 
 template <typename T>
 HWY_INLINE float WideElement(T x);

@@ -166,7 +166,7 @@ HWY_INLINE void OuterProduct(const float* a, const float* b, std::int64_t rows,
   };
   const auto ask_for_rows = [&](std::int64_t lo, std::int64_t hi) {
     for (std::int64_t n = lo; n < std::min(rows, hi); ++n) {
-      for (std::int64_t x = 0; x < depth; x += 16) PrefetchL1(b + n * b_row_stride + x);
+      PrefetchLinesL1(b + n * b_row_stride, depth * std::int64_t{sizeof(float)});
     }
   };
   if (prefetch_next_rows) ask_for_rows(0, kRows);
