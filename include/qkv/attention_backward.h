@@ -38,8 +38,9 @@ struct AttentionGrads {
 
 // Validates everything (the forward's checks on q, k, v, out, lse and params, then dout and
 // every gradient's shape, dtype and strides; no gradient may overlap an input or another
-// gradient) and throws qkv::Error naming the argument and shapes; the gradients are written
-// only after validation passed.
+// gradient, though dq, dk and dv may be column ranges of one [dq | dk | dv] row buffer:
+// docs/limits.md) and throws qkv::Error naming the argument and shapes; the gradients are
+// written only after validation passed.
 void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
                         const TensorView& out, const TensorView& lse, const TensorView& dout,
                         const AttentionGrads& grads, const AttentionParams& params);

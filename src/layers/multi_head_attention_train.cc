@@ -194,34 +194,26 @@ void MultiHeadAttention::backward(const MhaTape& tape, const float* x, const flo
   float* d_ctx = layers::scratch_floats(scratch->d_ctx, rows * E);
   m.out_proj->backward(tape.ctx.data(), rows, d_out, d_ctx, grads.out_weight.data(),
                        grads.out_bias.empty() ? nullptr : grads.out_bias.data());
-  // The attention core (its dq, dk, dv in buffers of their own: the core refuses outputs that
-  // share memory, column ranges of one buffer included).
-  float* dq = layers::scratch_floats(scratch->d_q, rows * E);
-  float* dk = layers::scratch_floats(scratch->d_k, rows * kvw);
-  float* dv = layers::scratch_floats(scratch->d_v, rows * kvw);
+  // The attention core, writing dq, dk and dv straight into the projection's gradient rows
+  // [dq | dk | dv] (column ranges of one buffer, which the core's overlap check tells apart).
+  float* d_qkv = layers::scratch_floats(scratch->d_qkv, rows * F);
+  auto gradient = [&](std::int64_t col, std::int64_t heads) {
+    return TensorView{
+        .data = d_qkv + col, .sizes = {batch, seq, heads, hd}, .strides = {seq * F, F, hd, 1}};
+  };
   const AttentionParams params = layers::core_params(tape.options, tape.key_lengths);
   const layers::ProjectedRows qkv = core_rows(tape, F);
-  attention_backward(
-      qkv.heads(0, m.num_heads, hd), qkv.heads(E, m.num_kv_heads, hd),
-      qkv.heads(E + kvw, m.num_kv_heads, hd),
-      TensorView::contiguous(const_cast<float*>(tape.ctx.data()), DType::kF32,
-                             {batch, seq, m.num_heads, hd}),
-      TensorView::contiguous(const_cast<float*>(tape.lse.data()), DType::kF32,
-                             {batch, m.num_heads, seq, 1}),
-      TensorView::contiguous(d_ctx, DType::kF32, {batch, seq, m.num_heads, hd}),
-      {.dq = TensorView::contiguous(dq, DType::kF32, {batch, seq, m.num_heads, hd}),
-       .dk = TensorView::contiguous(dk, DType::kF32, {batch, seq, m.num_kv_heads, hd}),
-       .dv = TensorView::contiguous(dv, DType::kF32, {batch, seq, m.num_kv_heads, hd})},
-      params);
-  // The projection's rows [dq | dk | dv].
-  float* d_qkv = layers::scratch_floats(scratch->d_qkv, rows * F);
-  parallel_for_blocks(rows, F, resolve_num_threads(0), [&](std::int64_t r0, std::int64_t r1) {
-    for (std::int64_t r = r0; r < r1; ++r) {
-      std::copy_n(dq + r * E, E, d_qkv + r * F);
-      std::copy_n(dk + r * kvw, kvw, d_qkv + r * F + E);
-      std::copy_n(dv + r * kvw, kvw, d_qkv + r * F + E + kvw);
-    }
-  });
+  attention_backward(qkv.heads(0, m.num_heads, hd), qkv.heads(E, m.num_kv_heads, hd),
+                     qkv.heads(E + kvw, m.num_kv_heads, hd),
+                     TensorView::contiguous(const_cast<float*>(tape.ctx.data()), DType::kF32,
+                                            {batch, seq, m.num_heads, hd}),
+                     TensorView::contiguous(const_cast<float*>(tape.lse.data()), DType::kF32,
+                                            {batch, m.num_heads, seq, 1}),
+                     TensorView::contiguous(d_ctx, DType::kF32, {batch, seq, m.num_heads, hd}),
+                     {.dq = gradient(0, m.num_heads),
+                      .dk = gradient(E, m.num_kv_heads),
+                      .dv = gradient(E + kvw, m.num_kv_heads)},
+                     params);
   // Its backward on the canonical [Wq; Wk; Wv]: straight into the gradients where they are in
   // that order (kFusedBlocks; the product accumulates into them), else into a buffer whose
   // rows are added into the packing's.

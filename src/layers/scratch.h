@@ -39,10 +39,10 @@ struct Scratch {
   AlignedBuffer q_half;                 // MultiHeadAttention: q in a bf16/f16 cache's dtype
   // Training's backward (reused from step to step, not allocated and first touched each time),
   // gradients of: EncoderLayer's FFN hidden activations, a sub-layer's input and output, and
-  // Post-LN's LayerNorm input; MultiHeadAttention's core output, q, k, v, their projection
-  // rows, and the projection's weight and bias.
+  // Post-LN's LayerNorm input; MultiHeadAttention's core output, the projection's rows [dq |
+  // dk | dv] (the core writes them in place), and the projection's weight and bias.
   AlignedBuffer d_hidden, d_in, d_sub, d_z;
-  AlignedBuffer d_ctx, d_q, d_k, d_v, d_qkv, d_w, d_b;
+  AlignedBuffer d_ctx, d_qkv, d_w, d_b;
 };
 
 class ScratchPool {

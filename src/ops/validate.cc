@@ -1,7 +1,9 @@
 #include "ops/validate.h"
 
 #include <algorithm>
-
+#include <array>
+#include <cstdlib>
+#include <numeric>
 #include <utility>
 
 #include "qkv/error.h"
@@ -148,10 +150,55 @@ std::pair<std::uintptr_t, std::uintptr_t> byte_extent(const TensorView& view) {
           base + static_cast<std::uintptr_t>((high + 1) * size)};
 }
 
+// A view's bytes as runs: `run` contiguous bytes at every base + sum i_d * outer[d], where the
+// run is the innermost dims whose elements lie end to end (a row's heads x head_dim, say) and
+// outer holds the other dims' strides in bytes (0 where there are fewer).
+struct Runs {
+  std::int64_t run = 0;
+  std::array<std::int64_t, 4> outer = {0, 0, 0, 0};
+};
+
+Runs runs_of(const TensorView& view) {
+  const std::int64_t size = dtype_size(view.dtype);
+  std::array<int, 4> order = {0, 1, 2, 3};
+  std::sort(order.begin(), order.end(),
+            [&](int a, int b) { return std::abs(view.strides[a]) < std::abs(view.strides[b]); });
+  Runs r{.run = size};
+  int outer = 0;
+  for (int d : order) {
+    if (view.sizes[d] == 1) continue;
+    if (outer == 0 && view.strides[d] * size == r.run) {
+      r.run *= view.sizes[d];
+    } else {
+      r.outer[outer++] = std::abs(view.strides[d]) * size;
+    }
+  }
+  return r;
+}
+
+// Whether the two views' runs fall in disjoint residues modulo g, the gcd of both views' outer
+// strides (every byte of a view lies at its base plus a run offset, modulo g): then no byte is
+// shared, however their extents interleave (dq, dk and dv as column ranges of one [dq | dk |
+// dv] row buffer). False where this cannot tell (a run as long as g, or no outer dims at all,
+// where the extents are exact).
+bool runs_apart(const TensorView& a, const TensorView& b) {
+  const Runs ra = runs_of(a), rb = runs_of(b);
+  std::int64_t g = 0;
+  for (int d = 0; d < 4; ++d) g = std::gcd(g, std::gcd(ra.outer[d], rb.outer[d]));
+  if (g == 0 || ra.run > g || rb.run > g) return false;
+  const auto modulus = static_cast<std::uintptr_t>(g);
+  const std::uintptr_t base_a = reinterpret_cast<std::uintptr_t>(a.data) % modulus;
+  const std::uintptr_t base_b = reinterpret_cast<std::uintptr_t>(b.data) % modulus;
+  const std::uintptr_t b_after_a = (base_b + modulus - base_a) % modulus;
+  return b_after_a >= static_cast<std::uintptr_t>(ra.run) &&
+         modulus - b_after_a >= static_cast<std::uintptr_t>(rb.run);
+}
+
 bool overlaps(const TensorView& a, const TensorView& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
   const auto [a_first, a_end] = byte_extent(a);
   const auto [b_first, b_end] = byte_extent(b);
-  return a_first < b_end && b_first < a_end;
+  return a_first < b_end && b_first < a_end && !runs_apart(a, b);
 }
 
 }  // namespace

@@ -79,8 +79,11 @@ void set_operands(KernelParams& p, const AttentionShape& s, const TensorView& q,
 
 // Outputs must not share memory with an input or another output: a kernel that writes out
 // rows while it still reads q (or another output's rows) would compute from overwritten data.
-// Checked on byte extents (first to last element), so interleaved views of one buffer are
-// refused too. `outputs` and `inputs`: (name, view) pairs; empty views are skipped.
+// Two views are apart where their byte extents (first to last element) are, or where their
+// contiguous runs fall in different residues modulo the gcd of their other strides: column
+// ranges of one row buffer (dq, dk, dv in a [dq | dk | dv] gradient) are apart. A sufficient
+// test: views that share no byte yet fail both (numpy's shares_memory solves the general case)
+// are refused too. `outputs` and `inputs`: (name, view) pairs; empty views are skipped.
 using NamedView = std::pair<const char*, const TensorView*>;
 void require_no_overlap(std::span<const NamedView> outputs, std::span<const NamedView> inputs);
 

@@ -6,7 +6,10 @@
 // with no key, the same bits on any thread count, bf16 storage, and the boundary's errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -339,6 +342,72 @@ TEST(AttentionBackwardErrors, NamesTheArgumentAndWritesNothing) {
   for (const std::vector<float>* g : {&dq, &dk, &dv}) {
     for (float x : *g) ASSERT_EQ(x, 7.0f);  // nothing written
   }
+}
+
+// dq, dk and dv as column ranges of one [dq | dk | dv] row buffer (a fused QKV projection's
+// gradient rows, as MultiHeadAttention passes them): accepted, and the same bits as in buffers
+// of their own, on every target; ranges one element into each other are refused, and nothing is
+// written then.
+TEST(AttentionBackwardPacked, GradientsInOneRowBufferEqualSeparateOnes) {
+  const Case c{.batch = 2,
+               .seq_q = 37,
+               .seq_kv = 37,
+               .num_heads_q = 4,
+               .num_heads_kv = 2,
+               .head_dim = 16,
+               .causal = true};
+  Problem pr(c);
+  AttentionParams params = pr.params();
+  std::vector<float> dout = normal_values(pr.q.size(), 3);
+  params.kernel = Kernel::kReference;
+  const Result f = pr.run_with(params, false);
+  params.kernel = Kernel::kFlash;
+  const std::int64_t L = c.seq_q, D = c.head_dim, E = c.num_heads_q * D;
+  const std::int64_t kvw = c.num_heads_kv * D, F = E + 2 * kvw;
+  std::vector<float> rows(c.batch * L * F);
+  auto range = [&](std::int64_t col, std::int64_t heads) {
+    return TensorView{
+        .data = rows.data() + col, .sizes = {c.batch, L, heads, D}, .strides = {L * F, F, D, 1}};
+  };
+  auto backward = [&](const AttentionGrads& grads) {
+    attention_backward(pr.view(pr.q, L, c.num_heads_q, D), pr.view(pr.k, L, c.num_heads_kv, D),
+                       pr.view(pr.v, L, c.num_heads_kv, D),
+                       pr.view(const_cast<std::vector<float>&>(f.out), L, c.num_heads_q, D),
+                       TensorView::contiguous(const_cast<float*>(f.lse.data()), DType::kF32,
+                                              {c.batch, c.num_heads_q, L, 1}),
+                       pr.view(dout, L, c.num_heads_q, D), grads, params);
+  };
+  for_each_target(attention_cpu_target_name, [&](std::int64_t) {
+    const Grads separate = run_backward(pr, params, dout, false, 0, Kernel::kFlash);
+    std::fill(rows.begin(), rows.end(), 7.0f);
+    backward({.dq = range(0, c.num_heads_q),
+              .dk = range(E, c.num_heads_kv),
+              .dv = range(E + kvw, c.num_heads_kv)});
+    for (std::int64_t r = 0; r < c.batch * L; ++r) {
+      for (auto [part, col, width] : {std::tuple{&separate.dq, 0L, E},
+                                      {&separate.dk, E, kvw},
+                                      {&separate.dv, E + kvw, kvw}}) {
+        for (std::int64_t i = 0; i < width; ++i) {
+          ASSERT_EQ(std::bit_cast<std::uint32_t>(rows[r * F + col + i]),
+                    std::bit_cast<std::uint32_t>((*part)[r * width + i]))
+              << "row " << r << ", column " << col + i;
+        }
+      }
+    }
+  });
+  std::fill(rows.begin(), rows.end(), 7.0f);
+  for (auto [dk_col, dv_col, message] : {std::tuple{E - 1, E + kvw, "dq: its memory overlaps dk's"},
+                                         {E, E + kvw - 1, "dk: its memory overlaps dv's"}}) {
+    try {
+      backward({.dq = range(0, c.num_heads_q),
+                .dk = range(dk_col, c.num_heads_kv),
+                .dv = range(dv_col, c.num_heads_kv)});
+      ADD_FAILURE() << "no error; expected '" << message << "'";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  }
+  for (float x : rows) ASSERT_EQ(x, 7.0f);
 }
 
 }  // namespace

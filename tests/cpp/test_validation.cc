@@ -2,6 +2,7 @@
 // message (the argument it names and, for shapes, both shapes), and nothing is written.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -199,6 +200,38 @@ TEST(Validation, OutputsNextToInputsInOneBufferAreFine) {
   p.outputs.out = TensorView::contiguous(buffer.data() + p.q.size(), DType::kF32, {2, 3, 4, 6});
   p.run();
   EXPECT_NEAR(buffer[p.q.size()], 0.5f, 1e-6f);
+}
+
+// q and out as column ranges of one row buffer ([q | out] per (b, l) row, their extents
+// interleaved): apart, and out equals the one computed in a buffer of its own. out rows 64
+// floats apart over q rows 56 apart share memory from the second row on: refused.
+TEST(Validation, OutputsInterleavedWithInputsByColumnsAreFine) {
+  Valid alone;
+  alone.run();
+  Valid p;
+  const std::int64_t F = 4 * 8 + 4 * 6;  // q's 32 floats, then out's 24
+  std::vector<float> rows(2 * 3 * F, 7.0f);
+  for (std::int64_t r = 0; r < 6; ++r) std::copy_n(p.q.data() + r * 32, 32, rows.data() + r * F);
+  p.qv = {.data = rows.data(), .sizes = {2, 3, 4, 8}, .strides = {3 * F, F, 8, 1}};
+  p.outputs.out = {.data = rows.data() + 32, .sizes = {2, 3, 4, 6}, .strides = {3 * F, F, 6, 1}};
+  p.run();
+  for (std::int64_t r = 0; r < 6; ++r) {
+    for (std::int64_t i = 0; i < 24; ++i) {
+      ASSERT_EQ(rows[r * F + 32 + i], alone.out[r * 24 + i]) << "row " << r << ", " << i;
+    }
+  }
+  Valid wider;
+  std::vector<float> buffer(2 * 3 * 64 + F, 0.5f);
+  wider.qv = {.data = buffer.data(), .sizes = {2, 3, 4, 8}, .strides = {3 * F, F, 8, 1}};
+  wider.outputs.out = {
+      .data = buffer.data() + 32, .sizes = {2, 3, 4, 6}, .strides = {3 * 64, 64, 6, 1}};
+  try {
+    wider.run();
+    ADD_FAILURE() << "no error thrown for out rows over q rows";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("out: its memory overlaps q's"), std::string::npos)
+        << e.what();
+  }
 }
 
 // A side of at least max(Lq, Lk) allows every key on its side, up to INT64_MAX: it must mean
