@@ -197,10 +197,7 @@ void MultiHeadAttention::backward(const MhaTape& tape, const float* x, const flo
   // The attention core, writing dq, dk and dv straight into the projection's gradient rows
   // [dq | dk | dv] (column ranges of one buffer, which the core's overlap check tells apart).
   float* d_qkv = layers::scratch_floats(scratch->d_qkv, rows * F);
-  auto gradient = [&](std::int64_t col, std::int64_t heads) {
-    return TensorView{
-        .data = d_qkv + col, .sizes = {batch, seq, heads, hd}, .strides = {seq * F, F, hd, 1}};
-  };
+  const layers::ProjectedRows d_rows{d_qkv, DType::kF32, batch, seq, F};
   const AttentionParams params = layers::core_params(tape.options, tape.key_lengths);
   const layers::ProjectedRows qkv = core_rows(tape, F);
   attention_backward(qkv.heads(0, m.num_heads, hd), qkv.heads(E, m.num_kv_heads, hd),
@@ -210,9 +207,9 @@ void MultiHeadAttention::backward(const MhaTape& tape, const float* x, const flo
                      TensorView::contiguous(const_cast<float*>(tape.lse.data()), DType::kF32,
                                             {batch, m.num_heads, seq, 1}),
                      TensorView::contiguous(d_ctx, DType::kF32, {batch, seq, m.num_heads, hd}),
-                     {.dq = gradient(0, m.num_heads),
-                      .dk = gradient(E, m.num_kv_heads),
-                      .dv = gradient(E + kvw, m.num_kv_heads)},
+                     {.dq = d_rows.heads(0, m.num_heads, hd),
+                      .dk = d_rows.heads(E, m.num_kv_heads, hd),
+                      .dv = d_rows.heads(E + kvw, m.num_kv_heads, hd)},
                      params);
   // Its backward on the canonical [Wq; Wk; Wv]: straight into the gradients where they are in
   // that order (kFusedBlocks; the product accumulates into them), else into a buffer whose
