@@ -451,7 +451,9 @@ TEST(LayersLinear, ValidationErrors) {
 TEST(LayersLayerNorm, SweepWithAndWithoutResidual) {
   for_each_target(layers::layer_kernels_target_name, [&](std::int64_t) {
     for (std::int64_t rows : {1, 3, 17}) {
-      for (std::int64_t features : {1, 5, 64, 96, 384}) {
+      // (Vector counts around the sums' four chains: whole rounds, rounds and single vectors,
+      // rounds and a partial vector.)
+      for (std::int64_t features : {1, 5, 64, 96, 100, 384, 1000}) {
         const std::uint64_t seed = rows * 131 + features;
         const std::vector<float> gamma = random_floats(features, seed, 0.5f, 1.5f);
         const std::vector<float> beta = random_floats(features, seed + 1);
