@@ -260,6 +260,17 @@ template <class V>
 HWY_INLINE V AddChains(const V (&chains)[kChains]) {
   return hn::Add(hn::Add(chains[0], chains[1]), hn::Add(chains[2], chains[3]));
 }
+// f(chain, i) for the whole vectors i of [0, full), vector k in chain k % kChains (unrolled by
+// kChains, so the chains' adds are independent in the instruction stream). Returns full.
+template <class F>
+HWY_INLINE std::int64_t ForEachVectorChained(std::int64_t full, std::int64_t lanes, F f) {
+  std::int64_t i = 0;
+  for (; i + kChains * lanes <= full; i += kChains * lanes) {
+    for (int c = 0; c < kChains; ++c) f(c, i + c * lanes);
+  }
+  for (int c = 0; i < full; i += lanes, ++c) f(c, i);
+  return i;
+}
 
 void LayerNormKernel(const float* x, const float* residual, std::int64_t rows,
                      std::int64_t features, const float* gamma, const float* beta, float eps,
@@ -291,12 +302,9 @@ void LayerNormKernel(const float* x, const float* residual, std::int64_t rows,
     const float n = static_cast<float>(features);
     VF sum[kChains];
     for (VF& s : sum) s = hn::Zero(df);
-    std::int64_t i = 0;
-    for (; i + kChains * lanes <= full; i += kChains * lanes) {
-      for (int c = 0; c < kChains; ++c)
-        sum[c] = hn::Add(sum[c], load(xr, rr, i + c * lanes, lanes));
-    }
-    for (int c = 0; i < full; i += lanes, ++c) sum[c] = hn::Add(sum[c], load(xr, rr, i, lanes));
+    ForEachVectorChained(full, lanes, [&](int c, std::int64_t i) {
+      sum[c] = hn::Add(sum[c], load(xr, rr, i, lanes));
+    });
     if (rest) sum[kChains - 1] = hn::Add(sum[kChains - 1], load(xr, rr, full, rest));
     const float mean = hn::GetLane(hn::SumOfLanes(df, AddChains(sum))) / n;
     const VF vmean0 = hn::Set(df, mean);
@@ -306,12 +314,9 @@ void LayerNormKernel(const float* x, const float* residual, std::int64_t rows,
       dsum[c] = hn::Add(dsum[c], d);
       sq[c] = hn::MulAdd(d, d, sq[c]);
     };
-    for (i = 0; i + kChains * lanes <= full; i += kChains * lanes) {
-      for (int c = 0; c < kChains; ++c)
-        deviation(c, hn::Sub(load(xr, rr, i + c * lanes, lanes), vmean0));
-    }
-    for (int c = 0; i < full; i += lanes, ++c)
+    ForEachVectorChained(full, lanes, [&](int c, std::int64_t i) {
       deviation(c, hn::Sub(load(xr, rr, i, lanes), vmean0));
+    });
     if (rest) {
       deviation(kChains - 1, hn::IfThenElseZero(hn::FirstN(df, rest),
                                                 hn::Sub(load(xr, rr, full, rest), vmean0)));
@@ -407,17 +412,14 @@ HWY_INLINE double RowSumF64(const float* x, const float* residual, std::int64_t 
   const size_t whole = static_cast<size_t>(lanes);
   VD acc[kChains];
   for (VD& a : acc) a = hn::Zero(dd);
-  std::int64_t i = 0;
-  for (; i + kChains * lanes <= n; i += kChains * lanes) {
-    for (int c = 0; c < kChains; ++c) {
-      const std::int64_t at = i + c * lanes;
-      acc[c] = hn::Add(acc[c], f(dd, LoadZ(x, residual, at, whole), at, whole));
-    }
-  }
-  for (int c = 0; i < n; i += lanes, ++c) {
-    const size_t count = static_cast<size_t>(std::min(lanes, n - i));
+  const std::int64_t i = ForEachVectorChained(n - n % lanes, lanes, [&](int c, std::int64_t at) {
+    acc[c] = hn::Add(acc[c], f(dd, LoadZ(x, residual, at, whole), at, whole));
+  });
+  if (i < n) {  // the partial vector, its lanes past n zeroed
+    const size_t count = static_cast<size_t>(n - i);
     const VD v = LoadZ(x, residual, i, count);
-    acc[c] = hn::Add(acc[c], hn::IfThenElseZero(hn::FirstN(dd, count), f(dd, v, i, count)));
+    acc[kChains - 1] =
+        hn::Add(acc[kChains - 1], hn::IfThenElseZero(hn::FirstN(dd, count), f(dd, v, i, count)));
   }
   return hn::GetLane(hn::SumOfLanes(dd, AddChains(acc)));
 }

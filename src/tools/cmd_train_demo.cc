@@ -120,10 +120,10 @@ class Task {
   std::int64_t digits_;
 };
 
-// Token accuracy of `model` on `batch` (argmax against the scored targets).
-// Token accuracy over `sequences` sequences, run `chunk` sequences at a time (the training
-// batch: the layers' scratch then stays the size training made it; 512 sequences of 128 at
-// once took 1.4 GB more at embed 512).
+// Token accuracy of `model` on the first `sequences` sequences of `batch` (argmax against the
+// scored targets), run `chunk` sequences at a time (the training batch: the layers' scratch
+// then stays the size training made it; 512 sequences of 128 at once took 1.4 GB more at
+// embed 512).
 double accuracy(const TokenTagger& model, const Batch& batch, std::int64_t sequences,
                 std::int64_t length, std::int64_t chunk) {
   const std::int64_t C = model.config().num_classes;
