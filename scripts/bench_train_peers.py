@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Times a whole training step of `qkv train-demo`'s model against the same model in PyTorch.
 
-    .cache/venv-peers/bin/python scripts/bench_train_peers.py [--threads 2] [--rounds 3]
+    python3 scripts/bench_train_peers.py [--threads 2] [--rounds 3]
         [--embed 512] [--heads 8] [--ff 2048] [--layers 2] [--seq 128] [--batch 16]
         [--impls torch-f32,torch-bf16,qkv-f32,qkv-bf16]
 
@@ -35,6 +35,7 @@ import sys
 import time
 
 from host_cpu import cpu_name  # scripts/host_cpu.py (this folder is on sys.path)
+from peers_env import ensure_venv  # scripts/peers_env.py
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -121,6 +122,7 @@ def main():
         parser.error(f"--impls: unknown {', '.join(repr(n) for n in unknown)}; "
                      f"choose from {', '.join(runs)}")
     runs = {name: run for name, run in runs.items() if name in impls}
+    ensure_venv(__file__, ["torch"])
     import torch
 
     torch.set_num_threads(args.threads)

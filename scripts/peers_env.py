@@ -1,6 +1,6 @@
 """Shared by the scripts that run in .cache/venv-peers (bench_attention_peers.py,
-bench_embed_peers.py, gen_embedding_fixture.py): re-running a script inside that venv, and the
-model folder."""
+bench_train_peers.py, bench_embed_peers.py, gen_embedding_fixture.py): re-running a script inside
+that venv, and the model folder."""
 
 import importlib
 import os

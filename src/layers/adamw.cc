@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/parallel.h"
+#include "layers/layer_kernels.h"
 #include "qkv/error.h"
 
 namespace qkv {
@@ -51,9 +52,9 @@ void AdamW::step(std::span<std::vector<float>* const> params,
   const AdamWParams& a = params_;
   const double c1 = 1.0 - std::pow(static_cast<double>(a.beta1), static_cast<double>(steps_));
   const double c2 = 1.0 - std::pow(static_cast<double>(a.beta2), static_cast<double>(steps_));
-  const float step_size = static_cast<float>(a.lr / c1);
-  const float root_c2 = static_cast<float>(std::sqrt(c2));
-  const float decay = 1.0f - a.lr * a.weight_decay;
+  const layers::AdamWStep s{.decay = 1.0f - a.lr * a.weight_decay,
+                            .step_size = static_cast<float>(a.lr / c1),
+                            .root_c2 = static_cast<float>(std::sqrt(c2))};
   // Element by element (each element's update is independent: the same bits on any thread
   // count), in chunks of every tensor spread over the threads.
   constexpr std::int64_t kChunk = 1 << 14;
@@ -65,18 +66,10 @@ void AdamW::step(std::span<std::vector<float>* const> params,
   parallel_for(static_cast<std::int64_t>(chunks.size()), resolve_num_threads(0),
                [&](std::int64_t c, int) {
                  const auto [i, first] = chunks[static_cast<std::size_t>(c)];
-                 float* p = params[i]->data();
-                 const float* g = grads[i]->data();
-                 float* m = m_[i].data();
-                 float* v = v_[i].data();
-                 const std::int64_t end =
-                     std::min(first + kChunk, static_cast<std::int64_t>(params[i]->size()));
-                 for (std::int64_t e = first; e < end; ++e) {
-                   p[e] *= decay;
-                   m[e] = a.beta1 * m[e] + (1.0f - a.beta1) * g[e];
-                   v[e] = a.beta2 * v[e] + (1.0f - a.beta2) * g[e] * g[e];
-                   p[e] -= step_size * m[e] / (std::sqrt(v[e]) / root_c2 + a.eps);
-                 }
+                 const auto n = static_cast<std::int64_t>(params[i]->size());
+                 layers::adamw_kernel(a, s, params[i]->data() + first, grads[i]->data() + first,
+                                      m_[i].data() + first, v_[i].data() + first,
+                                      std::min(kChunk, n - first));
                });
 }
 

@@ -525,6 +525,29 @@ void LayerNormParamGradsKernel(const float* x, const float* residual, const floa
   }
 }
 
+// AdamW::step's update, element by element (layer_kernels.h); the tail in masked lanes.
+void AdamWKernel(const AdamWParams& a, const AdamWStep& s, float* HWY_RESTRICT p,
+                 const float* HWY_RESTRICT g, float* HWY_RESTRICT m, float* HWY_RESTRICT v,
+                 std::int64_t n) {
+  const DF df;
+  const VF decay = hn::Set(df, s.decay), beta1 = hn::Set(df, a.beta1), beta2 = hn::Set(df, a.beta2),
+           rest1 = hn::Set(df, 1.0f - a.beta1), rest2 = hn::Set(df, 1.0f - a.beta2),
+           step_size = hn::Set(df, s.step_size), root_c2 = hn::Set(df, s.root_c2),
+           eps = hn::Set(df, a.eps);
+  const std::int64_t lanes = static_cast<std::int64_t>(hn::Lanes(df));
+  for (std::int64_t i = 0; i < n; i += lanes) {
+    const auto count = static_cast<size_t>(std::min(lanes, n - i));
+    const VF gi = LoadFirst(df, g + i, count);
+    const VF mi = hn::MulAdd(rest1, gi, hn::Mul(beta1, LoadFirst(df, m + i, count)));
+    const VF vi = hn::MulAdd(hn::Mul(rest2, gi), gi, hn::Mul(beta2, LoadFirst(df, v + i, count)));
+    const VF denominator = hn::Add(hn::Div(hn::Sqrt(vi), root_c2), eps);
+    const VF pi = hn::Mul(LoadFirst(df, p + i, count), decay);
+    StoreFirst(hn::Sub(pi, hn::Div(hn::Mul(step_size, mi), denominator)), df, p + i, count);
+    StoreFirst(mi, df, m + i, count);
+    StoreFirst(vi, df, v + i, count);
+  }
+}
+
 void ColumnSumsKernel(const float* x, std::int64_t rows, std::int64_t cols, std::int64_t begin,
                       std::int64_t end, float* sums) {
   const hn::ScalableTag<double> dd;
@@ -567,6 +590,7 @@ HWY_EXPORT(ActivationToBf16Kernel);
 HWY_EXPORT(LayerNormKernel);
 HWY_EXPORT(RoundToBf16Kernel);
 HWY_EXPORT(ColumnSumsKernel);
+HWY_EXPORT(AdamWKernel);
 HWY_EXPORT(LayerNormBackwardRowsKernel);
 HWY_EXPORT(LayerNormParamGradsKernel);
 HWY_EXPORT(TargetName);
@@ -602,6 +626,11 @@ void round_to_bf16_kernel(const float* x, std::int64_t n, float* values) {
 void column_sums_kernel(const float* x, std::int64_t rows, std::int64_t cols, std::int64_t begin,
                         std::int64_t end, float* sums) {
   HWY_DYNAMIC_DISPATCH(ColumnSumsKernel)(x, rows, cols, begin, end, sums);
+}
+
+void adamw_kernel(const AdamWParams& a, const AdamWStep& s, float* p, const float* g, float* m,
+                  float* v, std::int64_t n) {
+  HWY_DYNAMIC_DISPATCH(AdamWKernel)(a, s, p, g, m, v, n);
 }
 
 void layer_norm_backward_rows_kernel(const float* x, const float* residual, const float* dy,

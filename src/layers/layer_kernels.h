@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "qkv/layers/activation.h"
+#include "qkv/layers/adamw.h"
 
 namespace qkv::layers {
 
@@ -39,6 +40,18 @@ void round_to_bf16_kernel(const float* x, std::int64_t n, float* values);
 // once to f32, for columns j in [begin, end). x: [rows, cols] contiguous.
 void column_sums_kernel(const float* x, std::int64_t rows, std::int64_t cols, std::int64_t begin,
                         std::int64_t end, float* sums);
+
+// AdamW::step's update of n elements (p, g, m, v: [n], apart), with the step's constants from
+// its bias corrections: p = p decay - step_size m' / (sqrt(v') / root_c2 + eps), m' = beta1 m +
+// (1 - beta1) g, v' = beta2 v + (1 - beta2) g g (f32 lanes; multiply-adds fused where the target
+// has them, so within a few ulp of the formula in plain f32).
+struct AdamWStep {
+  float decay;      // 1 - lr weight_decay
+  float step_size;  // lr / (1 - beta1^t)
+  float root_c2;    // sqrt(1 - beta2^t)
+};
+void adamw_kernel(const AdamWParams& a, const AdamWStep& s, float* p, const float* g, float* m,
+                  float* v, std::int64_t n);
 
 // LayerNorm's backward (z = x + residual per row of `features`; residual nullable), in f64
 // lanes. Rows kernel: mean[r] and rstd[r] = 1 / sqrt(var + eps) of each row (two passes), and

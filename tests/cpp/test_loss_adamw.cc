@@ -3,8 +3,10 @@
 // one training step of an EncoderLayer (backward + AdamW) against the same step in float64
 // (finite-difference gradients of the float64 reference layer, the float64 update).
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "expect_error.h"
@@ -94,6 +96,52 @@ TEST(AdamW, MatchesTorchsUpdateInFloat64) {
   std::vector<float>* one_grad[] = {&g};
   expect_error([&] { opt.step(one_param, one_grad); }, "1 parameters; the first step had 2");
   expect_error([] { AdamW(AdamWParams{.beta1 = 1.0f}); }, "need lr >= 0, betas in [0, 1)");
+}
+
+TEST(AdamW, EverySizeAcrossVectorsAndChunksMatchesFloat64) {
+  // Sizes that leave whole vectors, a partial one and none (4, 8 and 16 lanes), and tensors
+  // that cross AdamW's chunks of 16384 elements; the same bits on any thread count.
+  const AdamWParams a{
+      .lr = 0.02f, .beta1 = 0.85f, .beta2 = 0.99f, .eps = 1e-7f, .weight_decay = 0.05f};
+  const std::vector<std::int64_t> sizes{1, 3, 8, 15, 16, 17, 33, 100, 16384 + 17, 3 * 16384};
+  auto run = [&](int threads) {
+    omp_set_num_threads(threads);
+    AdamW opt(a);
+    std::vector<std::vector<float>> p, g(sizes.size());
+    for (std::size_t t = 0; t < sizes.size(); ++t) p.push_back(random_floats(sizes[t], 100 + t));
+    std::vector<std::vector<float>*> params, grads;
+    for (std::size_t t = 0; t < sizes.size(); ++t) {
+      params.push_back(&p[t]);
+      grads.push_back(&g[t]);
+    }
+    for (int step = 1; step <= 3; ++step) {
+      for (std::size_t t = 0; t < sizes.size(); ++t) {
+        g[t] = random_floats(sizes[t], 1000 * step + t, -2.0f, 2.0f);
+      }
+      opt.step(params, grads);
+    }
+    return p;
+  };
+  const int threads = omp_get_max_threads();
+  const auto one = run(1), two = run(2);
+  omp_set_num_threads(threads);
+  EXPECT_EQ(one, two);
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    Vec p = to_f64(random_floats(sizes[t], 100 + t)), m(p.size()), v(p.size());
+    for (int step = 1; step <= 3; ++step) {
+      const Vec g = to_f64(random_floats(sizes[t], 1000 * step + t, -2.0f, 2.0f));
+      const double lr = a.lr, b1 = a.beta1, b2 = a.beta2;
+      for (std::size_t e = 0; e < p.size(); ++e) {
+        p[e] *= 1 - lr * a.weight_decay;
+        m[e] = b1 * m[e] + (1 - b1) * g[e];
+        v[e] = b2 * v[e] + (1 - b2) * g[e] * g[e];
+        p[e] -= lr * (m[e] / (1 - std::pow(b1, step))) /
+                (std::sqrt(v[e] / (1 - std::pow(b2, step))) + a.eps);
+      }
+    }
+    // An update moves p by about lr: 1e-6 of the scale is 5e-5 of it.
+    expect_close(one[t], p, 1e-6, "p of size " + std::to_string(sizes[t]));
+  }
 }
 
 TEST(AdamW, OneEncoderLayerTrainingStepMatchesFloat64) {
