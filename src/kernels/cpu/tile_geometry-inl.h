@@ -63,8 +63,8 @@ constexpr bool kStagesF32Rows = kLanes == 8;
 // 4 x 2 at 55%, 5 x 2 at 65-73%, 6 x 2 at 79-91% and 7 x 2 (a q vector then read from memory)
 // at 74% of the FMA peak, interleaved in one process (docs/kernels.md, "AVX2: 6 x 2"). AVX-512
 // has 6 x 4 (24 chains, 29 of its 32 registers): on the Intel AMX Xeon the lone loop ran 4 x 4
-// at 85-86% of the FMA peak and 6 x 4 at 89-93%, and the flash kernel 1.02-1.07x faster
-// (docs/kernels.md, "AVX-512: 6 x 4").
+// at 85-86% of the FMA peak and 6 x 4 at 89-93%, and the flash kernel 1.02-1.07x faster; on
+// Zen 4, 4 x 4 and 6 x 4 run the kernel alike (0.99-1.02x; docs/kernels.md, "AVX-512: 6 x 4").
 constexpr int kRows = kLanes >= 8 ? 6 : 4;
 // Query blocks sharing one K/V walk (flash_forward.cc's work plan): 1024 queries on AVX-512 and
 // on AVX2 (whose blocks are 4x narrower), so a staged K/V tile serves as many queries.
