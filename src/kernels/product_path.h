@@ -86,8 +86,9 @@ ProductPath attention_flash_product_path(DType dtype);
 ProductPath attention_flash_product_path(const AttentionKernelParams& params);
 
 // The path the flash backward takes for dtype on the Highway target it dispatches to now and
-// this CPU (kernels/cpu/backward_products-inl.h): bf16 on AMX tiles where amx::available() (the
-// AVX3 targets), else every dtype widened to f32.
+// this CPU (kernels/cpu/backward_products-inl.h), as the forward's: on the AVX3 targets bf16 on
+// vdpbf16ps pairs where bf16dot::preferred() (AMD, or forced), else on AMX tiles where
+// amx::available(); otherwise every dtype widened to f32.
 ProductPath attention_backward_flash_product_path(DType dtype);
 
 // The paths the flash kernel can take for dtype on this CPU and Highway target, its own choice
@@ -99,8 +100,9 @@ ProductPath attention_backward_flash_product_path(DType dtype);
 // kernel results of each path are its own (the paths round differently).
 std::vector<ProductPath> flash_product_paths(DType dtype);
 bool pin_flash_product_path(DType dtype, ProductPath path);
-// The same for the flash backward (attention_backward_flash_product_path): bf16-amx and
-// bf16-widened-fma for bf16 on a CPU with AMX, the widened path alone otherwise.
+// The same for the flash backward (attention_backward_flash_product_path): for bf16,
+// bf16-vdpbf16ps on a CPU with AVX512-BF16 (its own choice on AMD), bf16-amx on one with AMX
+// (its choice on Intel), and bf16-widened-fma; the widened path alone for f16, f32 for f32.
 std::vector<ProductPath> backward_product_paths(DType dtype);
 bool pin_backward_product_path(DType dtype, ProductPath path);
 // The switches back at their defaults: the flash kernel's own choice again (forward and

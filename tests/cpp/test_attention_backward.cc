@@ -17,6 +17,7 @@
 #include "attention_case.h"
 #include "every_target.h"
 #include "kernels/cpu/amx.h"
+#include "kernels/cpu/bf16_dot.h"
 #include "kernels/kernels.h"
 #include "qkv/attention_backward.h"
 #include "qkv/error.h"
@@ -191,14 +192,17 @@ TEST(AttentionBackwardFlash, MatchesReferenceOnEveryTarget) {
   const std::vector<Case> cases = flash_cases();
   for_each_target(attention_cpu_target_name, [&](std::int64_t) {
     for (const Case& c : cases) expect_flash_matches_reference(c);
-    // bf16 and f16 widened to f32 (bf16 on the AMX tiles: test_backward_amx.cc).
+    // bf16 and f16 widened to f32 (bf16 on the AMX tiles and the vdpbf16ps pairs:
+    // test_backward_amx.cc).
     amx::set_enabled(false);
+    bf16dot::set_enabled(false);
     for (DType dtype : {DType::kBF16, DType::kF16}) {
       Case c = cases[cases.size() - 5];
       c.dtype = dtype;
       expect_flash_matches_reference(c);
     }
     amx::set_enabled(true);
+    bf16dot::set_enabled(true);
   });
 }
 

@@ -535,20 +535,23 @@ def test_bench_products_all_gives_a_row_per_path(cli, dtype):
 
 
 def backward_paths(dtype):
-    """The product paths the flash backward runs for dtype on this CPU (docs/kernels.md,
-    "Backward"): bf16 on AMX tiles where lscpu has amx_bf16 and amx_tile, else widened."""
+    """The product paths the flash backward can take for dtype on this CPU (docs/kernels.md,
+    "Backward"): bf16 on vdpbf16ps pairs where lscpu has avx512_bf16, on AMX tiles where it has
+    amx_bf16 and amx_tile too, and widened."""
     flags = cpu_flags()
-    amx = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_bf16",
-           "amx_tile"} <= flags
+    pairs = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= flags
+    amx = pairs and {"amx_bf16", "amx_tile"} <= flags
     if dtype == "bf16":
-        return {"bf16-widened-fma"} | ({"bf16-amx"} if amx else set())
+        return ({"bf16-widened-fma"} | ({"bf16-vdpbf16ps"} if pairs else set())
+                | ({"bf16-amx"} if amx else set()))
     return {f"{dtype}-widened-fma" if dtype != "f32" else "f32-fma"}
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
 def test_bench_backward_products_pins_the_backward_path(cli, dtype):
     # --products with --backward: the backward's own paths, one row each, each the path that ran
-    # (bf16 on an AMX CPU: the tiles and the widened FMA products, to compare on one CPU).
+    # (bf16: the pairs, the tiles where the CPU has AMX and the widened FMA products, to compare
+    # on one CPU).
     import json
     args = ["bench", "--json", "--backward", "--shape", "1,2,1,70,90,16", "--repeats", "1",
             "--threads", "1", "--dtype", dtype]
@@ -573,10 +576,10 @@ BENCH_PRODUCTS_ERRORS = {
               ["--products bf16-widened-fma: a bf16 path, but --dtype is f32"]),
     "chunked": (["--products", "f32-fma", "--kernel", "flash,chunked"],
                 ["--products: pins the flash kernel's products; --kernel chunked"]),
-    "backward, a forward path": (["--products", "bf16-vdpbf16ps", "--backward", "--dtype",
-                                  "bf16"],
-                                 ["--products bf16-vdpbf16ps: not available on this CPU "
-                                  "(bf16's backward runs on: "]),
+    "backward, a forward path": (["--products", "f16-amx-split", "--backward", "--dtype",
+                                  "f16"],
+                                 ["--products f16-amx-split: not available on this CPU "
+                                  "(f16's backward runs on: f16-widened-fma)"]),
     "linear": (["--products", "f32-fma", "--linear", "elu"], ["not with --linear"]),
 }
 

@@ -25,6 +25,7 @@
 #include "hwy/highway.h"
 #include "kernels/backward_kernel_params.h"
 #include "kernels/cpu/amx.h"
+#include "kernels/cpu/bf16_dot.h"
 #include "kernels/cpu/tile_geometry-inl.h"
 #include "kernels/cpu/tile_products-inl.h"
 #include "kernels/cpu/tile_staging-inl.h"
@@ -379,6 +380,20 @@ struct AmxBackward {
     return reinterpret_cast<std::uint32_t*>(w + at);
   }
 
+  // du's rows rounded to bf16 (dq's A), in the du_rows area.
+  static const std::uint16_t* DuRows(const Plan& plan, const RowTile& t, const float* du,
+                                     float* w) {
+    const DF df;
+    std::uint16_t* du_rows = Bf16(w, plan.du_rows);
+    for (std::int64_t r = 0; r < t.rows; ++r) {
+      for (std::int64_t x = 0; x < kKeys; x += kLanes) {
+        tiles::StoreHalfLanes(DType::kBF16, df, hn::Load(df, du + r * kKeys + x),
+                              du_rows + r * kKeys + x);
+      }
+    }
+    return du_rows;
+  }
+
   static void PackKeys(const AttentionKernelParams& p, const Plan& plan, std::int64_t b,
                        std::int64_t hkv, std::int64_t j0, std::int64_t num_k, float* w) {
     const std::uint16_t* k = static_cast<const std::uint16_t*>(p.k) + b * p.k_stride[0] +
@@ -443,14 +458,7 @@ struct AmxBackward {
     amx::values(Bf16(t.row_scratch, plan.q_cols), tiles::kBlockK, Words(w, plan.du_pairs), t.rows,
                 p.head_dim, nullptr, nullptr, w + plan.dkt);
     // dq = du k: du's rows in bf16 (keys past num_k: du = 0 there, and k_cols too).
-    const DF df;
-    std::uint16_t* du_rows = Bf16(w, plan.du_rows);
-    for (std::int64_t r = 0; r < t.rows; ++r) {
-      for (std::int64_t x = 0; x < kKeys; x += kLanes) {
-        tiles::StoreHalfLanes(DType::kBF16, df, hn::Load(df, du + r * kKeys + x),
-                              du_rows + r * kKeys + x);
-      }
-    }
+    const std::uint16_t* du_rows = DuRows(plan, t, du, w);
     const std::int64_t depth = RoundUp(num_k, amx::kDepthStep);
     for (std::int64_t pass = 0; pass < plan.passes; ++pass) {
       const std::uint32_t* k_cols = Words(w, plan.k_cols) + pass * kKeys / 2 * kBlockQ;
@@ -467,26 +475,87 @@ struct AmxBackward {
   static float DkScale(const AttentionKernelParams& p) { return p.scale; }
 };
 
-// Whether the backward runs dtype on AMX tiles on this target and CPU (bf16 only: f16 widens).
-inline bool BackwardOnTiles(DType dtype) {
-  if constexpr (kAmxLanes) return dtype == DType::kBF16 && amx::available();
-  return false;
-}
+// The bf16 products on vdpbf16ps pairs (AVX512-BF16, bf16dot::outer_product), on AmxBackward's
+// operands: its B operands (pair words along the reduction axis, [pairs][kKeys]: k_pairs,
+// v_pairs, p_pairs, du_pairs, k_cols) are the pairs' a, and its A rows (q16, dout16, q_cols,
+// dout_cols, du_rows: bf16 along the reduction axis) read as pair words are their b. dout, p and
+// du are rounded to bf16 where they enter a product, as on the tiles; q enters unscaled (s
+// takes the scale as the product's out_scale, dk when it is written). No tile state.
+struct PairBackward : AmxBackward {
+  using TaskScope = NoScope;
+  // (The task's dk and dv rows toward L2 first, as widened: 0.995-1.055x on Zen 4, 5-7 rounds.)
+  static constexpr bool kPrefetchGradients = false;
 
-inline ProductPath BackwardProductPath(DType dtype) {
-  return BackwardOnTiles(dtype) ? ProductPath::kBf16Amx : WideningProductPath(dtype);
-}
-
-// Calls f(Products{}) with the products for dtype: the one switch of the backward's
-// instantiations.
-template <class F>
-void WithBackwardProducts(DType dtype, bool tiles, F&& f) {
-  if constexpr (kAmxLanes) {
-    if (tiles) return f(AmxBackward{});
+  static const std::uint32_t* PairWords(const std::uint16_t* x) {
+    return reinterpret_cast<const std::uint32_t*>(x);
   }
-  (void)tiles;
-  if (dtype == DType::kBF16) return f(WideBackward<hwy::bfloat16_t>{});
-  if (dtype == DType::kF16) return f(WideBackward<hwy::float16_t>{});
+
+  static void Scores(const AttentionKernelParams& p, const Plan& plan, const RowTile& t, float* w) {
+    bf16dot::outer_product(Words(w, plan.k_pairs), PairWords(t.q16), t.rows, plan.depth / 2, 1,
+                           plan.depth / 2, w + plan.s, nullptr, false, p.scale);
+  }
+
+  static void DoutValues(const AttentionBackwardKernelParams&, const Plan& plan, const RowTile& t,
+                         float* w) {
+    bf16dot::outer_product(Words(w, plan.v_pairs), PairWords(t.dout16), t.rows, plan.depth_v / 2, 1,
+                           plan.depth_v / 2, w + plan.dp, nullptr, false, 1.0f);
+  }
+
+  static void Gradients(const AttentionBackwardKernelParams& g, const Plan& plan, const RowTile& t,
+                        std::int64_t num_k, const float* pv, float* w, float* dqt,
+                        bool add_to_dqt) {
+    const AttentionKernelParams& p = g.forward;
+    // dv^T += dout^T p and dk^T += q^T du: the rows are the reduction axis, paired (an odd
+    // last row pairs with +0; the columns' rows are zero past t.rows).
+    const std::int64_t row_pairs = (t.rows + 1) / 2;
+    constexpr std::int64_t kColumnWords = tiles::kBlockK / 2;
+    constexpr int kPackVecs = static_cast<int>(kKeys / 16);  // the keys' vectors of 16 lanes
+    bf16dot::pack_probs(pv, t.rows, kPackVecs, Words(w, plan.p_pairs));
+    bf16dot::outer_product(Words(w, plan.p_pairs), PairWords(Bf16(t.row_scratch, plan.dout_cols)),
+                           p.head_dim_v, kColumnWords, 1, row_pairs, w + plan.dvt, nullptr, true,
+                           1.0f);
+    const float* du = w + plan.dp;
+    bf16dot::pack_probs(du, t.rows, kPackVecs, Words(w, plan.du_pairs));
+    bf16dot::outer_product(Words(w, plan.du_pairs), PairWords(Bf16(t.row_scratch, plan.q_cols)),
+                           p.head_dim, kColumnWords, 1, row_pairs, w + plan.dkt, nullptr, true,
+                           1.0f);
+    // dq = du k: du's rows in bf16 (keys past num_k: du = 0 there, and k_cols too).
+    const std::uint16_t* du_rows = DuRows(plan, t, du, w);
+    const std::int64_t key_pairs = (num_k + 1) / 2;
+    for (std::int64_t pass = 0; pass < plan.passes; ++pass) {
+      bf16dot::outer_product(Words(w, plan.k_cols) + pass * kKeys / 2 * kBlockQ, PairWords(du_rows),
+                             t.rows, kKeys / 2, 1, key_pairs, dqt + pass * kRowsPerTile * kBlockQ,
+                             nullptr, add_to_dqt, 1.0f);
+    }
+  }
+};
+
+// The backward's products for dtype on this target and CPU, as the forward's (FlashProductPath):
+// bf16 on the vdpbf16ps pairs where bf16dot::preferred() (AMD; or forced), else on AMX tiles
+// where they run, else widened (f16 always widens).
+inline ProductPath BackwardProductPath(DType dtype) {
+  if constexpr (kAmxLanes) {
+    if (dtype == DType::kBF16 && bf16dot::preferred()) return ProductPath::kBf16Pairs;
+    if (dtype == DType::kBF16 && amx::available()) return ProductPath::kBf16Amx;
+  }
+  return WideningProductPath(dtype);
+}
+
+// Whether path's products read the bf16 operands (MakePlan's `tiles` areas).
+inline bool ReadsBf16Operands(ProductPath path) {
+  return path == ProductPath::kBf16Amx || path == ProductPath::kBf16Pairs;
+}
+
+// Calls f(Products{}) with the products of `path` (BackwardProductPath): the one switch of the
+// backward's instantiations.
+template <class F>
+void WithBackwardProducts(ProductPath path, F&& f) {
+  if constexpr (kAmxLanes) {
+    if (path == ProductPath::kBf16Amx) return f(AmxBackward{});
+    if (path == ProductPath::kBf16Pairs) return f(PairBackward{});
+  }
+  if (path == ProductPath::kBf16Widened) return f(WideBackward<hwy::bfloat16_t>{});
+  if (path == ProductPath::kF16Widened) return f(WideBackward<hwy::float16_t>{});
   return f(WideBackward<float>{});
 }
 

@@ -63,8 +63,9 @@ void outer_product(const std::uint32_t* a, const std::uint32_t* b, std::int64_t 
 
 // Probabilities to pair words: pt[t][l] = pair(bf16(st[2t][l]), bf16(st[2t + 1][l])) for
 // t < ceil(num_k / 2) and l < 16 * vecs (vecs = 1 .. 4), rounded to nearest even; when num_k is
-// odd the last pair's high half is +0.0. Inputs are finite and >= 0; f32 subnormal inputs become
-// +0 (vcvtne2ps2bf16 treats them as zero, as vdpbf16ps would anyway). pt may be st itself (the
+// odd the last pair's high half is +0.0. Inputs are finite, of either sign (the backward pairs
+// du = p (dp - D) too); f32 subnormal inputs become zero (vcvtne2ps2bf16 treats them as zero,
+// as vdpbf16ps would anyway). pt may be st itself (the
 // pairs then overwrite the probabilities they came from: row t is written after rows 2t and
 // 2t + 1 are read).
 //   st: [num_k][kLanes] floats, 64-byte aligned   pt: [ceil(num_k / 2)][kLanes], 64-byte aligned

@@ -539,9 +539,9 @@ void RunBackward(const AttentionBackwardKernelParams& g, const Plan& plan) {
 
 void FlashBackward(const AttentionBackwardKernelParams& g) {
   // The products, chosen once here (the instantiations: WithBackwardProducts).
-  const bool tiles_on = backward::BackwardOnTiles(g.forward.dtype);
-  const Plan plan = backward::MakePlan(g.forward, tiles_on);
-  backward::WithBackwardProducts(g.forward.dtype, tiles_on,
+  const ProductPath path = backward::BackwardProductPath(g.forward.dtype);
+  const Plan plan = backward::MakePlan(g.forward, backward::ReadsBf16Operands(path));
+  backward::WithBackwardProducts(path,
                                  [&](auto products) { RunBackward<decltype(products)>(g, plan); });
 }
 
