@@ -58,15 +58,15 @@ inline std::int64_t RoundUp(std::int64_t x, std::int64_t m) { return (x + m - 1)
 
 // The sizes every task shares, and its scratch layout (offsets in floats; every area starts
 // 64-byte aligned). Both: s, dp, cap, pz, dqt, dkt, dvt. Widened only: kt, vt, kp (the keys and
-// values in f32), qs and douts (a row tile's q * scale and dout). AMX only: the bf16 operands
-// named in AmxBackward.
+// values in f32), qs and douts (a row tile's q * scale and dout). AMX and pairs only: the bf16
+// operands named in AmxBackward.
 struct Plan {
   std::int64_t key_tiles, row_tiles, passes;  // passes: head_dim in kBlockQ-wide parts
   // A task takes tiles_per_task consecutive key tiles (groups of them: key_groups per kv head),
   // each with a scratch of its own (`floats` apart).
   std::int64_t tiles_per_task, key_groups;
   std::int64_t kt, vt, kp, qs, douts, dkt, dvt, s, dp, cap, pz, dqt;
-  std::int64_t depth, depth_v;  // AMX: D and Dv rounded up to the tiles' 32
+  std::int64_t depth, depth_v;  // AMX and pairs: D and Dv rounded up to the tiles' 32
   std::int64_t k_pairs, v_pairs, k_cols, q_cols, dout_cols, p_pairs, du_pairs, du_rows;
   std::int64_t floats;
 };
@@ -84,7 +84,7 @@ inline Plan MakePlan(const AttentionKernelParams& p, bool tiles) {
     at += RoundUp(n, kBlockQ);
     return start;
   };
-  if (!tiles) {  // (the widened operands; the tiles read the AMX ones below)
+  if (!tiles) {  // (the widened operands; the tiles and the pairs read the bf16 ones below)
     plan.kt = take(p.head_dim * kKeys);
     plan.vt = take(p.head_dim_v * kKeys);
     plan.kp = take(plan.passes * kKeys * kBlockQ);
