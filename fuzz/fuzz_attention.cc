@@ -5,8 +5,9 @@
 // the same lse, never NaN, or all three must refuse the problem with the same qkv::Error; where the
 // input asks, the flash kernel runs again on a head-major copy of K and V and must give the same
 // bits. Then the backward of the same problem for a dout from the input: the flash backward
-// (bf16 on AMX tiles where the CPU has them) against the reference's, finite, within a bound
-// from the problem's sizes, or both refuse it alike and leave the gradients untouched.
+// (bf16 on AMX tiles or vdpbf16ps pairs where the CPU takes them) against the reference's,
+// finite, within a bound from the problem's sizes, or both refuse it alike and leave the
+// gradients untouched.
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <algorithm>
@@ -300,14 +301,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   if (!ref_grads.error.empty()) return 0;
   // A bound on each gradient's error: a score off by score_error moves p by that much
-  // relatively, and the bf16 AMX path rounds dout, p and du (2^-8 relative each). With
+  // relatively, and the bf16 AMX and vdpbf16ps paths round dout, p and du (2^-8 relative each). With
   // B = max|dout_i| |v_j| (row norms) bounding dp and D, |ds| <= 2 p B, so dq's error is at most
   // scale * max|k| * B * (4 score_error + 3 r) summed over p (1 per row), dk's the same with
   // max|q| over up to Lq rows, dv's Lq * max|dout| * (2 score_error + 2 r), r = 2^-8 on the
-  // tiles and 0 otherwise (f16 widens in the backward: no hi + lo split); times 4, plus
-  // DESIGN.md's floor.
-  const bool tiles = std::string(backward_product_path(params, dtype)) == "bf16-amx";
-  const double r = tiles ? 1.0 / 256.0 : 0.0;
+  // tiles and the pairs and 0 otherwise (f16 widens in the backward: no hi + lo split); times
+  // 4, plus DESIGN.md's floor.
+  const std::string path = backward_product_path(params, dtype);
+  const double r = path == "bf16-amx" || path == "bf16-vdpbf16ps" ? 1.0 / 256.0 : 0.0;
   const double max_dout = MaxRowNorm(dout, dim_v), bound_dp = max_dout * MaxRowNorm(v32, dim_v);
   const double dq_bound = scale * MaxRowNorm(k32, dim) * bound_dp * (4 * score_error + 3 * r);
   const double dk_bound = static_cast<double>(seq_q) * heads_q / heads_kv * scale *
@@ -326,7 +327,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     for (std::size_t i = 0; i < a->size(); ++i) {
       if (!std::isfinite((*a)[i]) || std::abs((*a)[i] - (*b)[i]) > tolerance) {
         std::fprintf(stderr, "backward (%s): %s[%zu] = %g, reference %g (tolerance %g)\n",
-                     tiles ? "bf16-amx" : "widened", name, i, (*a)[i], (*b)[i], tolerance);
+                     path.c_str(), name, i, (*a)[i], (*b)[i], tolerance);
         std::abort();
       }
     }
